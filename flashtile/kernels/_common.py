@@ -1,0 +1,110 @@
+"""Pieces every attention kernel shares: constants, tile loads/stores, the matmul wrapper, the causal ranges.
+
+Tensor layout in every kernel file: q, out: [B, Sq, Hq, D]; k, v: [B, Sk, Hk, D]; lse: [B, Hq, Sq].
+A tile is BLOCK_R rows of one (batch, head) slice with the head dim padded to BLOCK_D (a power of two).
+
+Two ways to reach memory, chosen per launch by the constexpr USE_TMA:
+- TMA tensor descriptors built on the device (Hopper and newer, 16-byte aligned base and strides): the copy
+  engine does the address arithmetic and zero-fills rows/columns outside the tensor, so ragged edges cost nothing.
+- Plain pointers with masks: any GPU, any strides, and what the interpreter tests by default.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E), see docs/derivation.md#5-kernel-tricks
+LN2 = 0.6931471805599453  # ln(2): natural-log LSE = log2-LSE * LN2
+
+
+@triton.jit
+def _tile_view(base, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """The handle tiles of one (batch, head) slice are read through: a descriptor, or the base pointer itself."""
+    if USE_TMA:
+        view = tl.make_tensor_descriptor(base, shape=[rows, HEAD_DIM], strides=[stride_row, 1],
+                                         block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        view = base
+    return view
+
+
+@triton.jit
+def _load_tile(view, start, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [start, start + BLOCK_R) of a slice; rows >= `rows` and columns >= HEAD_DIM read as 0."""
+    if USE_TMA:
+        tile = view.load([start, 0])
+    else:
+        o_r = tl.arange(0, BLOCK_R)
+        o_d = tl.arange(0, BLOCK_D)
+        # The row offset goes through int64 once, so S * stride past 2^31 elements does not wrap.
+        p_tile = view + tl.cast(start, tl.int64) * stride_row + o_r[:, None] * stride_row + o_d[None, :]
+        tile = tl.load(p_tile, mask=((start + o_r)[:, None] < rows) & (o_d[None, :] < HEAD_DIM), other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(view, tile, start, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Write a tile back; what falls outside the slice is dropped."""
+    if USE_TMA:
+        view.store([start, 0], tile)
+    else:
+        o_r = tl.arange(0, BLOCK_R)
+        o_d = tl.arange(0, BLOCK_D)
+        p_tile = view + tl.cast(start, tl.int64) * stride_row + o_r[:, None] * stride_row + o_d[None, :]
+        tl.store(p_tile, tile, mask=((start + o_r)[:, None] < rows) & (o_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _mma(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation.
+
+    PRECISION is "ieee" or "tf32" (only fp32 operands care). DOT_UPCAST works around Triton's interpreter, whose
+    dot multiplies bf16 operands as their raw 16-bit integer storage: the launcher sets it only when interpreting
+    bf16, and upcasting is exact there (a bf16 x bf16 product fits in fp32).
+    """
+    if DOT_UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _key_range(start_m, seqlen_q, seqlen_k, diag_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Key ranges for the query block starting at start_m (docs/derivation.md#5-kernel-tricks).
+
+    Keys [0, full_hi) are whole blocks every row of the block sees: no mask. Keys [full_hi, hi) need one: the
+    causal diagonal (query i sees key j iff j <= i + diag_offset) and the ragged last block. Keys >= hi are
+    invisible to every row and never loaded.
+    """
+    if IS_CAUSAL:
+        last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+        hi = tl.maximum(tl.minimum(seqlen_k, last_row + diag_offset + 1), 0)
+        full_hi = tl.maximum(tl.minimum(seqlen_k, start_m + diag_offset + 1), 0)
+    else:
+        hi = seqlen_k
+        full_hi = seqlen_k
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    return full_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, seqlen_q, diag_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Query ranges for the key block starting at start_n (the transpose of _key_range).
+
+    Query blocks [lo, full_lo) straddle the causal diagonal and need the mask; from full_lo on, every row sees the
+    whole key block. Rows past seqlen_q need no mask in the backward: their padded LSE is +inf, so P = 0 there.
+    """
+    if IS_CAUSAL:
+        first_row = tl.minimum(tl.maximum(start_n - diag_offset, 0), seqlen_q)
+        lo = (first_row // BLOCK_M) * BLOCK_M
+        first_full_row = tl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0)
+        full_lo = tl.maximum(tl.cdiv(first_full_row, BLOCK_M) * BLOCK_M, lo)
+        full_lo = tl.minimum(full_lo, seqlen_q)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo

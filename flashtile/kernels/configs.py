@@ -1,0 +1,181 @@
+"""Tile, warp and stage choices per GPU family, and how a launch picks its memory path.
+
+Each choice names the measurement that made it. A launch tries its candidates in order and keeps the first that
+compiles and fits (shared memory, registers, compiler crashes on some warp-specialized loops), so a table entry
+that is too big for a GPU costs one failed compile, not a crash.
+"""
+import dataclasses
+import logging
+from typing import Callable, Sequence
+
+import torch
+import triton
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+log = logging.getLogger("flashtile")
+
+# TMA descriptors need 16-byte aligned base addresses and strides.
+TMA_ALIGN_BYTES = 16
+# Smallest head-dim tile: tl.dot needs K >= 16.
+MIN_BLOCK_D = 16
+# Tests may force the memory path (True: descriptors, False: pointers); None lets the hardware decide.
+TMA_OVERRIDE = None
+# Tests may replace the candidate lists, e.g. small tiles to reach several causal stages in tiny problems.
+TILE_OVERRIDE = None
+
+
+@triton.jit
+def _probe_kernel():
+    pass
+
+
+# Triton decides at decoration time whether kernels are compiled or interpreted (TRITON_INTERPRET=1).
+INTERPRETING = type(_probe_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool = False  # tl.range(warp_specialize=True): Hopper, num_warps=4, TMA only
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """What a launch's constexprs depend on besides the tiles."""
+    use_tma: bool
+    precision: str  # tl.dot input_precision for fp32 operands: "ieee" or "tf32"
+    dot_upcast: bool  # interpreter bf16 workaround, see _common._mma
+    arch: int  # compute capability major (0 in the interpreter / on the CPU)
+
+    @staticmethod
+    def block_d(head_dim):
+        return max(MIN_BLOCK_D, triton.next_power_of_2(head_dim))
+
+
+def _tma_ok(tensors):
+    for t in tensors:
+        if t.data_ptr() % TMA_ALIGN_BYTES:
+            return False
+        # A zero stride (an expanded tensor, e.g. the gradient of out.sum()) is no valid TMA stride either.
+        if any(s == 0 or (s * t.element_size()) % TMA_ALIGN_BYTES for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def launch_spec(q, tensors):
+    arch = 0
+    if q.is_cuda and not INTERPRETING:
+        arch = torch.cuda.get_device_capability(q.device)[0]
+    if TMA_OVERRIDE is not None:
+        use_tma = TMA_OVERRIDE
+    else:
+        use_tma = arch >= 9 and _tma_ok(tensors)
+    if use_tma:
+        _set_tma_allocator(q.device)
+    if q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        precision = "ieee"
+    else:
+        precision = "tf32"
+    return LaunchSpec(use_tma=use_tma, precision=precision,
+                      dot_upcast=INTERPRETING and q.dtype == torch.bfloat16, arch=arch)
+
+
+def _set_tma_allocator(device):
+    # Descriptors made inside a kernel live in a small global scratch buffer that Triton asks the host for.
+    def alloc(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    triton.set_allocator(alloc)
+
+
+# Interpreter: the hardware limits don't apply; 64x64 tiles keep the number of interpreted programs small while
+# still giving several blocks (ragged edges, causal stages) at the test sizes.
+_INTERPRETER_TILES = [TileConfig(64, 64, 4, 1)]
+# Last resorts, tried in order when a table entry does not fit; small enough for any head dim up to 256 in fp32.
+_SAFE_TILES = [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1), TileConfig(32, 32, 4, 1)]
+
+
+def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
+    if TILE_OVERRIDE is not None:
+        return list(TILE_OVERRIDE)
+    if spec.arch == 0:
+        return _INTERPRETER_TILES
+    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory and registers
+    if spec.arch == 9 and not wide:
+        # H200, bf16, seqlen 16k sweep (benchmarks/results/, PERF_NOTES "starting tiles"): d64 128/64/4/3;
+        # d128 128/128/4/2 with warp specialization (538 -> 562 TFLOP/s non-causal), causal 128/64/4/2;
+        # d256 128/64/8/2.
+        if head_dim <= 64:
+            first = [TileConfig(128, 64, 4, 3)]
+        elif head_dim <= 128:
+            first = [TileConfig(128, 64, 4, 2)] if causal else [
+                TileConfig(128, 128, 4, 2, warp_specialize=spec.use_tma), TileConfig(128, 64, 4, 2)]
+        else:
+            first = [TileConfig(128, 64, 8, 2)]
+    elif not wide:
+        # Other GPUs: Ampere-sized tiles (no TMA, ~100-164 KB shared memory).
+        first = [TileConfig(128, 64, 4, 2)] if head_dim <= 64 else [TileConfig(64, 64, 4, 2)]
+    else:
+        first = [TileConfig(64, 64, 4, 2)] if head_dim <= 128 else [TileConfig(64, 32, 4, 2)]
+    return first + _SAFE_TILES
+
+
+def backward_candidates(head_dim, causal, dtype, spec):
+    """-> (dK/dV kernel tiles, dQ kernel tiles). For dK/dV, block_n is the resident key block and block_m the
+    streamed query block; for dQ, block_m is the resident query block."""
+    if TILE_OVERRIDE is not None:
+        return list(TILE_OVERRIDE), list(TILE_OVERRIDE)
+    if spec.arch == 0:
+        return _INTERPRETER_TILES, _INTERPRETER_TILES
+    wide = dtype == torch.float32
+    if spec.arch == 9 and not wide:
+        # H200 probe (PERF_NOTES): dK/dV 64/64/4/2 (d128), 64/64/4/3 (d64); dQ 128/64/8/3. BLOCK_M=128 with
+        # 4 warps was reported to fault in the backward on Hopper, so no such entry.
+        if head_dim <= 64:
+            dkdv, dq = [TileConfig(64, 64, 4, 3)], [TileConfig(128, 64, 8, 3)]
+        elif head_dim <= 128:
+            dkdv, dq = [TileConfig(64, 64, 4, 2)], [TileConfig(128, 64, 8, 3)]
+        else:
+            dkdv, dq = [TileConfig(64, 64, 8, 1)], [TileConfig(64, 64, 8, 1)]
+    elif not wide:
+        dkdv, dq = [TileConfig(64, 64, 4, 2)], [TileConfig(64, 64, 4, 2)]
+    else:
+        dkdv, dq = [TileConfig(32, 64, 4, 1)], [TileConfig(64, 32, 4, 1)]
+    return dkdv + _SAFE_TILES, dq + _SAFE_TILES
+
+
+# key -> index of the candidate that compiled, so later calls go straight to it.
+_CHOSEN: dict = {}
+
+
+def chosen(key):
+    """The TileConfig index a launch key settled on (None before its first launch); the GPU tests read it."""
+    return _CHOSEN.get(key)
+
+
+def _is_fit_failure(err):
+    # What a candidate that is too big or too clever for this GPU looks like: out of shared memory or registers,
+    # or a compiler pass failing on it (seen with warp-specialized loops in Triton 3.6).
+    if isinstance(err, (OutOfResources, CompilationError)):
+        return True
+    return isinstance(err, RuntimeError) and "PassManager" in str(err)
+
+
+def launch_first_that_compiles(key, candidates: Sequence[TileConfig], launch: Callable[[TileConfig], None]):
+    start = _CHOSEN.get(key, 0)
+    for i in range(start, len(candidates)):
+        try:
+            launch(candidates[i])
+        except Exception as err:  # noqa: BLE001 - narrowed by _is_fit_failure, anything else re-raised
+            if not _is_fit_failure(err) or i == len(candidates) - 1:
+                raise
+            log.info("flashtile: %s does not fit %s (%s: %s); trying the next tiles", candidates[i], key,
+                     type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            continue
+        _CHOSEN[key] = i
+        return candidates[i]
+    raise AssertionError("unreachable: the last candidate either returns or raises")
