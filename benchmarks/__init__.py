@@ -1,0 +1,1 @@
+"""flashtile benchmarks: `python -m benchmarks.bench --help` (or `python -m flashtile bench`)."""

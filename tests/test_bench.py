@@ -1,0 +1,393 @@
+"""CPU tests of the benchmark's pure parts: FLOP counting, the shape suite and its filters, the correctness guard,
+error reporting through run_suite (with a fake timer), the table, and the results files."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` lives at the repo root
+
+from benchmarks import bench  # noqa: E402
+from benchmarks.registry import PROVIDERS, Prepared, Provider, Shape, Unsupported, _sdpa_prepare  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flops
+
+
+def _brute_force_pairs(sq, sk, causal):
+    return sum(1 for i in range(sq) for j in range(sk) if not causal or j <= i + sk - sq)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 7), (7, 1), (5, 5), (7, 63), (63, 7), (129, 257), (257, 129),
+                                   (3, 300), (300, 3), (64, 65)], ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_visible_pairs_matches_brute_force(sq, sk, causal):
+    assert bench.visible_pairs(sq, sk, causal) == _brute_force_pairs(sq, sk, causal)
+
+
+def test_flops_forward_and_causal_halving():
+    b, h, s, d = 2, 16, 4096, 128
+    full = bench.flops(b, h, s, s, d, False, "fwd")
+    assert full == 4 * b * h * s * s * d
+    assert bench.flops(b, h, s, s, d, True, "fwd") == full / 2
+
+
+def test_flops_causal_unequal_lengths_counts_visible_pairs():
+    b, h, sq, sk, d = 3, 5, 129, 257, 64
+    assert bench.flops(b, h, sq, sk, d, True, "fwd") == 4 * b * h * d * _brute_force_pairs(sq, sk, True)
+    # More queries than keys: the first sq - sk rows see nothing.
+    assert bench.flops(b, h, sk, sq, d, True, "fwd") == 4 * b * h * d * _brute_force_pairs(sk, sq, True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flops_backward_factors(causal):
+    args = (4, 8, 1024, 1024, 64, causal)
+    fwd = bench.flops(*args, "fwd")
+    assert bench.flops(*args, "bwd") == pytest.approx(2.5 * fwd)
+    assert bench.flops(*args, "fwd+bwd") == pytest.approx(3.5 * fwd)
+    with pytest.raises(ValueError, match="mode"):
+        bench.flops(*args, "backward")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shapes and filters
+
+
+def test_standard_suite():
+    shapes = bench.select_shapes()
+    assert len(shapes) == 3 * 3 * 2
+    for s in shapes:
+        assert s.batch * s.seqlen_q == 16 * 1024
+        assert s.heads * s.headdim == 2048
+        assert s.seqlen_q == s.seqlen_k and s.heads == s.heads_k
+    assert {s.seqlen_q for s in shapes} == {1024, 4096, 16384}
+    assert {s.headdim for s in shapes} == {64, 128, 256}
+    assert {s.causal for s in shapes} == {False, True}
+
+
+def test_quick_and_filters():
+    quick = bench.select_shapes(quick=True)
+    assert {(s.seqlen_q, s.headdim) for s in quick} == {(16384, 64), (16384, 128)}
+    assert len(quick) == 4
+    only = bench.select_shapes(seqlens=(4096,), headdims=(256,), causal="1")
+    assert only == [Shape(4, 4096, 4096, 8, 8, 256, True)]
+    assert [s.causal for s in bench.select_shapes(causal="0")] == [False] * 9
+    # explicit lists override --quick's
+    assert {s.headdim for s in bench.select_shapes(headdims=(256,), quick=True)} == {256}
+    with pytest.raises(ValueError, match="headdim 96 does not divide"):
+        bench.select_shapes(headdims=(96,))
+
+
+def test_cli_parsing():
+    args = bench.build_parser().parse_args(["--seqlen", "1k,16k", "--headdim", "64", "--causal", "1", "--mode", "bwd",
+                                            "--providers", "flashtile,fa4", "--dtype", "fp16", "--tag", "x"])
+    assert args.seqlen == (1024, 16384) and args.headdim == (64,)
+    assert bench.select_modes(args.mode) == ("bwd",)
+    assert bench.select_modes("both") == ("fwd", "bwd")
+    assert bench.select_providers(args.providers) == ["flashtile", "fa4"]
+    assert bench.select_providers(None) == list(PROVIDERS)
+    assert bench.parse_size("4096") == 4096 and bench.parse_size("16K") == 16384
+    with pytest.raises(ValueError, match="unknown provider.*nope"):
+        bench.select_providers("flashtile,nope")
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--seqlen", "1m"])
+
+
+def test_registry_has_every_provider():
+    assert list(PROVIDERS) == ["flashtile", "sdpa-cudnn", "sdpa-flash", "flex", "fa2", "fa4"]
+    for p in PROVIDERS.values():
+        reason = p.available()
+        assert reason is None or isinstance(reason, str) and reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# correctness guard
+
+
+def test_check_rows_cover_ends():
+    rows = bench.check_rows(16384)
+    assert rows[0] == 0 and rows[-1] == 16383 and len(rows) <= bench.CHECK_ROWS
+    assert torch.equal(bench.check_rows(7), torch.arange(7))
+
+
+@pytest.mark.parametrize("sq,sk,hk", [(33, 33, 4), (17, 40, 2), (40, 17, 4)], ids=["eq", "sq<sk-gqa", "sq>sk"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_reference_rows_match_naive(sq, sk, hk, causal):
+    torch.manual_seed(0)
+    b, h, d = 2, 4, 16
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hk, d), torch.randn(b, sk, hk, d)
+    scale = d ** -0.5
+    rows = bench.check_rows(sq, n=8)
+    got = bench.reference_rows(q, k, v, causal, scale, rows)
+    # naive float64, bottom-right causal, fully masked rows -> 0
+    kk = k.double().repeat_interleave(h // hk, dim=2)
+    vv = v.double().repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    want = torch.einsum("bhqk,bkhd->bqhd", p, vv)[:, rows]
+    assert got.shape == (b, len(rows), h, d)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_provider_layout_roundtrip_on_cpu():
+    """sdpa-flash's prepare (layout conversion, leaves, causal) checked on CPU, where SDPA has a flash kernel."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 4, 32, dtype=torch.bfloat16) for _ in range(3))
+    prepared = _sdpa_prepare("FLASH_ATTENTION")(q, k, v, True, 32 ** -0.5)
+    assert all(t.requires_grad and t.is_leaf and t.shape == (2, 4, 64, 32) for t in prepared.inputs)
+    with prepared.context():
+        out = prepared.to_bshd(prepared.fwd())
+    rows = bench.check_rows(64)
+    ref = bench.reference_rows(q, k, v, True, 32 ** -0.5, rows)
+    assert bench.max_abs_diff(out, ref, rows, q.shape) < bench.ATOL[torch.bfloat16]
+    with pytest.raises(Unsupported, match="top-left"):
+        _sdpa_prepare("FLASH_ATTENTION")(q, k[:, :32], v[:, :32], True, 32 ** -0.5)
+
+
+def test_fa4_import_adds_the_cutlass_dsl_path(tmp_path, monkeypatch):
+    """`pip install --target` skips the DSL's .pth file; the fa4 provider adds dsl_packages to sys.path itself.
+    Mirrors the installed layout: flash_attn/cute and nvidia_cutlass_dsl are namespace packages."""
+    from benchmarks import registry
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text(
+        "import cutlass\n\ndef flash_attn_func(q, k, v, qv=None, softmax_scale=None, causal=False):\n"
+        "    return q, None\n")
+    dsl = tmp_path / "nvidia_cutlass_dsl" / "dsl_packages"
+    (dsl / "cutlass").mkdir(parents=True)
+    (dsl / "cutlass" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + sys.path)
+    names = ("flash_attn", "cutlass", "nvidia_cutlass_dsl")
+    assert not any(m.split(".")[0] in names for m in sys.modules)
+    try:
+        fn = registry._fa4_import()
+        assert str(dsl) in sys.path
+        assert registry._fa4_available() in (None, "no CUDA device")
+        q = torch.randn(1, 4, 1, 8)
+        prepared = registry._fa4_prepare(q, q, q, False, 1.0)
+        assert torch.equal(prepared.fwd(), q)        # (out, lse) -> out
+        assert fn(q, q, q)[0] is q
+    finally:
+        for m in [m for m in sys.modules if m.split(".")[0] in names]:
+            del sys.modules[m]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run_suite on CPU with fake providers and a fake timer
+
+
+def _bshd_provider(name, fn, available=lambda: None):
+    def prepare(q, k, v, causal, scale):
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        return Prepared(lambda: fn(q, k, v, causal, scale), (q, k, v))
+    return Provider(name, name, available, prepare)
+
+
+def _good(q, k, v, causal, scale):
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=causal, scale=scale)
+    return o.transpose(1, 2)
+
+
+def _wrong(q, k, v, causal, scale):
+    return _good(q, k, v, causal, scale) + 0.5
+
+
+def _raises(q, k, v, causal, scale):
+    raise RuntimeError("kernel exploded at headdim 32")
+
+
+def _nocausal_prepare(q, k, v, causal, scale):
+    if causal:
+        raise Unsupported("no causal here")
+    return _bshd_provider("nocausal", _good).prepare(q, k, v, causal, scale)
+
+
+def _fake_registry():
+    return {
+        "flashtile": _bshd_provider("flashtile", _good),
+        "peer": _bshd_provider("peer", _good),
+        "wrongpeer": _bshd_provider("wrongpeer", _wrong),
+        "crash": _bshd_provider("crash", _raises),
+        "absent": _bshd_provider("absent", _good, available=lambda: "not installed"),
+        "nocausal": Provider("nocausal", "", lambda: None, _nocausal_prepare),
+    }
+
+
+class _FakeTimer:
+    """Runs fn for real (so the backward path executes) and reports fixed milliseconds."""
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, fn, grad_to_none=None):
+        fn()
+        fn()  # a second backward must work: the graph is retained
+        self.calls.append(grad_to_none)
+        return 2.0
+
+
+def test_run_suite_reports_every_outcome():
+    shapes = [Shape(1, 48, 48, 2, 2, 32, False), Shape(1, 48, 48, 2, 2, 32, True)]
+    timer = _FakeTimer()
+    partials = []
+    suite = bench.run_suite(shapes, ("fwd", "bwd"), device="cpu", timer=timer, registry=_fake_registry(),
+                            on_shape_done=lambda p: partials.append(len(p["results"])))
+    assert suite["skipped"] == {"absent": "not installed"}
+    assert suite["providers"] == ["flashtile", "peer", "wrongpeer", "crash", "nocausal"]
+    by = {(r.provider, r.causal, r.mode): r for r in suite["results"]}
+    assert len(by) == len(suite["results"]) == 5 * 2 * 2
+    assert partials == [10, 20]
+    for mode in ("fwd", "bwd"):
+        ok = by[("flashtile", True, mode)]
+        assert ok.status == "ok" and ok.ms == 2.0 and ok.max_abs_diff < 2e-2
+        assert ok.tflops == pytest.approx(bench.flops(1, 2, 48, 48, 32, True, mode) / 2e-3 / 1e12)
+        wrong = by[("wrongpeer", False, mode)]
+        assert wrong.status == "wrong" and wrong.tflops is not None and "max abs diff" in wrong.detail
+        crash = by[("crash", False, mode)]
+        assert crash.status == "error" and "RuntimeError: kernel exploded at headdim 32" in crash.detail
+        assert crash.tflops is None
+        assert by[("nocausal", True, mode)].status == "skipped"
+        assert by[("nocausal", False, mode)].status == "ok"
+    # bwd timings reset the provider's own leaves
+    assert any(g is not None and len(g) == 3 and all(t.requires_grad for t in g) for g in timer.calls)
+
+
+def _nan_in_unsampled_row(q, k, v, causal, scale):
+    out = _good(q, k, v, causal, scale).clone()
+    out[:, 1] = float("nan")      # row 1 of 200 is not among the 64 sampled rows
+    return out
+
+
+def test_run_suite_nan_output_is_wrong_not_ok():
+    assert 1 not in bench.check_rows(200).tolist()
+    reg = {"flashtile": _bshd_provider("flashtile", lambda q, k, v, c, s: _good(q, k, v, c, s) * float("nan")),
+           "holey": _bshd_provider("holey", _nan_in_unsampled_row)}
+    suite = bench.run_suite([Shape(1, 200, 200, 1, 1, 16, False)], ("fwd",), device="cpu", timer=_FakeTimer(),
+                            registry=reg)
+    assert [(r.provider, r.status, r.detail) for r in suite["results"]] == [
+        ("flashtile", "wrong", "non-finite values in the output"), ("holey", "wrong", "non-finite values in the output")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# table
+
+
+def _result(provider, mode, tflops, status="ok", seqlen=16384, headdim=128, causal=False, detail=""):
+    shape = Shape(16384 // seqlen, seqlen, seqlen, 2048 // headdim, 2048 // headdim, headdim, causal)
+    return bench.Result(provider, mode, shape.label, shape.batch, seqlen, seqlen, shape.heads, shape.heads,
+                        headdim, causal, "bf16", status, ms=1.0 if tflops else None, tflops=tflops, detail=detail)
+
+
+def test_format_table_columns_and_ratios():
+    results = [
+        _result("flashtile", "fwd", 500.0), _result("sdpa-cudnn", "fwd", 400.0), _result("fa4", "fwd", 625.0),
+        _result("flashtile", "bwd", 300.0), _result("sdpa-cudnn", "bwd", None, "error", detail="RuntimeError: boom"),
+        _result("fa4", "bwd", 600.0, "wrong", detail="max abs diff 0.5"),
+        _result("flex", "fwd", None, "error", detail="RuntimeError: boom"),
+        _result("flex", "bwd", None, "skipped", detail="no"),
+    ]
+    text = bench.format_table(results, skipped={"fa2": "flash_attn not importable"}, title="T")
+    lines = text.splitlines()
+    assert lines[0] == "T"
+    assert "skipped fa2: flash_attn not importable" in text
+    header = next(line for line in lines if line.startswith("| shape"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    # flex never produced a number: no ratio column for it
+    assert cols == ["shape", "mode", "flashtile", "sdpa-cudnn", "fa4", "flex", "flashtile/sdpa-cudnn",
+                    "flashtile/fa4"]
+    rows = {tuple(c.strip() for c in line.strip("|").split("|"))[1]: [c.strip() for c in line.strip("|").split("|")]
+            for line in lines if line.startswith("| B1")}
+    fwd, bwd = rows["fwd"], rows["bwd"]
+    assert fwd[2:5] == ["500.0", "400.0", "625.0"]
+    assert fwd[6:] == ["1.25x", "0.80x"]
+    assert fwd[5].startswith("error[")
+    assert bwd[3].startswith("error[") and bwd[4].startswith("600.0 WRONG[") and bwd[5].startswith("n/a[")
+    assert bwd[6:] == ["-", "0.50x"]
+    # each note names its provider and gives the full text
+    notes = {line.split("]", 1)[0] + "]": line.split("] ", 1)[1] for line in lines if line.startswith("[")}
+    assert notes[fwd[5][len("error"):]] == "flex: RuntimeError: boom"
+    assert notes[bwd[3][len("error"):]] == "sdpa-cudnn: RuntimeError: boom"
+    assert notes[bwd[4][len("600.0 WRONG"):]] == "fa4: max abs diff 0.5"
+    assert notes[bwd[5][len("n/a"):]] == "flex: no"
+    # rows: fwd before bwd
+    assert [r[1] for r in (c for c in [[x.strip() for x in line.strip("|").split("|")]
+                                       for line in lines if line.startswith("| B1")])] == ["fwd", "bwd"]
+
+
+def test_format_table_same_error_shares_one_note():
+    results = [_result("flex", "fwd", None, "error", seqlen=s, detail="OutOfMemoryError: x") for s in (4096, 16384)]
+    results += [_result("flashtile", "fwd", 1.0, seqlen=s) for s in (4096, 16384)]
+    text = bench.format_table(results)
+    assert text.count("error[1]") == 2 and "[2]" not in text
+
+
+def test_format_table_without_baseline_has_no_ratios():
+    text = bench.format_table([_result("sdpa-cudnn", "fwd", 400.0), _result("fa4", "fwd", 600.0)])
+    assert "/" not in text.splitlines()[0]
+
+
+def test_format_table_accepts_json_dicts():
+    from dataclasses import asdict
+    results = [asdict(_result("flashtile", "fwd", 500.0)), asdict(_result("fa4", "fwd", 250.0))]
+    assert "2.00x" in bench.format_table(json.loads(json.dumps(results)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# results files
+
+
+def test_gpu_slug():
+    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert bench.gpu_slug("NVIDIA H200") == "h200"
+    assert bench.gpu_slug("  ") == "unknown"
+
+
+def test_result_path_naming_and_no_clobber(tmp_path):
+    p = bench.result_path(tmp_path, "NVIDIA H200", date="2026-11-21")
+    assert p == tmp_path / "2026-11-21-h200.json"
+    assert bench.result_path(tmp_path, "NVIDIA H200", tag="ws d128", date="2026-11-21").name == \
+        "2026-11-21-h200-ws-d128.json"
+    bench.write_json({"results": []}, p)
+    assert bench.result_path(tmp_path, "NVIDIA H200", date="2026-11-21").name == "2026-11-21-h200-2.json"
+    assert bench.result_path(tmp_path, "cpu").name.endswith("-cpu.json")
+
+
+def test_write_json_roundtrip_strict(tmp_path):
+    results = [_result("flashtile", "fwd", 500.0)]
+    results[0].max_abs_diff = float("nan")
+    meta = bench.collect_metadata({"quick": True}, "bf16", providers=["flashtile", "fa4"])
+    for key in ("date", "gpu", "torch", "triton", "cuda", "flashtile_commit", "args", "provider_versions"):
+        assert key in meta
+    path = bench.write_json({"metadata": meta, "results": results}, tmp_path / "sub" / "r.json")
+    data = json.loads(path.read_text())     # strict JSON: NaN is written as a string, not dropped
+    assert data["results"][0]["max_abs_diff"] == "nan"
+    assert data["results"][0]["tflops"] == 500.0
+    assert data["metadata"]["args"] == {"quick": True}
+    assert not (tmp_path / "sub" / "r.json.tmp").exists()
+
+
+def test_plot_writes_png_next_to_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot
+    results = [_result(p, m, t, seqlen=s, headdim=d, causal=c, status=st)
+               for p, t, st in [("flashtile", 500.0, "ok"), ("sdpa-cudnn", 400.0, "wrong"), ("flex", None, "error")]
+               for m in ("fwd", "bwd") for s in (1024, 16384) for d in (64, 128) for c in (False, True)]
+    path = bench.write_json({"metadata": {"gpu": "NVIDIA H200"}, "results": results},
+                            tmp_path / "2026-11-21-h200.json")
+    png = plot.plot_file(path)
+    assert png == tmp_path / "2026-11-21-h200.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_main_without_gpu_exits_cleanly(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert bench.main(["--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert bench.main(["--providers", "nope"]) == 2
