@@ -8,11 +8,18 @@ Two ways to reach memory, chosen per launch by the constexpr USE_TMA:
   engine does the address arithmetic and zero-fills rows/columns outside the tensor, so ragged edges cost nothing.
 - Plain pointers with masks: any GPU, any strides, and what the interpreter tests by default.
 """
+import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E), see docs/derivation.md#5-kernel-tricks
 LN2 = 0.6931471805599453  # ln(2): natural-log LSE = log2-LSE * LN2
+
+
+def empty(shape, dtype, device):
+    """Every buffer a launcher hands to a kernel comes from here (outputs and scratch). The tests replace it with a
+    NaN-filled allocation, so an element a kernel fails to write shows up as NaN instead of passing by luck."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
@@ -59,9 +66,10 @@ def _store_tile(view, tile, start, rows, stride_row, HEAD_DIM: tl.constexpr, BLO
 def _mma(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """a @ b with fp32 accumulation.
 
-    PRECISION is "ieee" or "tf32" (only fp32 operands care). DOT_UPCAST works around Triton's interpreter, whose
-    dot multiplies bf16 operands as their raw 16-bit integer storage: the launcher sets it only when interpreting
-    bf16, and upcasting is exact there (a bf16 x bf16 product fits in fp32).
+    PRECISION is "ieee" or "tf32" (only fp32 operands care). DOT_UPCAST is for Triton's interpreter only: its dot
+    multiplies bf16 operands as their raw 16-bit integer storage, and runs fp16 through numpy's slow non-BLAS
+    float16 loop. Upcasting 16-bit operands to fp32 there changes no result: a 16-bit x 16-bit product is exact
+    in fp32, and the accumulation is fp32 either way.
     """
     if DOT_UPCAST:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32))

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from . import _common
 from ._common import LOG2E, _key_range, _load_tile, _mma, _query_range, _store_tile, _tile_view
 
 # Delta and the log2 LSE are stored per (batch, head) padded to a multiple of this many rows (the largest query
@@ -220,11 +221,11 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, dia
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = triton.cdiv(seqlen_q, ROW_PAD) * ROW_PAD
-    delta = torch.empty((batch, num_heads, seqlen_q_pad), dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty_like(delta)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    delta = _common.empty((batch, num_heads, seqlen_q_pad), torch.float32, q.device)
+    lse_log2 = _common.empty((batch, num_heads, seqlen_q_pad), torch.float32, q.device)
+    dq = _common.empty(q.shape, q.dtype, q.device)
+    dk = _common.empty(k.shape, k.dtype, k.device)
+    dv = _common.empty(v.shape, v.dtype, v.device)
     spec = configs.launch_spec(q, (q, k, v, dout, dq, dk, dv))
     block_d = spec.block_d(head_dim)
     qk_scale = softmax_scale * LOG2E

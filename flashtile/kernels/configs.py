@@ -48,7 +48,7 @@ class LaunchSpec:
     """What a launch's constexprs depend on besides the tiles."""
     use_tma: bool
     precision: str  # tl.dot input_precision for fp32 operands: "ieee" or "tf32"
-    dot_upcast: bool  # interpreter bf16 workaround, see _common._mma
+    dot_upcast: bool  # interpreter 16-bit workaround, see _common._mma
     arch: int  # compute capability major (0 in the interpreter / on the CPU)
 
     @staticmethod
@@ -81,7 +81,7 @@ def launch_spec(q, tensors):
     else:
         precision = "tf32"
     return LaunchSpec(use_tma=use_tma, precision=precision,
-                      dot_upcast=INTERPRETING and q.dtype == torch.bfloat16, arch=arch)
+                      dot_upcast=INTERPRETING and q.dtype != torch.float32, arch=arch)
 
 
 def _set_tma_allocator(device):

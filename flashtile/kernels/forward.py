@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from . import _common
 from ._common import LN2, LOG2E, _key_range, _load_tile, _mma, _store_tile, _tile_view
 
 
@@ -113,8 +114,8 @@ def attention_forward(q, k, v, softmax_scale, causal, diagonal_offset):
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    out = torch.empty((batch, seqlen_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+    lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     spec = configs.launch_spec(q, (q, k, v, out))
     candidates = configs.forward_candidates(head_dim, causal, q.dtype, spec)
 

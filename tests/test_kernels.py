@@ -1,0 +1,154 @@
+"""The forward and backward kernels against the float64 reference, through the public API and its autograd.
+
+On the CPU they run in Triton's interpreter (conftest.py); on a GPU the same tests run compiled.
+Every test draws fresh random inputs and NaN-poisons every buffer the kernels allocate.
+"""
+import random
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.kernels import configs
+from flashtile.kernels.configs import TileConfig
+
+from _judge import check_against_reference, make_qkv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SEQLENS = (1, 17, 64, 129, 257)
+HEAD_DIMS = (16, 40, 64, 96, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_GROUPS = ((2, 2), (8, 2), (3, 1))  # (Hq, Hk): plain, GQA ratio 4, all query heads on one kv head
+DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _case_id(b, sq, sk, h, hk, d, causal, dtype):
+    return f"B{b}-Sq{sq}-Sk{sk}-H{h}-Hk{hk}-D{d}-{'causal' if causal else 'full'}-{DTYPE_IDS[dtype]}"
+
+
+def _run(q, k, v, dout, causal, softmax_scale=None, dlse=None):
+    """flashtile forward + backward through autograd: (out, lse, dq, dk, dv)."""
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                            return_attn_probs=True)
+    loss = (out * dout).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def _check(b, sq, sk, h, hk, d, causal, dtype, seed, dlse=False):
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    dout = torch.randn(q.shape, generator=gen, device=DEVICE).to(dtype)
+    g_lse = torch.randn((b, h, sq), generator=gen, device=DEVICE) if dlse else None
+    scale = d ** -0.5
+    got = _run(q, k, v, dout, causal, dlse=g_lse)
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, scale, causal, sk - sq, dlse=g_lse)
+
+
+def _shape_cases():
+    """Every (Sq, Sk) pair in both orders, causal and not; head dim, dtype, head grouping and batch drawn per case
+    (seeded) so that the pairs also cover those axes. The full head-dim x dtype product is test_head_dims."""
+    pick = random.Random(20261121)
+    cases = []
+    for sq in SEQLENS:
+        for sk in SEQLENS:
+            for causal in (False, True):
+                d, dtype = pick.choice(HEAD_DIMS), pick.choice(DTYPES)
+                (h, hk) = pick.choice(HEAD_GROUPS)
+                # The interpreter's cost grows with batch * heads; batch 2 only where there are few heads.
+                b = pick.choice((1, 2)) if h <= 3 else 1
+                cases.append(pytest.param(b, sq, sk, h, hk, d, causal, dtype,
+                                          id=_case_id(b, sq, sk, h, hk, d, causal, dtype)))
+    return cases
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype", _shape_cases())
+def test_shapes(poison, b, sq, sk, h, hk, d, causal, dtype):
+    _check(b, sq, sk, h, hk, d, causal, dtype, seed=sq * 1000 + sk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_head_dims(poison, d, dtype, causal):
+    h, hk = HEAD_GROUPS[HEAD_DIMS.index(d) % len(HEAD_GROUPS)]
+    _check(1, 63, 129, h, hk, d, causal, dtype, seed=d)
+
+
+@pytest.mark.parametrize("d", (8, 24, 72, 200), ids=lambda d: f"D{d}")
+def test_other_head_dims(poison, d):
+    """Any multiple of 8 up to 256: padded to a power-of-two tile, the padding never leaks."""
+    _check(1, 33, 47, 2, 1, d, True, torch.float16, seed=d)
+
+
+@pytest.mark.parametrize("tiles", [TileConfig(32, 16, 4, 1), TileConfig(16, 32, 4, 1)],
+                         ids=("M32-N16", "M16-N32"))
+@pytest.mark.parametrize("sq,sk", [(70, 45), (45, 70), (64, 64)])
+def test_causal_stages_small_tiles(poison, monkeypatch, tiles, sq, sk):
+    """Small, unequal tiles put many blocks on each side of the diagonal: the unmasked stage, the masked diagonal
+    stage and the skipped blocks all occur, for both signs of Sk - Sq."""
+    monkeypatch.setattr(configs, "TILE_OVERRIDE", [tiles])
+    monkeypatch.setattr(configs, "_CHOSEN", {})
+    _check(1, sq, sk, 4, 2, 32, True, torch.float32, seed=sq + sk)
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype", [
+    pytest.param(2, 17, 129, 4, 2, 40, False, torch.float16, id="B2-Sq17-Sk129-H4-Hk2-D40-full-fp16"),
+    pytest.param(1, 129, 64, 3, 1, 64, True, torch.bfloat16, id="B1-Sq129-Sk64-H3-Hk1-D64-causal-bf16"),
+    pytest.param(1, 100, 257, 4, 4, 96, True, torch.float32, id="B1-Sq100-Sk257-H4-Hk4-D96-causal-fp32"),
+])
+def test_tma_path(poison, monkeypatch, b, sq, sk, h, hk, d, causal, dtype):
+    """The tensor-descriptor path (what Hopper runs), forced on: zero-filled edges must behave like masked loads."""
+    monkeypatch.setattr(configs, "TMA_OVERRIDE", True)
+    _check(b, sq, sk, h, hk, d, causal, dtype, seed=7)
+
+
+@pytest.mark.parametrize("use_tma", (False, True), ids=("pointers", "tma"))
+def test_strided_inputs(poison, monkeypatch, use_tma):
+    """q, k, v as slices of one packed (B, S, 3, H, D) tensor: only the last dimension is contiguous."""
+    monkeypatch.setattr(configs, "TMA_OVERRIDE", use_tma)
+    b, s, h, d = 2, 37, 4, 32
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    qkv = torch.randn((b, s, 3, h, d), generator=gen, device=DEVICE).to(torch.float16)
+    q, k, v = (qkv[:, :, i].requires_grad_() for i in range(3))
+    dout = torch.randn((b, s, h, d), generator=gen, device=DEVICE).to(torch.float16)
+    got = _run(q, k, v, dout, causal=True)
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, True, 0)
+
+
+def test_lse_gradient(poison):
+    """A loss that uses the returned LSE gets its gradient (folded into the backward's delta)."""
+    _check(2, 65, 33, 4, 2, 32, True, torch.float32, seed=11, dlse=True)
+
+
+def test_fully_masked_rows_are_zero(poison):
+    """Causal with Sq > Sk: the first Sq - Sk rows see no key. Output 0, LSE -inf, gradients 0, nothing NaN."""
+    sq, sk = 129, 17
+    q, k, v = make_qkv(1, sq, sk, 2, 1, 32, torch.float16, device=DEVICE, seed=5)
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.float16)
+    out, lse, dq, dk, dv = _run(q, k, v, dout, causal=True)
+    empty = sq - sk
+    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+    assert torch.isneginf(lse[:, :, :empty]).all() and torch.isfinite(lse[:, :, empty:]).all()
+    assert torch.equal(dq[:, :empty], torch.zeros_like(dq[:, :empty]))
+    for g in (out, dq, dk, dv):
+        assert not torch.isnan(g).any()
+
+
+def test_backward_is_deterministic(poison):
+    """No atomics: two backward passes give bit-identical gradients (GQA sums included)."""
+    q, k, v = make_qkv(2, 77, 91, 8, 2, 64, torch.bfloat16, device=DEVICE, seed=9)
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
+    first = _run(q, k, v, dout, causal=True)[2:]
+    second = _run(q, k, v, dout, causal=True)[2:]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_softmax_scale(poison):
+    q, k, v = make_qkv(1, 40, 50, 2, 2, 16, torch.float32, device=DEVICE, seed=13)
+    dout = torch.randn(q.shape, device=DEVICE)
+    got = _run(q, k, v, dout, causal=False, softmax_scale=0.37)
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, 0.37, False, 10)
