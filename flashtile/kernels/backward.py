@@ -245,7 +245,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, dia
     dkdv_candidates, dq_candidates = configs.backward_candidates(head_dim, causal, q.dtype, spec)
 
     def launch_dkdv(cfg):
-        _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads)](
+        return _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads)](
             q, k, v, dout, dk, dv, lse_log2, delta,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -260,7 +260,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, dia
         )
 
     def launch_dq(cfg):
-        _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)](
+        return _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)](
             q, k, v, dout, dq, lse_log2, delta,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),

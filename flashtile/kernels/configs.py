@@ -21,8 +21,15 @@ TMA_ALIGN_BYTES = 16
 MIN_BLOCK_D = 16
 # Tests may force the memory path (True: descriptors, False: pointers); None lets the hardware decide.
 TMA_OVERRIDE = None
-# Tests may replace the candidate lists, e.g. small tiles to reach several causal stages in tiny problems.
+# Tests and the tile sweep (benchmarks/tune.py) may replace the candidate lists: a list applies to every kernel,
+# a dict {"fwd" | "bwd_dkdv" | "bwd_dq": list} to those it names.
 TILE_OVERRIDE = None
+
+
+def _override(kind):
+    if isinstance(TILE_OVERRIDE, dict):
+        return TILE_OVERRIDE.get(kind)
+    return TILE_OVERRIDE
 
 
 @triton.jit
@@ -100,8 +107,8 @@ _SAFE_TILES = [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1), TileConfig(32
 
 
 def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
-    if TILE_OVERRIDE is not None:
-        return list(TILE_OVERRIDE)
+    if _override("fwd") is not None:
+        return list(_override("fwd"))
     if spec.arch == 0:
         return _INTERPRETER_TILES
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory and registers
@@ -127,12 +134,10 @@ def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
 def backward_candidates(head_dim, causal, dtype, spec):
     """-> (dK/dV kernel tiles, dQ kernel tiles). For dK/dV, block_n is the resident key block and block_m the
     streamed query block; for dQ, block_m is the resident query block."""
-    if TILE_OVERRIDE is not None:
-        return list(TILE_OVERRIDE), list(TILE_OVERRIDE)
-    if spec.arch == 0:
-        return _INTERPRETER_TILES, _INTERPRETER_TILES
     wide = dtype == torch.float32
-    if spec.arch == 9 and not wide:
+    if spec.arch == 0:
+        dkdv, dq = _INTERPRETER_TILES, _INTERPRETER_TILES
+    elif spec.arch == 9 and not wide:
         # H200 probe (PERF_NOTES): dK/dV 64/64/4/2 (d128), 64/64/4/3 (d64); dQ 128/64/8/3. BLOCK_M=128 with
         # 4 warps was reported to fault in the backward on Hopper, so no such entry.
         if head_dim <= 64:
@@ -145,7 +150,13 @@ def backward_candidates(head_dim, causal, dtype, spec):
         dkdv, dq = [TileConfig(64, 64, 4, 2)], [TileConfig(64, 64, 4, 2)]
     else:
         dkdv, dq = [TileConfig(32, 64, 4, 1)], [TileConfig(64, 32, 4, 1)]
-    return dkdv + _SAFE_TILES, dq + _SAFE_TILES
+    if spec.arch != 0:
+        dkdv, dq = dkdv + _SAFE_TILES, dq + _SAFE_TILES
+    if _override("bwd_dkdv") is not None:
+        dkdv = list(_override("bwd_dkdv"))
+    if _override("bwd_dq") is not None:
+        dq = list(_override("bwd_dq"))
+    return dkdv, dq
 
 
 # key -> index of the candidate that compiled, so later calls go straight to it.
@@ -165,11 +176,16 @@ def _is_fit_failure(err):
     return isinstance(err, RuntimeError) and "PassManager" in str(err)
 
 
-def launch_first_that_compiles(key, candidates: Sequence[TileConfig], launch: Callable[[TileConfig], None]):
+# key -> the compiled kernel of the last launch (None in the interpreter): registers and spills for the sweep.
+LAST_COMPILED: dict = {}
+
+
+def launch_first_that_compiles(key, candidates: Sequence[TileConfig], launch: Callable[[TileConfig], object]):
+    """Launch with the first candidate that compiles and fits; remember it for the key. Returns the TileConfig."""
     start = _CHOSEN.get(key, 0)
     for i in range(start, len(candidates)):
         try:
-            launch(candidates[i])
+            LAST_COMPILED[key] = launch(candidates[i])
         except Exception as err:  # noqa: BLE001 - narrowed by _is_fit_failure, anything else re-raised
             if not _is_fit_failure(err) or i == len(candidates) - 1:
                 raise

@@ -121,7 +121,7 @@ def attention_forward(q, k, v, softmax_scale, causal, diagonal_offset):
 
     def launch(cfg):
         grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
-        _attn_fwd_kernel[grid](
+        return _attn_fwd_kernel[grid](
             q, k, v, out, lse,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
