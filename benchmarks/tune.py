@@ -85,9 +85,34 @@ def sweep_one(family, d, causal, seqlen, dtype):
     return rows
 
 
+def profile_one(d, causal, seqlen, dtype, iters=5):
+    """Per-kernel CUDA time of forward + backward with the default tiles (torch.profiler)."""
+    b, h = max(1, TOKENS // seqlen), HIDDEN // d
+    q, k, v = (torch.randn((b, seqlen, h, d), device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn_like(q)
+    for _ in range(2):
+        flashtile.flash_attn_func(q, k, v, causal=causal).backward(dout)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flashtile.flash_attn_func(q, k, v, causal=causal).backward(dout)
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if "kernel" in e.key and e.key.startswith("_"):
+            times[e.key] = getattr(e, "device_time_total", None) or e.cuda_time_total
+    fwd_flops = flops(b, h, seqlen, d, causal, "fwd")
+    for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
+        ms = us / iters / 1e3
+        share = fwd_flops * (1 if "fwd" in name else 2.5) if "preprocess" not in name else 0
+        rate = f"{share / ms * 1e-9:7.1f} TFLOP/s (counted)" if share else ""
+        print(f"profile d{d} {'causal' if causal else 'full  '} {name:28s} {ms:8.3f} ms {rate}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(SWEEP), required=True)
+    p.add_argument("--family", choices=sorted(SWEEP) + ["profile"], required=True,
+                   help="a kernel family to sweep, or profile: per-kernel times with the default tiles")
     p.add_argument("--headdim", default="64,128,256")
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--seqlen", type=int, default=16384)
@@ -97,6 +122,11 @@ def main(argv=None):
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     rows = []
+    if args.family == "profile":
+        for d in (int(x) for x in args.headdim.split(",")):
+            for causal in causals:
+                profile_one(d, causal, args.seqlen, dtype)
+        return
     for d in (int(x) for x in args.headdim.split(",")):
         for causal in causals:
             rows += sweep_one(args.family, d, causal, args.seqlen, dtype)

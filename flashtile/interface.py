@@ -9,6 +9,18 @@ from ._validate import check_qkv, not_built, resolve_scale
 _FEATURES_ISSUE = "planned: dropout, sliding window, softcap, ALiBi and masks come with the features work"
 
 
+def _attention(q, k, v, scale, causal, diagonal_offset):
+    """The op call both APIs share. The kernels need scale > 0 (they take the row max before scaling); a negative
+    scale is the same function of -q with |scale|, and negating is exact (autograd flips dq back)."""
+    if scale < 0:
+        q, scale = -q, -scale
+    elif scale == 0:
+        # Every score is 0: uniform attention over the visible keys. Zero scores under any positive scale give it;
+        # q * 0 (not a fresh zeros tensor) keeps q in the graph, so q.grad is the exact 0.
+        q, scale = q * 0.0, 1.0
+    return _ops.attn_fwd(q, k, v, scale, causal, diagonal_offset)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """Exact attention, flash-attn compatible.
@@ -54,7 +66,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise not_built("ALiBi (alibi_slopes)", _FEATURES_ISSUE)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     diagonal_offset = k.shape[1] - q.shape[1]  # bottom-right alignment
-    out, lse = _ops.attn_fwd(q, k, v, scale, bool(causal), diagonal_offset)
+    out, lse = _attention(q, k, v, scale, bool(causal), diagonal_offset)
     if return_attn_probs:
         return out, lse, None
     return out
@@ -89,5 +101,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          f"enable_gqa=True for grouped-query attention, or repeat the key/value heads.")
     scale = resolve_scale(scale, query.shape[-1], name="scale")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views: the kernels take any strides
-    out, _ = _ops.attn_fwd(q, k, v, scale, bool(is_causal), 0)  # diagonal offset 0: top-left alignment
+    out, _ = _attention(q, k, v, scale, bool(is_causal), 0)  # diagonal offset 0: top-left alignment
     return out.transpose(1, 2)

@@ -152,3 +152,12 @@ def test_softmax_scale(poison):
     dout = torch.randn(q.shape, device=DEVICE)
     got = _run(q, k, v, dout, causal=False, softmax_scale=0.37)
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, 0.37, False, 10)
+
+
+@pytest.mark.parametrize("scale", (-0.3, 0.0), ids=("negative", "zero"))
+def test_nonpositive_softmax_scale(poison, scale):
+    """The kernels take the row max before scaling, so they need scale > 0; the API maps other scales exactly."""
+    q, k, v = make_qkv(1, 33, 40, 2, 1, 16, torch.float32, device=DEVICE, seed=17)
+    dout = torch.randn(q.shape, device=DEVICE)
+    got = _run(q, k, v, dout, causal=True, softmax_scale=scale)
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, scale, True, 7)

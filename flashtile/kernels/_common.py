@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E), see docs/derivation.md#5-kernel-tricks
-LN2 = 0.6931471805599453  # ln(2): natural-log LSE = log2-LSE * LN2
+# Compiled kernels may only read globals that are constexpr; host code reads LOG2E.value.
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E), see docs/derivation.md#5-kernel-tricks
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): natural-log LSE = log2-LSE * LN2
 
 
 def empty(shape, dtype, device):
@@ -63,8 +64,9 @@ def _store_tile(view, tile, start, rows, stride_row, HEAD_DIM: tl.constexpr, BLO
 
 
 @triton.jit
-def _mma(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation.
+def _mma(a, b, acc, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """acc + a @ b in fp32 (acc None: just a @ b). The accumulator goes into the dot itself so the tensor cores add
+    into it in place; `acc + dot(a, b)` can hold a second accumulator-sized tile in registers.
 
     PRECISION is "ieee" or "tf32" (only fp32 operands care). DOT_UPCAST is for Triton's interpreter only: its dot
     multiplies bf16 operands as their raw 16-bit integer storage, and runs fp16 through numpy's slow non-BLAS
@@ -72,9 +74,9 @@ def _mma(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     in fp32, and the accumulation is fp32 either way.
     """
     if DOT_UPCAST:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
-        c = tl.dot(a, b, input_precision=PRECISION)
+        c = tl.dot(a, b, acc, input_precision=PRECISION)
     return c
 
 

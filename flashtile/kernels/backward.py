@@ -64,16 +64,16 @@ def _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start
         o_m = start_m + tl.arange(0, BLOCK_M)
         b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)  # [BLOCK_M, BLOCK_D]
         b_lse = tl.load(p_lse + o_m)  # [BLOCK_M] log2 units, padded rows +inf
-        b_st = _mma(b_k, tl.trans(b_q), PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
+        b_st = _mma(b_k, tl.trans(b_q), None, PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
         b_pt = tl.exp2(b_st - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             b_pt = tl.where(o_n[:, None] <= o_m[None, :] + diag_offset, b_pt, 0.0)
         b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)  # [BLOCK_M, BLOCK_D]
-        b_dv += _mma(b_pt.to(b_do.dtype), b_do, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
+        b_dv = _mma(b_pt.to(b_do.dtype), b_do, b_dv, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
         b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
-        b_dpt = _mma(b_v, tl.trans(b_do), PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
+        b_dpt = _mma(b_v, tl.trans(b_do), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
         b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
-        b_dk += _mma(b_dst.to(b_q.dtype), b_q, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
+        b_dk = _mma(b_dst.to(b_q.dtype), b_q, b_dk, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
     return b_dk, b_dv
 
 
@@ -117,9 +117,10 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta,
         p_lse = LseLog2 + row0
         p_delta = Delta + row0
         # Query blocks straddling the diagonal, masked; then the blocks that see the whole key block.
-        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start_n, lo, full_lo,
-                                     seqlen_q, stride_qs, stride_dos, diag_offset, qk_scale,
-                                     True, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
+        if IS_CAUSAL:
+            b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start_n, lo,
+                                         full_lo, seqlen_q, stride_qs, stride_dos, diag_offset, qk_scale,
+                                         True, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start_n, full_lo,
                                      seqlen_q, seqlen_q, stride_qs, stride_dos, diag_offset, qk_scale,
                                      False, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
@@ -145,7 +146,7 @@ def _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, 
     for start_n in tl.range(lo, hi, BLOCK_N):
         b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
         b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
-        b_s = _mma(b_q, tl.trans(b_k), PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         b_p = tl.exp2(b_s - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
             # Keys past Sk read as 0, which would give them P = exp2(-lse) (possibly inf): mask them with the diagonal.
@@ -154,9 +155,9 @@ def _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, 
             if IS_CAUSAL:
                 m_visible = m_visible & (o_n[None, :] <= o_m[:, None] + diag_offset)
             b_p = tl.where(m_visible, b_p, 0.0)
-        b_dp = _mma(b_do, tl.trans(b_v), PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+        b_dp = _mma(b_do, tl.trans(b_v), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
-        b_dq += _mma(b_ds.to(b_k.dtype), b_k, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
+        b_dq = _mma(b_ds.to(b_k.dtype), b_k, b_dq, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
     return b_dq
 
 
@@ -168,7 +169,7 @@ def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta,
                    stride_dob, stride_dos, stride_doh,
                    stride_dqb, stride_dqs, stride_dqh,
                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, sm_scale, qk_scale, num_heads, group_size,
-                   HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    USE_TMA: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     i_m = tl.program_id(0)
@@ -199,9 +200,10 @@ def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta,
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, 0, full_hi,
                          seqlen_k, stride_ks, stride_vs, diag_offset, qk_scale,
                          False, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
-    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, full_hi, hi,
-                         seqlen_k, stride_ks, stride_vs, diag_offset, qk_scale,
-                         True, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
+    if not EVEN_N:  # as in the forward: no masked stage when nothing needs a mask
+        b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, full_hi, hi,
+                             seqlen_k, stride_ks, stride_vs, diag_offset, qk_scale,
+                             True, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
 
     dq_base = dQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh
     dq_view = _tile_view(dq_base, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -228,7 +230,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, dia
     dv = _common.empty(v.shape, v.dtype, v.device)
     spec = configs.launch_spec(q, (q, k, v, dout, dq, dk, dv))
     block_d = spec.block_d(head_dim)
-    qk_scale = softmax_scale * LOG2E
+    qk_scale = softmax_scale * LOG2E.value
     group_size = num_heads // num_kv_heads
 
     has_dlse = dlse is not None
@@ -268,7 +270,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, dia
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
             seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale, qk_scale, num_heads, group_size,
-            HEAD_DIM=head_dim, IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, IS_CAUSAL=causal, EVEN_N=not causal and seqlen_k % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             USE_TMA=spec.use_tma, PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

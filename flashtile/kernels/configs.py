@@ -106,25 +106,32 @@ _INTERPRETER_TILES = [TileConfig(64, 64, 4, 1)]
 _SAFE_TILES = [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1), TileConfig(32, 32, 4, 1)]
 
 
-def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
+def forward_candidates(head_dim, causal, dtype, spec, seqlen_k) -> list[TileConfig]:
     if _override("fwd") is not None:
         return list(_override("fwd"))
     if spec.arch == 0:
         return _INTERPRETER_TILES
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory and registers
     if spec.arch == 9 and not wide:
-        # H200, bf16, seqlen 16k sweep (benchmarks/results/, PERF_NOTES "starting tiles"): d64 128/64/4/3;
-        # d128 128/128/4/2 with warp specialization (538 -> 562 TFLOP/s non-causal), causal 128/64/4/2;
-        # d256 128/64/8/2.
+        # H200, bf16, seqlen 16k, hidden 2048 (benchmarks/results/2026-11-21-h200-tune-fwd.json).
         if head_dim <= 64:
-            first = [TileConfig(128, 64, 4, 3)]
+            # 128x64 w8 s3 405 TFLOP/s non-causal; causal 128x64 w4 s3 389 (w8 s3 385).
+            first = [TileConfig(128, 64, 4, 3)] if causal else [TileConfig(128, 64, 8, 3)]
         elif head_dim <= 128:
-            first = [TileConfig(128, 64, 4, 2)] if causal else [
-                TileConfig(128, 128, 4, 2, warp_specialize=spec.use_tma), TileConfig(128, 64, 4, 2)]
+            if causal:
+                first = [TileConfig(128, 128, 8, 3)]  # 512 (128x64 w4 s2: 463, 14 spills)
+            elif spec.use_tma and seqlen_k % 128 == 0:
+                # Warp specialization needs the single-loop form (no ragged block) and descriptors:
+                # 128x128 w4 s2 ws 526-543; without it the same tile spills (274).
+                first = [TileConfig(128, 128, 4, 2, warp_specialize=True)]
+            elif spec.use_tma and seqlen_k % 64 == 0:
+                first = [TileConfig(128, 64, 4, 3, warp_specialize=True)]  # 531
+            else:
+                first = [TileConfig(128, 64, 4, 2)]  # 518, no warp specialization
         else:
-            first = [TileConfig(128, 64, 8, 2)]
+            first = [TileConfig(128, 64, 8, 2)]  # 512-530; 4 warps spill (105)
     elif not wide:
-        # Other GPUs: Ampere-sized tiles (no TMA, ~100-164 KB shared memory).
+        # Other GPUs: Ampere-sized tiles (no TMA, ~100-164 KB shared memory); not measured here.
         first = [TileConfig(128, 64, 4, 2)] if head_dim <= 64 else [TileConfig(64, 64, 4, 2)]
     else:
         first = [TileConfig(64, 64, 4, 2)] if head_dim <= 128 else [TileConfig(64, 32, 4, 2)]
@@ -138,14 +145,13 @@ def backward_candidates(head_dim, causal, dtype, spec):
     if spec.arch == 0:
         dkdv, dq = _INTERPRETER_TILES, _INTERPRETER_TILES
     elif spec.arch == 9 and not wide:
-        # H200 probe (PERF_NOTES): dK/dV 64/64/4/2 (d128), 64/64/4/3 (d64); dQ 128/64/8/3. BLOCK_M=128 with
-        # 4 warps was reported to fault in the backward on Hopper, so no such entry.
-        if head_dim <= 64:
-            dkdv, dq = [TileConfig(64, 64, 4, 3)], [TileConfig(128, 64, 8, 3)]
-        elif head_dim <= 128:
+        # H200, bf16, seqlen 16k (benchmarks/results/2026-11-21-h200-tune-bwd_*.json; whole backward timed while
+        # one kernel's tiles vary). d64 and d128: dK/dV 64x64 w4 s2 (378 / 435 non-causal), dQ 128x64 w8 s3.
+        # d256: dK/dV 64x64 w8 s2 (183; 4 warps spill), dQ 64x32 w4 s3 (230): register-bound, needs restructuring.
+        if head_dim <= 128:
             dkdv, dq = [TileConfig(64, 64, 4, 2)], [TileConfig(128, 64, 8, 3)]
         else:
-            dkdv, dq = [TileConfig(64, 64, 8, 1)], [TileConfig(64, 64, 8, 1)]
+            dkdv, dq = [TileConfig(64, 64, 8, 2)], [TileConfig(64, 32, 4, 3)]
     elif not wide:
         dkdv, dq = [TileConfig(64, 64, 4, 2)], [TileConfig(64, 64, 4, 2)]
     else:
@@ -163,9 +169,11 @@ def backward_candidates(head_dim, causal, dtype, spec):
 _CHOSEN: dict = {}
 
 
-def chosen(key):
-    """The TileConfig index a launch key settled on (None before its first launch); the GPU tests read it."""
-    return _CHOSEN.get(key)
+def chosen(kind, head_dim, causal, dtype):
+    """The TileConfigs that launches of a kernel family settled on so far, with their candidate index (0: the
+    tuned entry, more: a fallback); the GPU tests read it."""
+    return [(cands[i], i) for key, i in _CHOSEN.items() for cands in (key[-1],)
+            if key[:4] == (kind, head_dim, causal, dtype)]
 
 
 def _is_fit_failure(err):
@@ -181,7 +189,11 @@ LAST_COMPILED: dict = {}
 
 
 def launch_first_that_compiles(key, candidates: Sequence[TileConfig], launch: Callable[[TileConfig], object]):
-    """Launch with the first candidate that compiles and fits; remember it for the key. Returns the TileConfig."""
+    """Launch with the first candidate that compiles and fits; remember it for the key. Returns the TileConfig.
+
+    The key is what the compiled kernel depends on besides the tiles (kernel family, head dim, causal, dtype,
+    LaunchSpec); the candidate list itself is part of the memory, since it may vary with the shape."""
+    key = key + (tuple(candidates),)
     start = _CHOSEN.get(key, 0)
     for i in range(start, len(candidates)):
         try:
