@@ -101,20 +101,11 @@ def _key_range(start_m, seqlen_q, seqlen_k, diag_offset, IS_CAUSAL: tl.constexpr
 
 
 @triton.jit
-def _query_range(start_n, seqlen_q, diag_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Query ranges for the key block starting at start_n (the transpose of _key_range).
-
-    Query blocks [lo, full_lo) straddle the causal diagonal and need the mask; from full_lo on, every row sees the
-    whole key block. Rows past seqlen_q need no mask in the backward: their padded LSE is +inf, so P = 0 there.
-    """
+def _query_start(start_n, diag_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First query block that sees any key of the key block starting at start_n (the transpose of _key_range):
+    query i sees key j iff i >= j - diag_offset. Earlier query blocks are skipped."""
     if IS_CAUSAL:
-        first_row = tl.minimum(tl.maximum(start_n - diag_offset, 0), seqlen_q)
-        lo = (first_row // BLOCK_M) * BLOCK_M
-        first_full_row = tl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0)
-        full_lo = tl.maximum(tl.cdiv(first_full_row, BLOCK_M) * BLOCK_M, lo)
-        full_lo = tl.minimum(full_lo, seqlen_q)
+        lo = (tl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
     else:
         lo = 0
-        full_lo = 0
-    return lo, full_lo
+    return lo

@@ -115,8 +115,8 @@ def forward_candidates(head_dim, causal, dtype, spec, seqlen_k) -> list[TileConf
     if spec.arch == 9 and not wide:
         # H200, bf16, seqlen 16k, hidden 2048 (benchmarks/results/2026-11-21-h200-tune-fwd.json).
         if head_dim <= 64:
-            # 128x64 w8 s3 405 TFLOP/s non-causal; causal 128x64 w4 s3 389 (w8 s3 385).
-            first = [TileConfig(128, 64, 4, 3)] if causal else [TileConfig(128, 64, 8, 3)]
+            # 128x64 w4 s3: 425 TFLOP/s non-causal, 408 causal (w8 s3: 422 / 401; w4 s2: 412 / 369).
+            first = [TileConfig(128, 64, 4, 3)]
         elif head_dim <= 128:
             if causal:
                 first = [TileConfig(128, 128, 8, 3)]  # 512 (128x64 w4 s2: 463, 14 spills)
@@ -146,10 +146,13 @@ def backward_candidates(head_dim, causal, dtype, spec):
         dkdv, dq = _INTERPRETER_TILES, _INTERPRETER_TILES
     elif spec.arch == 9 and not wide:
         # H200, bf16, seqlen 16k (benchmarks/results/2026-11-21-h200-tune-bwd_*.json; whole backward timed while
-        # one kernel's tiles vary). d64 and d128: dK/dV 64x64 w4 s2 (378 / 435 non-causal), dQ 128x64 w8 s3.
-        # d256: dK/dV 64x64 w8 s2 (183; 4 warps spill), dQ 64x32 w4 s3 (230): register-bound, needs restructuring.
-        if head_dim <= 128:
-            dkdv, dq = [TileConfig(64, 64, 4, 2)], [TileConfig(128, 64, 8, 3)]
+        # one kernel's tiles vary). dQ 128x64 w8 s3 at d64 and d128. dK/dV non-causal 64x64 w4 s2 (389 d64, 441
+        # d128); causal 32x64 w4 s2 at d64 (359), 64x128 w8 s2 at d128 (409). d256: dK/dV 64x64 w8 s2 (183;
+        # 4 warps spill), dQ 64x32 w4 s3 (230): register-bound, needs restructuring.
+        if head_dim <= 64:
+            dkdv, dq = [TileConfig(32, 64, 4, 2) if causal else TileConfig(64, 64, 4, 2)], [TileConfig(128, 64, 8, 3)]
+        elif head_dim <= 128:
+            dkdv, dq = [TileConfig(64, 128, 8, 2) if causal else TileConfig(64, 64, 4, 2)], [TileConfig(128, 64, 8, 3)]
         else:
             dkdv, dq = [TileConfig(64, 64, 8, 2)], [TileConfig(64, 32, 4, 3)]
     elif not wide:
