@@ -1,7 +1,7 @@
 """GPU-only checks (`pytest -m gpu` on a machine with a CUDA GPU): large shapes, the Hopper pitfall shapes, every
 head dim compiled, fp32 with and without tf32, the two memory paths against each other, 64-bit offsets.
 
-Judged like the CPU suite (tests/_judge.py): float64 oracle, error at most 3x plain PyTorch's in the same dtype.
+Judged like the CPU suite (flashtile.testing): float64 oracle, error at most 3x plain PyTorch's in the same dtype.
 """
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch
 import flashtile
 from flashtile.kernels import configs
 
-from _judge import assert_close, check_against_reference, make_qkv, max_err, reference_fwd_bwd
+from flashtile.testing import assert_close, check_against_reference, make_qkv, max_err, reference_fwd_bwd
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"

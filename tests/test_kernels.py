@@ -12,7 +12,7 @@ import flashtile
 from flashtile.kernels import configs
 from flashtile.kernels.configs import TileConfig
 
-from _judge import check_against_reference, make_qkv
+from flashtile.testing import check_against_reference, make_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEQLENS = (1, 17, 64, 129, 257)

@@ -1,9 +1,11 @@
-"""How a result is judged (DESIGN.md "Judging correctness"): against the naive reference in float64, the error
-must be at most K times the error of plain PyTorch computing the same thing in the input dtype, plus the error
-of merely rounding the oracle to that dtype."""
+"""How flashtile judges a result (used by its tests and by `python -m flashtile check`).
+
+Against the naive reference in float64, the error must be at most K times the error of plain PyTorch computing the
+same thing in the input dtype, plus the error of merely rounding the oracle to that dtype.
+"""
 import torch
 
-from flashtile.reference import attention_backward, naive_attention
+from .reference import attention_backward, naive_attention
 
 # flash-attn's test rule uses 2; 3 leaves room for fp32 accumulation-order differences on tiny errors.
 K = 3
@@ -44,12 +46,15 @@ def max_err(x, ref):
     return diff.max().item() if diff.numel() else 0.0
 
 
+def judge(got, ref64, plain, dtype):
+    """(error, bound) for a kernel result; it passes when error <= bound. ref64: float64 oracle; plain: plain
+    PyTorch in `dtype`."""
+    return max_err(got, ref64), K * max_err(plain, ref64) + rounding_atol(ref64, dtype)
+
+
 def assert_close(name, got, ref64, plain, dtype):
-    """got: kernel result; ref64: float64 oracle; plain: plain PyTorch in `dtype`."""
-    err = max_err(got, ref64)
-    base = max_err(plain, ref64)
-    bound = K * base + rounding_atol(ref64, dtype)
-    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (plain PyTorch {dtype}: {base:.3e})"
+    err, bound = judge(got, ref64, plain, dtype)
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (plain PyTorch {dtype})"
 
 
 def reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None):
@@ -63,8 +68,9 @@ def reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dls
     return out.detach(), lse.detach(), dq, dk, dv
 
 
-def check_against_reference(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None):
-    """got: (out, lse, dq, dk, dv) from flashtile; judged against float64 with plain PyTorch's error as the scale.
+def judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None):
+    """{name: (error, bound)} for got = (out, lse, dq, dk, dv) from flashtile, judged against float64 with plain
+    PyTorch's error as the scale (entries of got that are None are skipped).
 
     Plain PyTorch computes the gradients two ways, autograd through the naive forward and the dense delta formula
     (reference.attention_backward, the kernels' formulation), and the larger error sets the scale: where one of
@@ -77,6 +83,7 @@ def check_against_reference(got, q, k, v, dout, softmax_scale, causal, diagonal_
     plain = reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse)
     plain_delta = attention_backward(q, k, v, plain[0], plain[1], dout, softmax_scale=softmax_scale, causal=causal,
                                      diagonal_offset=diagonal_offset, dlse=dlse)
+    results = {}
     for i, (name, g, r) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, ref)):
         if g is None:
             continue
@@ -84,4 +91,11 @@ def check_against_reference(got, q, k, v, dout, softmax_scale, causal, diagonal_
         if i >= 2 and max_err(plain_delta[i - 2], r) > max_err(p, r):
             p = plain_delta[i - 2]
         # The LSE is fp32 whatever the inputs; judge it as such.
-        assert_close(name, g, r, p, torch.float32 if name == "lse" else dtype)
+        results[name] = judge(g, r, p, torch.float32 if name == "lse" else dtype)
+    return results
+
+
+def check_against_reference(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None):
+    """Assert that every entry of got passes (see judge_all)."""
+    for name, (err, bound) in judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse).items():
+        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
