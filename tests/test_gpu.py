@@ -146,3 +146,11 @@ def test_backward_deterministic_large():
         again = _fwd_bwd(q, k, v, dout, True)[2:]
         for a, b in zip(first, again):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)],
+                         ids=("D64-bf16", "D128-fp16", "D128-bf16"))
+def test_even_seqlen_non_causal(d, dtype):
+    """Non-causal with Sk a multiple of every tile: the single-loop (EVEN_N) kernels, the shapes that exposed a
+    wrong LSE under warp specialization."""
+    _check(1, 4096, 4096, 16, 16, d, False, dtype, seed=d)

@@ -47,7 +47,9 @@ class TileConfig:
     block_n: int  # key rows per tile
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False  # tl.range(warp_specialize=True): Hopper, num_warps=4, TMA only
+    # tl.range(warp_specialize=True): Hopper, num_warps=4, TMA, single-loop kernels only. Not in the tables: on
+    # Triton 3.6 it corrupted the forward's loop-carried row max (wrong LSE); kept for the sweep.
+    warp_specialize: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,7 @@ _INTERPRETER_TILES = [TileConfig(64, 64, 4, 1)]
 _SAFE_TILES = [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1), TileConfig(32, 32, 4, 1)]
 
 
-def forward_candidates(head_dim, causal, dtype, spec, seqlen_k) -> list[TileConfig]:
+def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
     if _override("fwd") is not None:
         return list(_override("fwd"))
     if spec.arch == 0:
@@ -118,16 +120,10 @@ def forward_candidates(head_dim, causal, dtype, spec, seqlen_k) -> list[TileConf
             # 128x64 w4 s3: 425 TFLOP/s non-causal, 408 causal (w8 s3: 422 / 401; w4 s2: 412 / 369).
             first = [TileConfig(128, 64, 4, 3)]
         elif head_dim <= 128:
-            if causal:
-                first = [TileConfig(128, 128, 8, 3)]  # 512 (128x64 w4 s2: 463, 14 spills)
-            elif spec.use_tma and seqlen_k % 128 == 0:
-                # Warp specialization needs the single-loop form (no ragged block) and descriptors:
-                # 128x128 w4 s2 ws 526-543; without it the same tile spills (274).
-                first = [TileConfig(128, 128, 4, 2, warp_specialize=True)]
-            elif spec.use_tma and seqlen_k % 64 == 0:
-                first = [TileConfig(128, 64, 4, 3, warp_specialize=True)]  # 531
-            else:
-                first = [TileConfig(128, 64, 4, 2)]  # 518, no warp specialization
+            # Causal 128x128 w8 s3: 498-512 (128x64 w4 s2: 463-499 with 14 spills). Non-causal 128x64 w4 s2:
+            # 518-546. Warp specialization (128x128 w4 s2 ws) reached 526-564 but returned a wrong LSE on
+            # Triton 3.6 (out right, row max corrupted: benchmarks/NOTES.md), so no table entry uses it.
+            first = [TileConfig(128, 128, 8, 3)] if causal else [TileConfig(128, 64, 4, 2)]
         else:
             first = [TileConfig(128, 64, 8, 2)]  # 512-530; 4 warps spill (105)
     elif not wide:

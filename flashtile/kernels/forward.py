@@ -93,7 +93,7 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse,
                                     False, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
                                     USE_TMA, PRECISION, DOT_UPCAST, WARP_SPECIALIZE)
     # Stage 2: the diagonal and the ragged last block, masked. EVEN_N (not causal, Sk a multiple of BLOCK_N)
-    # compiles it out: one loop is what warp specialization needs (two crash Triton 3.6's compiler).
+    # compiles it out; one loop is also what warp specialization needs (two crash Triton 3.6's compiler).
     if not EVEN_N:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, full_hi, hi, seqlen_k,
                                         stride_ks, stride_vs, diag_offset, qk_scale,
@@ -124,7 +124,7 @@ def attention_forward(q, k, v, softmax_scale, causal, diagonal_offset):
     out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     spec = configs.launch_spec(q, (q, k, v, out))
-    candidates = configs.forward_candidates(head_dim, causal, q.dtype, spec, seqlen_k)
+    candidates = configs.forward_candidates(head_dim, causal, q.dtype, spec)
 
     def launch(cfg):
         grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
