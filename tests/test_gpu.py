@@ -111,6 +111,7 @@ def test_pointer_path_matches_tma(monkeypatch, causal):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.serial  # ~40 GB of device memory: run alone (pytest -m "gpu and serial"), not beside other workers
 def test_int64_offsets_batch():
     """batch * seqlen * heads * headdim > 2^31: the per-(batch, head) base offsets must not wrap."""
     b, s, h, d = 2100, 512, 16, 128

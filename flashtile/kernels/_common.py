@@ -64,6 +64,15 @@ def _store_tile(view, tile, start, rows, stride_row, HEAD_DIM: tl.constexpr, BLO
 
 
 @triton.jit
+def _round_tf32(x):
+    """Round fp32 to the nearest tf32 (10-bit mantissa). The tensor cores' tf32 mode drops the low 13 bits, a
+    truncation whose bias grows with the length of the sum; rounding first matches what cuBLAS computes under
+    torch.backends.cuda.matmul.allow_tf32, which the tests use as the baseline."""
+    return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _mma(a, b, acc, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """acc + a @ b in fp32 (acc None: just a @ b). The accumulator goes into the dot itself so the tensor cores add
     into it in place; `acc + dot(a, b)` can hold a second accumulator-sized tile in registers.
@@ -75,6 +84,8 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """
     if DOT_UPCAST:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif PRECISION == "tf32" and a.dtype == tl.float32:
+        c = tl.dot(_round_tf32(a), _round_tf32(b), acc, input_precision=PRECISION)
     else:
         c = tl.dot(a, b, acc, input_precision=PRECISION)
     return c

@@ -85,7 +85,8 @@ def launch_spec(q, tensors):
         use_tma = arch >= 9 and _tma_ok(tensors)
     if use_tma:
         _set_tma_allocator(q.device)
-    if q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    # fp32 follows torch's matmul flag; 16-bit operands ignore the setting. The interpreter computes in fp32.
+    if q.dtype == torch.float32 and (INTERPRETING or not torch.backends.cuda.matmul.allow_tf32):
         precision = "ieee"
     else:
         precision = "tf32"
