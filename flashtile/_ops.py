@@ -7,6 +7,8 @@ Where each op runs:
   this is how the CI tests the kernels).
 - CPU tensors otherwise: the pure-PyTorch reference (flashtile.reference), with a one-time warning.
 """
+import os
+import sys
 import warnings
 from typing import Optional
 
@@ -24,13 +26,25 @@ def _use_kernels(t):
     return t.is_cuda or _configs.INTERPRETING
 
 
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel():
+    """stacklevel of the first frame outside torch and flashtile: the op is reached through torch's dispatcher
+    (forward) or its autograd engine (backward), so no fixed depth points at the caller."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _warn_cpu_fallback():
     global _warned_cpu_fallback
     if not _warned_cpu_fallback:
         _warned_cpu_fallback = True
         warnings.warn("flashtile: CPU tensors run the pure-PyTorch reference implementation (O(seqlen^2) memory). "
                       "Set TRITON_INTERPRET=1 before importing flashtile to run the Triton kernels in Triton's "
-                      "interpreter instead, or move the tensors to a CUDA GPU.", stacklevel=3)
+                      "interpreter instead, or move the tensors to a CUDA GPU.", stacklevel=_user_stacklevel())
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -89,8 +103,6 @@ def _attn_fwd_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:  # the kernels need a unit stride along headdim (an expanded grad has 0)
         dout = dout.contiguous()
-    if dlse is not None and dlse.stride(-1) != 1:  # and along seqlen for the LSE gradient
-        dlse = dlse.contiguous()
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.diagonal_offset)
     return dq, dk, dv, None, None, None
 

@@ -58,6 +58,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     check_qkv(q, k, v, layout="bshd")
     if dropout_p != 0.0:
         raise not_built(f"dropout (dropout_p={dropout_p})", _FEATURES_ISSUE)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
+                        f"{window_size!r}. Use (-1, -1) for full attention.")
     if tuple(window_size) != (-1, -1):
         raise not_built(f"sliding-window attention (window_size={tuple(window_size)})", _FEATURES_ISSUE)
     if softcap != 0.0:

@@ -222,6 +222,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, dia
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = triton.cdiv(seqlen_q, ROW_PAD) * ROW_PAD
+    # The preprocess reads lse and dlse as contiguous [B, H, Sq] rows; they are small, so copy any other layout.
+    lse = lse.contiguous()
+    dlse = None if dlse is None else dlse.contiguous()
     delta = _common.empty((batch, num_heads, seqlen_q_pad), torch.float32, q.device)
     lse_log2 = _common.empty((batch, num_heads, seqlen_q_pad), torch.float32, q.device)
     dq = _common.empty(q.shape, q.dtype, q.device)
