@@ -49,6 +49,9 @@ def max_err(x, ref):
 def judge(got, ref64, plain, dtype):
     """(error, bound) for a kernel result; it passes when error <= bound. ref64: float64 oracle; plain: plain
     PyTorch in `dtype`."""
+    if got.shape != ref64.shape or plain.shape != ref64.shape:
+        raise AssertionError(f"shapes differ: got {tuple(got.shape)}, plain {tuple(plain.shape)}, oracle "
+                             f"{tuple(ref64.shape)}")
     return max_err(got, ref64), K * max_err(plain, ref64) + rounding_atol(ref64, dtype)
 
 

@@ -11,13 +11,18 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def poison(monkeypatch):
-    """NaN-fill every buffer the kernel launchers allocate, so an element a kernel never writes fails the test."""
+    """NaN-fill every buffer the kernel launchers allocate, so an element a kernel never writes fails the test.
+    Returns the list of allocated shapes."""
     from flashtile.kernels import _common
 
+    shapes = []
+
     def nan_empty(shape, dtype, device):
+        shapes.append(tuple(shape))
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     monkeypatch.setattr(_common, "empty", nan_empty)
+    return shapes
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,13 +29,12 @@ import flashtile
 import flashtile.kernels._common
 import flashtile.kernels.configs
 from flashtile.reference import naive_attention
+from flashtile.testing import FP32_ACCUM_FLOOR as FP32_ATOL
+from flashtile.testing import K, assert_close
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 F32, F64 = torch.float32, torch.float64
 NEG_INF = float("-inf")
-# The flash-attn test rule: max error at most K x PyTorch's own error in the input dtype, plus a rounding atol.
-K = 3
-FP32_ATOL = 1e-5
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -54,18 +53,9 @@ def gen(seed):
 
 
 @pytest.fixture(autouse=True)
-def poisoned_allocations(monkeypatch):
-    """Every buffer the kernel launchers allocate (flashtile.kernels._common.empty) comes back NaN-filled, so an
-    element a kernel forgets to write shows up as NaN instead of as whatever the allocator left there.
-    Returns the list of allocated shapes."""
-    shapes = []
-
-    def nan_empty(shape, dtype, device):
-        shapes.append(tuple(shape))
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(flashtile.kernels._common, "empty", nan_empty)
-    return shapes
+def poisoned_allocations(poison):
+    """Every test here runs with NaN-filled kernel buffers (conftest.poison); the list of allocated shapes."""
+    return poison
 
 
 def test_cpu_tensors_run_the_kernels(poisoned_allocations, gen):
@@ -83,32 +73,11 @@ def _randn(shape, gen, dtype=F32, requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
-def _max_err(got, oracle):
-    """Max |got - oracle| over the oracle's finite entries; its non-finite entries (-inf LSE of a row that sees no
-    key) must be matched exactly. NaN anywhere in `got` makes the result NaN, which fails every comparison."""
-    got, oracle = got.detach().double(), oracle.detach().double()
-    assert got.shape == oracle.shape, f"shape {tuple(got.shape)} != oracle's {tuple(oracle.shape)}"
-    finite = torch.isfinite(oracle)
-    assert torch.equal(got[~finite], oracle[~finite]), "non-finite entries of the oracle not matched exactly"
-    if not finite.any():
-        return 0.0
-    return (got[finite] - oracle[finite]).abs().max().item()
-
-
-def _rounding_atol(oracle, dtype):
-    if dtype == F32:
-        return FP32_ATOL
-    # flash-attn's rounding term: twice the rounding error of the dtype at the magnitude of the values.
-    ref = oracle.detach()[torch.isfinite(oracle)].to(dtype)
-    return 2 * ((ref + 0.3 - 0.3) - ref).abs().max().item() + FP32_ATOL
-
-
 def assert_within_rule(name, got, oracle, baseline, dtype=F32):
-    """got: the result under test; oracle: float64; baseline: plain PyTorch in the input dtype."""
-    err = _max_err(got, oracle)
-    base = _max_err(baseline, oracle)
-    atol = _rounding_atol(oracle, dtype)
-    assert err <= K * base + atol, f"{name}: max error {err:.3e} > {K} x PyTorch's {base:.3e} + atol {atol:.1e}"
+    """got: the result under test; oracle: float64; baseline: plain PyTorch in the input dtype (flashtile.testing's
+    rule, the one every kernel test uses)."""
+    assert got.shape == oracle.shape, f"{name}: shape {tuple(got.shape)} != oracle's {tuple(oracle.shape)}"
+    assert_close(name, got.detach(), oracle.detach().double(), baseline.detach(), dtype)
 
 
 def _grads(loss, inputs):
