@@ -56,6 +56,17 @@ def check_rows(name, t, shape):
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}.")
 
 
+def check_backward_rows(q, v, out, dout, lse, dlse):
+    """Shapes of the backward's per-row inputs: out, dout (B, Sq, Hq, Dv); lse, dlse (B, Hq, Sq)."""
+    b, sq, hq, _ = q.shape
+    dv_dim = v.shape[-1]
+    check_rows("out", out, (b, sq, hq, dv_dim))
+    check_rows("dout", dout, (b, sq, hq, dv_dim))
+    check_rows("lse", lse, (b, hq, sq))
+    if dlse is not None:
+        check_rows("dlse", dlse, (b, hq, sq))
+
+
 def check_blocks(block_m, block_n):
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:

@@ -5,7 +5,7 @@
 
 import torch
 
-from ._common import (NEG_INF, accum_dtype, causal_mask, check_qkv, check_rows, finite_or_zero, group_kv, group_q,
+from ._common import (NEG_INF, accum_dtype, causal_mask, check_backward_rows, check_qkv, finite_or_zero, group_kv, group_q,
                       group_rows, resolve_offset, resolve_scale, ungroup_kv, ungroup_q, ungroup_rows)
 
 
@@ -79,13 +79,7 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale=None, causal=Fa
     [B, Hq, Sq, Sk] matrices (P and dP, which becomes dS in place) and never the autograd graph.
     """
     sq, sk, hk = check_qkv(q, k, v)
-    b, _, hq, _ = q.shape
-    dv_dim = v.shape[-1]
-    check_rows("out", out, (b, sq, hq, dv_dim))
-    check_rows("dout", dout, (b, sq, hq, dv_dim))
-    check_rows("lse", lse, (b, hq, sq))
-    if dlse is not None:
-        check_rows("dlse", dlse, (b, hq, sq))
+    check_backward_rows(q, v, out, dout, lse, dlse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     offset = resolve_offset(causal, diagonal_offset, sq, sk)
     acc = accum_dtype(q.dtype)

@@ -10,7 +10,7 @@ and teaching, not as a fallback.
 
 import torch
 
-from ._common import (NEG_INF, accum_dtype, causal_block_mask, check_blocks, check_qkv, check_rows, finite_or_zero,
+from ._common import (NEG_INF, accum_dtype, causal_block_mask, check_blocks, check_backward_rows, check_qkv, finite_or_zero,
                       group_kv, group_q, group_rows, resolve_offset, resolve_scale, ungroup_kv, ungroup_q,
                       ungroup_rows)
 
@@ -158,13 +158,7 @@ def tiled_attention_backward(q, k, v, out, lse, dout, *, block_m=64, block_n=64,
     """
     sq, sk, hk, scale, offset, acc_dtype = _prepare(q, k, v, block_m, block_n, softmax_scale, causal,
                                                     diagonal_offset)
-    b, _, hq, _ = q.shape
-    dv_dim = v.shape[-1]
-    check_rows("out", out, (b, sq, hq, dv_dim))
-    check_rows("dout", dout, (b, sq, hq, dv_dim))
-    check_rows("lse", lse, (b, hq, sq))
-    if dlse is not None:
-        check_rows("dlse", dlse, (b, hq, sq))
+    check_backward_rows(q, v, out, dout, lse, dlse)
     qg, kg, vg = group_q(q, hk, acc_dtype), group_kv(k, acc_dtype), group_kv(v, acc_dtype)
     dog = group_q(dout, hk, acc_dtype)                                       # [B, Hk, G, Sq, Dv]
 
