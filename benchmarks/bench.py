@@ -17,6 +17,7 @@ import datetime
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -486,6 +487,14 @@ def write_json(payload: dict, path) -> Path:
     return path
 
 
+def _flashtile_version():
+    try:
+        import flashtile
+        return flashtile.__version__
+    except ImportError:
+        return None
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
@@ -517,7 +526,9 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None,
         "python": platform.python_version(),
-        "flashtile_commit": _git("rev-parse", "HEAD"),
+        # The GPU machines get a copy of the working tree without .git: pass FLASHTILE_COMMIT there.
+        "flashtile_commit": _git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
+        "flashtile_version": _flashtile_version(),
         "flashtile_dirty": None if status is None else bool(status),
         "dtype": dtype_name,
         "provider_versions": versions,
