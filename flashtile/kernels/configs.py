@@ -95,7 +95,9 @@ def launch_spec(q, tensors):
 
 
 def _set_tma_allocator(device):
-    # Descriptors made inside a kernel live in a small global scratch buffer that Triton asks the host for.
+    # Descriptors made inside a kernel live in a small global scratch buffer that Triton asks the host for. Set on
+    # every TMA launch, not once: Triton keeps the allocator in a ContextVar, and autograd runs the backward on a
+    # thread of its own.
     def alloc(size, alignment, stream):
         return torch.empty(size, dtype=torch.int8, device=device)
 
@@ -135,8 +137,14 @@ def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
     else:
         # fp32 past 128: a 64x256 fp32 accumulator is 128 registers a thread at 4 warps and spilled for minutes
         # of compile on an H200; 8 warps halve it. Sized by register count, not tuned.
-        return [TileConfig(64, 32, 8, 1), TileConfig(32, 32, 8, 1)]
-    return first + _SAFE_TILES
+        first = [TileConfig(64, 32, 8, 1), TileConfig(32, 32, 8, 1)]
+    return first + _fallbacks(head_dim, dtype)
+
+
+def _fallbacks(head_dim, dtype):
+    """What to try after the table's entries. Not the 4-warp _SAFE_TILES for fp32 past head dim 128: those spill
+    so badly that compiling them takes minutes, worse than failing."""
+    return [] if dtype == torch.float32 and head_dim > 128 else _SAFE_TILES
 
 
 def backward_candidates(head_dim, causal, dtype, spec):
@@ -162,9 +170,9 @@ def backward_candidates(head_dim, causal, dtype, spec):
         dkdv, dq = [TileConfig(32, 64, 4, 1)], [TileConfig(64, 32, 4, 1)]
     else:
         # fp32 past 128: dK and dV accumulators of 32x256 fp32 over 8 warps (32 registers each). Not tuned.
-        return [TileConfig(32, 32, 8, 1)], [TileConfig(32, 32, 8, 1)]
+        dkdv, dq = [TileConfig(32, 32, 8, 1)], [TileConfig(32, 32, 8, 1)]
     if spec.arch != 0:
-        dkdv, dq = dkdv + _SAFE_TILES, dq + _SAFE_TILES
+        dkdv, dq = dkdv + _fallbacks(head_dim, dtype), dq + _fallbacks(head_dim, dtype)
     if _override("bwd_dkdv") is not None:
         dkdv = list(_override("bwd_dkdv"))
     if _override("bwd_dq") is not None:
@@ -199,7 +207,8 @@ def launch_first_that_compiles(key, candidates: Sequence[TileConfig], launch: Ca
     """Launch with the first candidate that compiles and fits; remember it for the key. Returns the TileConfig.
 
     The key is what the compiled kernel depends on besides the tiles (kernel family, head dim, causal, dtype,
-    LaunchSpec); the candidate list itself is part of the memory, since it may vary with the shape."""
+    LaunchSpec); the candidate list itself joins it, so that an index remembered under one list (a test's or the
+    sweep's TILE_OVERRIDE) is never applied to another."""
     key = key + (tuple(candidates),)
     start = _CHOSEN.get(key, 0)
     for i in range(start, len(candidates)):
