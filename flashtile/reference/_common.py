@@ -8,6 +8,7 @@ broadcasting over the size-1 group axis of k/v does grouped-query attention with
 
 import math
 import numbers
+import operator
 
 import torch
 
@@ -91,6 +92,64 @@ def resolve_offset(causal, diagonal_offset, sq, sk):
         raise TypeError(f"diagonal_offset={diagonal_offset!r}; pass an int (query i sees key j iff "
                         f"j <= i + diagonal_offset) or None for bottom-right alignment.")
     return int(diagonal_offset)
+
+
+def _as_int(value):
+    """value as a Python int if it is an integer (Python, NumPy or 0-d torch int; not bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def resolve_window(window_size):
+    """(left, right) from window_size: two ints >= -1, -1 meaning unbounded on that side."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size={window_size!r}; pass a pair (left, right) of ints, -1 for an unbounded side "
+                        f"(default (-1, -1): no window).") from None
+    sides = []
+    for side, value in (("left", left), ("right", right)):
+        as_int = _as_int(value)
+        if as_int is None:
+            raise TypeError(f"window_size={window_size!r}: its {side} entry {value!r} is not an int; pass ints "
+                            f"(left, right), -1 for an unbounded side.")
+        if as_int < -1:
+            raise ValueError(f"window_size={window_size!r}: its {side} entry is {as_int}; each side is a number of "
+                             f"keys >= 0, or -1 for unbounded.")
+        sides.append(as_int)
+    return tuple(sides)
+
+
+def band_mask(seqlen_q, seqlen_k, diagonal_offset, causal, window, device=None):
+    """Bool [seqlen_q, seqlen_k], True where query i sees key j under the causal mask and the local window, or None
+    when neither applies. With (left, right) = window and off = diagonal_offset:
+
+        causal:  j <= i + off
+        window:  (left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right)
+
+    Both apply when both are given (causal is the window's right = 0). With Sq = 3, Sk = 5, window (1, 0):
+
+            0 1 1 0 0
+            0 0 1 1 0
+            0 0 0 1 1
+    """
+    left, right = window
+    if not causal and left < 0 and right < 0:
+        return None
+    rows = torch.arange(seqlen_q, device=device)[:, None] + diagonal_offset   # i + off, the row's diagonal key
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if causal:
+        visible &= cols <= rows
+    if left >= 0:
+        visible &= cols >= rows - left
+    if right >= 0:
+        visible &= cols <= rows + right
+    return visible
 
 
 def causal_block_mask(i0, i1, j0, j1, diagonal_offset, device=None):
