@@ -60,45 +60,120 @@ def assert_close(name, got, ref64, plain, dtype):
     assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (plain PyTorch {dtype})"
 
 
-def reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None):
-    """(out, lse, dq, dk, dv) from autograd through the naive reference, in the dtype of q, k, v."""
+# The score modifications naive_attention takes on top of (softmax_scale, causal, diagonal_offset), with the value
+# that turns each off. The dense-delta backward (reference.attention_backward) knows none of them.
+FEATURE_DEFAULTS = dict(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
+                        sinks=None, dropout_p=0.0, dropout_mask=None)
+# Names of the entries of a result: out, lse and the gradients; dbias and dsinks exist only with those features.
+RESULT_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks")
+
+
+def features_on(features):
+    """True when any feature in `features` (naive_attention keyword arguments) differs from its off value."""
+    unknown = set(features) - set(FEATURE_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown feature(s) {sorted(unknown)}; the judge takes {sorted(FEATURE_DEFAULTS)}.")
+    for name, value in features.items():
+        if isinstance(value, torch.Tensor):
+            return True
+        if name == "window_size":
+            if tuple(value) != (-1, -1):
+                return True
+        elif value != FEATURE_DEFAULTS[name]:
+            return True
+    return False
+
+
+def _float64_features(features):
+    """The features for the float64 oracle: float tensors (bias, slopes, sinks) in float64, keeping requires_grad;
+    bool masks (attn_mask, dropout_mask) shared as they are."""
+    cast = {}
+    for name, value in features.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value = value.detach().double().requires_grad_(value.requires_grad)
+        cast[name] = value
+    return cast
+
+
+def reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None, **features):
+    """(out, lse, dq, dk, dv, dbias, dsinks) from autograd through the naive reference, computed in the dtype of
+    q, k, v; features are naive_attention's keyword arguments (window_size, softcap, alibi_slopes, attn_bias,
+    attn_mask, sinks, dropout_p, dropout_mask).
+
+    dbias is None unless features["attn_bias"] is a tensor with requires_grad; it has the bias's shape (broadcast
+    dims summed) and dtype. dsinks is None unless sinks are given; it has their shape and dtype.
+    """
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = naive_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, diagonal_offset=diagonal_offset)
+    features = dict(features)
+    wrt = [q, k, v]
+    bias, sinks = features.get("attn_bias"), features.get("sinks")
+    has_dbias = isinstance(bias, torch.Tensor) and bias.requires_grad
+    has_dsinks = isinstance(sinks, torch.Tensor)
+    if has_dbias:
+        features["attn_bias"] = bias.detach().requires_grad_()
+        wrt.append(features["attn_bias"])
+    if has_dsinks:
+        features["sinks"] = sinks.detach().requires_grad_()
+        wrt.append(features["sinks"])
+    out, lse = naive_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, diagonal_offset=diagonal_offset,
+                               **features)
     loss = (out * dout.to(out.dtype)).sum()
     if dlse is not None:
         loss = loss + (lse * dlse.to(lse.dtype)).sum()
-    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
-    return out.detach(), lse.detach(), dq, dk, dv
+    grads = list(torch.autograd.grad(loss, wrt))
+    dq, dk, dv = grads[:3]
+    dbias = grads.pop(3) if has_dbias else None
+    dsinks = grads[3] if has_dsinks else None
+    return out.detach(), lse.detach(), dq, dk, dv, dbias, dsinks
 
 
-def judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None):
-    """{name: (error, bound)} for got = (out, lse, dq, dk, dv) from flashtile, judged against float64 with plain
-    PyTorch's error as the scale (entries of got that are None are skipped).
+def judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None, **features):
+    """{name: (error, bound)} for got = (out, lse, dq, dk, dv) or (out, lse, dq, dk, dv, dbias, dsinks) from
+    flashtile, judged against float64 with plain PyTorch's error as the scale (entries of got that are None are
+    skipped). features are naive_attention's keyword arguments (see reference_fwd_bwd); the float64 oracle gets
+    float64 copies of the bias, slopes and sinks and the same bool masks.
 
-    Plain PyTorch computes the gradients two ways, autograd through the naive forward and the dense delta formula
-    (reference.attention_backward, the kernels' formulation), and the larger error sets the scale: where one of
-    them is exact by accident (one visible key makes autograd's dq exactly 0) the other still shows the fp32
-    cancellation in dP - delta that any delta-based backward has.
+    Without features, plain PyTorch computes the gradients two ways, autograd through the naive forward and the dense
+    delta formula (reference.attention_backward, the kernels' formulation), and the larger error sets the scale:
+    where one of them is exact by accident (one visible key makes autograd's dq exactly 0) the other still shows the
+    fp32 cancellation in dP - delta that any delta-based backward has. With features only autograd runs (the dense
+    formula knows none of them); FP32_ACCUM_FLOOR covers that case.
+
+    out, dq, dk, dv are judged in the input dtype, lse in float32, dbias in the bias's dtype and dsinks in the sinks'.
     """
+    if len(got) not in (5, 7):
+        raise ValueError(f"got has {len(got)} entries; pass (out, lse, dq, dk, dv) or (out, lse, dq, dk, dv, dbias, "
+                         f"dsinks), None for any not to judge.")
     dtype = q.dtype
+    on = features_on(features)
     ref = reference_fwd_bwd(*(t.double() for t in (q, k, v, dout)), softmax_scale, causal, diagonal_offset,
-                            None if dlse is None else dlse.double())
-    plain = reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse)
-    plain_delta = attention_backward(q, k, v, plain[0], plain[1], dout, softmax_scale=softmax_scale, causal=causal,
-                                     diagonal_offset=diagonal_offset, dlse=dlse)
+                            None if dlse is None else dlse.double(), **_float64_features(features))
+    plain = reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse, **features)
+    plain_delta = None
+    if not on:
+        plain_delta = attention_backward(q, k, v, plain[0], plain[1], dout, softmax_scale=softmax_scale,
+                                         causal=causal, diagonal_offset=diagonal_offset, dlse=dlse)
+    dtypes = dict(out=dtype, lse=torch.float32, dq=dtype, dk=dtype, dv=dtype)
+    if features.get("attn_bias") is not None:
+        dtypes["dbias"] = features["attn_bias"].dtype
+    if features.get("sinks") is not None:
+        dtypes["dsinks"] = features["sinks"].dtype
     results = {}
-    for i, (name, g, r) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, ref)):
+    for i, (name, g, r) in enumerate(zip(RESULT_NAMES, got, ref)):
         if g is None:
             continue
+        if r is None:
+            raise ValueError(f"got a {name} but there is nothing to judge it against: "
+                             + ("pass an attn_bias with requires_grad=True." if name == "dbias" else "pass sinks."))
         p = plain[i]
-        if i >= 2 and max_err(plain_delta[i - 2], r) > max_err(p, r):
+        if plain_delta is not None and 2 <= i <= 4 and max_err(plain_delta[i - 2], r) > max_err(p, r):
             p = plain_delta[i - 2]
-        # The LSE is fp32 whatever the inputs; judge it as such.
-        results[name] = judge(g, r, p, torch.float32 if name == "lse" else dtype)
+        results[name] = judge(g, r, p, dtypes[name])
     return results
 
 
-def check_against_reference(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None):
+def check_against_reference(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None, **features):
     """Assert that every entry of got passes (see judge_all)."""
-    for name, (err, bound) in judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse).items():
+    for name, (err, bound) in judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse,
+                                        **features).items():
         assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
