@@ -1,0 +1,575 @@
+"""Attention over a KV cache for inference: split-KV flash decoding, paged caches, append in place with rotary.
+
+    q, out: [B, Sq, Hq, D]                           lse: [B, Hq, Sq] fp32, natural log
+    k_cache, v_cache: [B_cache, S_cache, Hk, D]      contiguous cache (cache_batch_idx maps batch row -> cache row)
+                  or  [num_pages, PAGE_SIZE, Hk, D]  paged cache; block_table [B, max_pages] lists each sequence's
+                                                     pages in order: cache row p of sequence b is row p % PAGE_SIZE
+                                                     of page block_table[b, p // PAGE_SIZE]
+    k_new, v_new: [B, S_new, Hk, D]                  appended at cache rows cache_seqlens[b] + i
+    o_part: [B, Sq, Hq, NUM_SPLITS, D] fp32          each split's normalised output
+    lse_part: [B, Sq, Hq, NUM_SPLITS] fp32           each split's LSE in base 2 (lse_log2)
+
+Sequence b attends to its cache rows [leftpad_b, seqlen_b + S_new), seqlen_b = cache_seqlens[b] being its length
+before the append. Inside the kernels keys are numbered from leftpad_b, so there are n_k = seqlen_b + S_new -
+leftpad_b of them, and the bottom-right alignment of causal, window and ALiBi uses diag = n_k - Sq: query i sees
+key j iff i + diag - left <= j <= i + diag + right (causal: right = 0).
+
+Three kernels, explained in docs/kvcache.md:
+1. _kvcache_append_kernel writes k_new (rotated) and v_new into the cache, in place.
+2. _kvcache_split_kernel: one program per (batch, kv head, split, row block). The G = Hq / Hk query heads that
+   share a kv head are packed into the rows of one tile (row r = query i * G + head g), so each K/V block is read
+   once per kv head instead of once per query head. A split runs the online softmax (docs/derivation.md#4) over its
+   slice of the keys and writes (O_s, lse_s); with a single split it writes the final output directly.
+3. _kvcache_combine_kernel merges the splits: LSE = logsumexp_s lse_s, O = sum_s exp(lse_s - LSE) O_s
+   (docs/derivation.md#7-merging-partial-results).
+Paged addressing is a constexpr variant (PAGED) of the same row addressing in all of them.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common, configs
+from ._common import LN2, LOG2E, _mma
+from .configs import TileConfig
+
+# tl.dot needs at least 16 rows: a q_len-1 decode with G = 4 query heads per kv head pads its 4 rows to 16.
+MIN_BLOCK_M = 16
+# A window bound of -1 (unbounded) becomes this distance: farther than any cache a GPU holds, and
+# i + diag + UNBOUNDED stays below 2^31.
+UNBOUNDED = 1 << 30
+# Largest finite float8 e4m3 value: appends into an fp8 cache saturate there instead of becoming NaN.
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+# num_splits=0 heuristic. Decode at q_len 1 is one program per (batch, kv head) without splitting: 8 programs for
+# batch 1 at Hk = 8, on a GPU with 132 SMs. Splitting the keys gives SPLIT_WAVES programs per SM (two resident per
+# SM keep loads in flight while the other waits). PERF_NOTES.md's probe found ~1 wave best and more 3-8% slower;
+# not yet measured for these kernels: benchmarks/bench_decode.py --sweep times the alternatives.
+SPLIT_WAVES = 2
+# ... but never fewer than this many key blocks per split: each split also loads q, writes a partial row and adds
+# work to the combine.
+MIN_BLOCKS_PER_SPLIT = 2
+MAX_AUTO_SPLITS = 128
+# The interpreter has no SMs; pretending to have a few makes num_splits=0 split at test sizes too.
+INTERPRETER_SM_COUNT = 4
+# Splits merged per step of the combine's loop: a [16, D] fp32 tile.
+COMBINE_BLOCK_S = 16
+# Appended rows per program of the append kernel.
+APPEND_BLOCK_R = 16
+
+# Tests and the sweep (benchmarks/bench_decode.py --sweep) may replace the split kernel's candidate tiles.
+TILE_OVERRIDE = None
+# TileConfig.block_m is the most packed rows (query position x query head of the group) per tile; a launch uses
+# the next power of two of Sq * G up to it, at least MIN_BLOCK_M. block_n is the key rows per step.
+# Interpreter: 32-key blocks put several blocks into each split at the test sizes.
+_INTERPRETER_TILES = [TileConfig(64, 32, 4, 1)]
+# Last resorts when a table entry does not fit.
+_SAFE_TILES = [TileConfig(64, 64, 4, 2), TileConfig(32, 32, 4, 1)]
+
+
+def split_candidates(head_dim, dtype, spec):
+    """Tiles for the split kernel, best first. dtype is the cache's element type."""
+    if TILE_OVERRIDE is not None:
+        return list(TILE_OVERRIDE)
+    if spec.arch == 0:
+        return _INTERPRETER_TILES
+    if dtype == torch.float32:
+        # Sized by shared memory (2 x 32x256 fp32 tiles x 2 stages = 128 KB at d256); correctness only.
+        first = [TileConfig(32, 32, 4, 2)]
+    elif spec.arch >= 9:
+        # Hopper, 16-bit or fp8 cache: 128-key blocks (32 KB of K and of V per stage at d128) in 3 stages keep
+        # ~128 KB of loads in flight per SM; d256 halves the block. Not yet measured.
+        first = [TileConfig(64, 128, 4, 3)] if head_dim <= 128 else [TileConfig(64, 64, 4, 3)]
+    else:
+        # Ampere-sized shared memory; not measured.
+        first = [TileConfig(64, 64, 4, 2)]
+    return first + _SAFE_TILES
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(requested, programs, max_keys, block_n, device):
+    """Splits of the key range: `requested` when > 0, else enough for SPLIT_WAVES programs per SM.
+
+    programs: the launch's programs without splitting (batch x kv heads x row blocks). max_keys: an upper bound on
+    the keys one row block sees (the cache's capacity, narrowed by a sliding window); the actual lengths live on
+    the device and reading them would synchronise.
+    """
+    if requested > 0:
+        return requested
+    if configs.INTERPRETING or device.type != "cuda":
+        sms = INTERPRETER_SM_COUNT
+    else:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    wanted = triton.cdiv(SPLIT_WAVES * sms, programs)
+    useful = max(1, triton.cdiv(max_keys, MIN_BLOCKS_PER_SPLIT * block_n))
+    return max(1, min(wanted, useful, MAX_AUTO_SPLITS))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+@triton.jit
+def _cache_slots(BlockTableRow, cache_b, pos, mask, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Where cache rows `pos` of one sequence live, as (major, minor) indices of the cache's first two dims:
+    (page, row in page) for a paged cache, (cache batch row, pos) for a contiguous one. int64, so that
+    major * stride passes 2^31 elements safely. `pos` is never negative (// and % would round differently)."""
+    if PAGED:
+        major = tl.load(BlockTableRow + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+        minor = (pos % PAGE_SIZE).to(tl.int64)
+    else:
+        major = tl.zeros_like(pos).to(tl.int64) + cache_b
+        minor = pos.to(tl.int64)
+    return major, minor
+
+
+@triton.jit
+def _row_mask(m_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_R, BLOCK_D] mask of valid rows and real head-dim columns. When the head dim is a power of two the
+    mask is constant along it, which keeps the loads vectorised."""
+    if HEAD_DIM == BLOCK_D:
+        mask = m_r[:, None]
+    else:
+        mask = m_r[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
+    return mask
+
+
+@triton.jit
+def _rotary_rows(X, p_rows, m_r, pos, Cos, Sin, stride_cos, stride_sin, seqlen_ro,
+                 HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 INTERLEAVED: tl.constexpr):
+    """Rows X + p_rows of a [rows, D] slice with rotary embedding at positions `pos`, in fp32.
+
+    The first ROTARY_DIM dims are rotated in pairs by the angle of row `pos` of cos/sin ([seqlen_ro,
+    ROTARY_DIM / 2]): pairs (2t, 2t + 1) when INTERLEAVED (GPT-J), (t, t + ROTARY_DIM / 2) otherwise (GPT-NeoX):
+        out[a] = x[a] cos_t - x[b] sin_t        out[b] = x[b] cos_t + x[a] sin_t
+    Dims past ROTARY_DIM pass through. A position past seqlen_ro reads angle 0 instead of out-of-bounds memory.
+    """
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    o_d = tl.arange(0, BLOCK_D)
+    mask = _row_mask(m_r, HEAD_DIM, BLOCK_D)
+    x = tl.load(X + p_rows[:, None] + o_d[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]
+    if INTERLEAVED:
+        o_pair = o_d ^ 1
+        o_t = o_d // 2
+        first = o_d % 2 == 0
+    else:
+        first = o_d < HALF
+        o_pair = tl.where(first, o_d + HALF, o_d - HALF)
+        o_t = tl.where(first, o_d, o_d - HALF)
+    m_rot = o_d < ROTARY_DIM
+    m_pair = mask & m_rot[None, :]
+    x_pair = tl.load(X + p_rows[:, None] + o_pair[None, :], mask=m_pair, other=0.0).to(tl.float32)
+    m_angle = m_pair & (pos < seqlen_ro)[:, None]
+    cos = tl.load(Cos + pos[:, None] * stride_cos + o_t[None, :], mask=m_angle, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + pos[:, None] * stride_sin + o_t[None, :], mask=m_angle, other=0.0).to(tl.float32)
+    sin = tl.where(first[None, :], -sin, sin)
+    return x * cos + x_pair * sin
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. Append
+
+
+@triton.jit
+def _kvcache_append_kernel(KNew, VNew, KCache, VCache, Seqlens, BatchIdx, BlockTable, Cos, Sin, KDescale, VDescale,
+                           stride_knb, stride_kns, stride_knh,
+                           stride_vnb, stride_vns, stride_vnh,
+                           stride_kcb, stride_kcs, stride_kch,
+                           stride_vcb, stride_vcs, stride_vch,
+                           stride_btb, stride_cos, stride_sin, stride_dsb,
+                           seqlen_new, cache_seqlen, capacity, num_kv_heads, seqlen_ro,
+                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                           HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+                           PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                           ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                           QUANTIZE: tl.constexpr):
+    """Rows [i_r * BLOCK_R, ...) of k_new / v_new of one (batch, kv head) into cache rows seqlen_b + i. Rows past
+    the cache's capacity are dropped rather than written out of bounds."""
+    i_r = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // num_kv_heads
+    i_hk = i_bh % num_kv_heads
+    if HAS_SEQLENS:
+        seqlen = tl.load(Seqlens + i_b).to(tl.int32)
+    else:
+        seqlen = cache_seqlen
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(BatchIdx + i_b).to(tl.int64)
+    else:
+        cache_b = i_b.to(tl.int64)
+
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    pos = seqlen + o_r  # cache rows written
+    m_r = (o_r < seqlen_new) & (pos < capacity)
+    o_d = tl.arange(0, BLOCK_D)
+    mask = _row_mask(m_r, HEAD_DIM, BLOCK_D)
+    major, minor = _cache_slots(BlockTable + i_b.to(tl.int64) * stride_btb, cache_b, pos, m_r, PAGED, PAGE_SIZE)
+
+    p_kn = i_b.to(tl.int64) * stride_knb + o_r.to(tl.int64) * stride_kns + i_hk * stride_knh  # [BLOCK_R]
+    p_vn = i_b.to(tl.int64) * stride_vnb + o_r.to(tl.int64) * stride_vns + i_hk * stride_vnh
+    if ROTARY:
+        b_k = _rotary_rows(KNew, p_kn, m_r, pos, Cos, Sin, stride_cos, stride_sin, seqlen_ro,
+                           HEAD_DIM, ROTARY_DIM, BLOCK_D, INTERLEAVED)  # [BLOCK_R, BLOCK_D] fp32
+    else:
+        b_k = tl.load(KNew + p_kn[:, None] + o_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_v = tl.load(VNew + p_vn[:, None] + o_d[None, :], mask=mask, other=0.0)
+    if QUANTIZE:
+        # fp8 cache with per-(batch, kv head) descale factors: the cache holds value / descale.
+        k_descale = tl.load(KDescale + i_b * stride_dsb + i_hk)
+        v_descale = tl.load(VDescale + i_b * stride_dsb + i_hk)
+        b_k = tl.minimum(tl.maximum(b_k / k_descale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+        b_v = tl.minimum(tl.maximum(b_v.to(tl.float32) / v_descale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+
+    p_kc = major * stride_kcb + minor * stride_kcs + i_hk * stride_kch  # [BLOCK_R]
+    p_vc = major * stride_vcb + minor * stride_vcs + i_hk * stride_vch
+    tl.store(KCache + p_kc[:, None] + o_d[None, :], b_k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + p_vc[:, None] + o_d[None, :], b_v.to(VCache.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Split: partial attention over a slice of the keys
+
+
+@triton.jit
+def _softcap_log2(s, cap_scale, cap_log2):
+    """cap * tanh(scale * s / cap) in log2 units (cap_log2 = cap * log2(e), cap_scale = scale / cap), with
+    tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both saturations (exp2 -> inf gives 1, -> 0 gives -1)."""
+    e = tl.exp2(s * (cap_scale * 2.0 * LOG2E))
+    return cap_log2 * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def _kvcache_split_kernel(Q, K, V, Out, Lse, OPart, LsePart,
+                          Seqlens, BatchIdx, Leftpad, BlockTable, Cos, Sin, Alibi, KDescale, VDescale,
+                          stride_qb, stride_qs, stride_qh,
+                          stride_kb, stride_ks, stride_kh,
+                          stride_vb, stride_vs, stride_vh,
+                          stride_ob, stride_os, stride_oh,
+                          stride_btb, stride_cos, stride_sin, stride_ab, stride_dsb,
+                          seqlen_q, seqlen_new, cache_seqlen, capacity, num_kv_heads, group_size, num_splits,
+                          seqlen_ro, qk_scale, cap_scale, cap_log2, window_left, window_right,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr,
+                          HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                          PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                          ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                          ROTARY_PER_ROW: tl.constexpr,
+                          MASK_DIAG: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                          HAS_DESCALE: tl.constexpr, SPLIT: tl.constexpr,
+                          PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    i_bh = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_m = tl.program_id(2)
+    i_b = i_bh // num_kv_heads
+    i_hk = i_bh % num_kv_heads
+
+    # This sequence's keys: cache rows [kv_start, kv_end), numbered j = 0 .. n_k - 1 from kv_start.
+    if HAS_SEQLENS:
+        seqlen = tl.load(Seqlens + i_b).to(tl.int32)
+    else:
+        seqlen = cache_seqlen
+    if HAS_LEFTPAD:
+        kv_start = tl.load(Leftpad + i_b).to(tl.int32)
+    else:
+        kv_start = 0
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(BatchIdx + i_b).to(tl.int64)
+    else:
+        cache_b = i_b.to(tl.int64)
+    kv_end = tl.minimum(seqlen + seqlen_new, capacity)  # the clamp only keeps bad lengths in bounds
+    n_k = tl.maximum(kv_end - kv_start, 0)
+    diag = n_k - seqlen_q  # bottom-right alignment: query i is at key position i + diag
+
+    # Rows of the tile: query position o_i of query head o_h = i_hk * G + o_g, packed as r = o_i * G + o_g.
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_r = o_r < seqlen_q * group_size
+    o_i = o_r // group_size
+    o_h = i_hk * group_size + o_r % group_size
+    o_d = tl.arange(0, BLOCK_D)
+    p_q = i_b.to(tl.int64) * stride_qb + o_i.to(tl.int64) * stride_qs + o_h.to(tl.int64) * stride_qh  # [BLOCK_M]
+    if ROTARY:
+        # flash-attn's convention: with a causal or local mask query i sits at position seqlen + i; without one
+        # every query sits at seqlen (the new tokens are treated as one step).
+        if ROTARY_PER_ROW:
+            pos_q = seqlen + o_i
+        else:
+            pos_q = seqlen + tl.zeros_like(o_i)
+        b_q = _rotary_rows(Q, p_q, m_r, pos_q, Cos, Sin, stride_cos, stride_sin, seqlen_ro,
+                           HEAD_DIM, ROTARY_DIM, BLOCK_D, INTERLEAVED).to(Q.dtype.element_ty)
+    else:
+        b_q = tl.load(Q + p_q[:, None] + o_d[None, :], mask=_row_mask(m_r, HEAD_DIM, BLOCK_D), other=0.0)
+
+    scale = qk_scale
+    if HAS_DESCALE:
+        # fp8 cache: K = descale_k * K8, so S = descale_k * (q . K8); V's descale multiplies the output.
+        k_descale = tl.load(KDescale + i_b * stride_dsb + i_hk)
+        v_descale = tl.load(VDescale + i_b * stride_dsb + i_hk)
+        scale = scale * k_descale
+        cap_scale = cap_scale * k_descale
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + i_b * stride_ab + o_h, mask=m_r, other=0.0) * LOG2E  # [BLOCK_M]
+
+    # The keys this row block can see (rows o_i in [first_i, last_i]) ...
+    first_i = (i_m * BLOCK_M) // group_size
+    last_i = (tl.minimum((i_m + 1) * BLOCK_M, seqlen_q * group_size) - 1) // group_size
+    lo = 0
+    hi = n_k
+    if MASK_DIAG:
+        lo = tl.maximum(first_i + diag - window_left, 0)
+        hi = tl.minimum(last_i + diag + window_right + 1, n_k)
+        hi = tl.maximum(hi, lo)
+    # ... split evenly, in whole blocks, across the num_splits programs of this (batch, kv head, row block).
+    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+    start = lo + i_s * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, hi)
+
+    BlockTableRow = BlockTable + i_b.to(tl.int64) * stride_btb
+    k_head = K + i_hk.to(tl.int64) * stride_kh
+    v_head = V + i_hk.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in tl.range(start, end, BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)  # key numbers j
+        m_n = o_n < end
+        major, minor = _cache_slots(BlockTableRow, cache_b, kv_start + o_n, m_n, PAGED, PAGE_SIZE)
+        m_kv = _row_mask(m_n, HEAD_DIM, BLOCK_D)
+        p_k = k_head + (major * stride_kb + minor * stride_ks)[:, None] + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_kv, other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
+        b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
+        # Scores in log2 units: exp2(b_s - m) = exp(S - m') (docs/derivation.md#5-kernel-tricks).
+        if HAS_SOFTCAP:
+            b_s = _softcap_log2(b_s, cap_scale, cap_log2)
+        else:
+            b_s = b_s * scale
+        if HAS_ALIBI:
+            dist = tl.abs(o_i[:, None] + diag - o_n[None, :]).to(tl.float32)
+            b_s = b_s - slope_log2[:, None] * dist
+        m_visible = m_n[None, :]
+        if MASK_DIAG:
+            m_visible = m_visible & (o_n[None, :] >= o_i[:, None] + diag - window_left) \
+                & (o_n[None, :] <= o_i[:, None] + diag + window_right)
+        b_s = tl.where(m_visible, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # A row that has seen no visible key keeps m = -inf; subtracting it would give -inf - (-inf) = NaN, so such
+        # rows subtract 0 (their p and alpha are exp2(-inf) = 0 and l stays 0).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.exp2(b_s - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        p_v = v_head + (major * stride_vb + minor * stride_vs)[:, None] + o_d[None, :]
+        b_v = tl.load(p_v, mask=m_kv, other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
+        acc = _mma(b_p.to(Q.dtype.element_ty), b_v, acc * alpha[:, None], PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # A row that sees no key here has l = 0: output 0, LSE -inf (the combine gives such a split weight 0).
+    m_empty = l_i == 0.0
+    l_safe = tl.where(m_empty, 1.0, l_i)
+    if HAS_DESCALE:
+        l_safe = l_safe / v_descale
+    b_o = acc / l_safe[:, None]
+    lse_log2 = tl.where(m_empty, float("-inf"), m_i + tl.log2(tl.where(m_empty, 1.0, l_i)))
+    m_o = _row_mask(m_r, HEAD_DIM, BLOCK_D)
+    if SPLIT:
+        row = (i_b.to(tl.int64) * seqlen_q + o_i) * (num_kv_heads * group_size) + o_h  # [BLOCK_M]
+        tl.store(LsePart + row * num_splits + i_s, lse_log2, mask=m_r)
+        tl.store(OPart + ((row * num_splits + i_s) * HEAD_DIM)[:, None] + o_d[None, :], b_o, mask=m_o)
+    else:
+        p_o = i_b.to(tl.int64) * stride_ob + o_i.to(tl.int64) * stride_os + o_h.to(tl.int64) * stride_oh
+        tl.store(Out + p_o[:, None] + o_d[None, :], b_o.to(Out.dtype.element_ty), mask=m_o)
+        row_lse = (i_b.to(tl.int64) * (num_kv_heads * group_size) + o_h) * seqlen_q + o_i
+        tl.store(Lse + row_lse, lse_log2 * LN2, mask=m_r)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Combine
+
+
+@triton.jit
+def _kvcache_combine_kernel(OPart, LsePart, Out, Lse, num_splits, seqlen_q, num_heads,
+                            HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One output row (b, i, h): the online softmax of docs/derivation.md#4 with the splits as blocks, each
+    carrying its weight exp2(lse_s) instead of a block of scores."""
+    row = tl.program_id(0).to(tl.int64)  # (b * Sq + i) * Hq + h, also the row of out [B, Sq, Hq, D]
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < num_splits
+        b_lse = tl.load(LsePart + row * num_splits + o_s, mask=m_s, other=float("-inf"))  # [BLOCK_S], base 2
+        m_new = tl.maximum(m_i, tl.max(b_lse, 0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(b_lse - m_sub)  # 0 for a split that saw no key
+        alpha = tl.exp2(m_i - m_sub)
+        # An empty split's output is never read: 0 * garbage could be NaN.
+        m_o = (m_s & (b_lse > float("-inf")))[:, None] & m_d[None, :]
+        b_o = tl.load(OPart + (row * num_splits + o_s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_o, other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * b_o, 0)  # [BLOCK_D]
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+    m_empty = l_i == 0.0
+    l_safe = tl.where(m_empty, 1.0, l_i)
+    tl.store(Out + row * HEAD_DIM + o_d, (acc / l_safe).to(Out.dtype.element_ty), mask=m_d)
+    i_h = row % num_heads
+    i_i = (row // num_heads) % seqlen_q
+    i_b = row // (num_heads * seqlen_q)
+    lse = tl.where(m_empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    tl.store(Lse + (i_b * num_heads + i_h) * seqlen_q + i_i, lse)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _page_size(k_cache, block_table):
+    return k_cache.shape[1] if block_table is not None else 1
+
+
+def _capacity(k_cache, block_table):
+    """Rows one sequence can hold: the cache's seqlen, or pages per sequence x page size."""
+    if block_table is not None:
+        return block_table.shape[1] * k_cache.shape[1]
+    return k_cache.shape[1]
+
+
+def _dummy(device):
+    # Stands in for an absent optional tensor: its pointer is passed but never read (the constexpr flag is off).
+    return torch.empty(1, dtype=torch.int32, device=device)
+
+
+def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
+                   rotary_cos, rotary_sin, rotary_interleaved, k_descale=None, v_descale=None):
+    """Write k_new (rotated when rotary_cos is given) and v_new into the cache at rows cache_seqlens[b] + i, in
+    place. cache_seqlens None means every sequence has length cache_seqlen. An fp8 cache stores value / descale
+    (descales [B, Hk] fp32). Inputs are assumed validated (flashtile.kvcache)."""
+    batch, seqlen_new, num_kv_heads, head_dim = k_new.shape
+    if seqlen_new == 0:
+        return
+    dummy = _dummy(k_new.device)
+    paged = block_table is not None
+    rotary = rotary_cos is not None
+    quantize = k_descale is not None
+    block_r = min(APPEND_BLOCK_R, triton.next_power_of_2(seqlen_new))
+    grid = (triton.cdiv(seqlen_new, block_r), batch * num_kv_heads)
+    _kvcache_append_kernel[grid](
+        k_new, v_new, k_cache, v_cache,
+        cache_seqlens if cache_seqlens is not None else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        block_table if paged else dummy,
+        rotary_cos if rotary else dummy, rotary_sin if rotary else dummy,
+        k_descale if quantize else dummy, v_descale if quantize else dummy,
+        k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        rotary_cos.stride(0) if rotary else 0, rotary_sin.stride(0) if rotary else 0,
+        k_descale.stride(0) if quantize else 0,
+        seqlen_new, cache_seqlen, _capacity(k_cache, block_table), num_kv_heads,
+        rotary_cos.shape[0] if rotary else 0,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=configs.LaunchSpec.block_d(head_dim),
+        HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
+        PAGED=paged, PAGE_SIZE=_page_size(k_cache, block_table),
+        ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0, INTERLEAVED=bool(rotary_interleaved),
+        QUANTIZE=quantize,
+        num_warps=4,
+    )
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad,
+                      block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal,
+                      window_left, window_right, softcap, num_splits, k_descale=None, v_descale=None):
+    """Attention of q over each sequence's cache rows [leftpad, seqlen + seqlen_new). Returns (out [B, Sq, Hq, D]
+    in q's dtype, lse [B, Hq, Sq] fp32 natural log).
+
+    window_left / window_right: -1 unbounded (flash-attn's convention); causal sets the right bound to 0. Rotary
+    (cos/sin given) rotates q on load. num_splits 0 chooses the split count (choose_num_splits). Inputs are
+    assumed validated (flashtile.kvcache).
+    """
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = q.device
+    out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, device)
+    lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, device)
+    dummy = _dummy(device)
+    paged = block_table is not None
+    rotary = rotary_cos is not None
+    local = window_left >= 0 or window_right >= 0
+    mask_diag = bool(causal) or local
+    left = window_left if window_left >= 0 else UNBOUNDED
+    right = 0 if causal else (window_right if window_right >= 0 else UNBOUNDED)
+    capacity = _capacity(k_cache, block_table)
+    # Keys one row block can see: the capacity, or less under a sliding window.
+    max_keys = capacity
+    if window_left >= 0:
+        max_keys = min(max_keys, window_left + seqlen_q + (right if right != UNBOUNDED else 0) + 1)
+    has_softcap = softcap > 0.0
+    has_descale = k_descale is not None
+    spec = configs.launch_spec(q, (q, k_cache, v_cache))
+    block_d = spec.block_d(head_dim)
+    rows = seqlen_q * group
+    candidates = split_candidates(head_dim, k_cache.dtype, spec)
+
+    def launch(cfg):
+        block_m = min(cfg.block_m, max(MIN_BLOCK_M, triton.next_power_of_2(rows)))
+        m_blocks = triton.cdiv(rows, block_m)
+        splits = choose_num_splits(num_splits, batch * num_kv_heads * m_blocks, max_keys, cfg.block_n, device)
+        if splits > 1:
+            o_part = _common.empty((batch, seqlen_q, num_heads, splits, head_dim), torch.float32, device)
+            lse_part = _common.empty((batch, seqlen_q, num_heads, splits), torch.float32, device)
+        else:
+            o_part, lse_part = dummy, dummy
+        compiled = _kvcache_split_kernel[(batch * num_kv_heads, splits, m_blocks)](
+            q, k_cache, v_cache, out, lse, o_part, lse_part,
+            cache_seqlens if cache_seqlens is not None else dummy,
+            cache_batch_idx if cache_batch_idx is not None else dummy,
+            cache_leftpad if cache_leftpad is not None else dummy,
+            block_table if paged else dummy,
+            rotary_cos if rotary else dummy, rotary_sin if rotary else dummy,
+            alibi_slopes if alibi_slopes is not None else dummy,
+            k_descale if has_descale else dummy, v_descale if has_descale else dummy,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            block_table.stride(0) if paged else 0,
+            rotary_cos.stride(0) if rotary else 0, rotary_sin.stride(0) if rotary else 0,
+            alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+            k_descale.stride(0) if has_descale else 0,
+            seqlen_q, seqlen_new, cache_seqlen, capacity, num_kv_heads, group, splits,
+            rotary_cos.shape[0] if rotary else 0,
+            softmax_scale * LOG2E.value,
+            softmax_scale / softcap if has_softcap else 0.0, softcap * LOG2E.value,
+            left, right,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
+            HAS_LEFTPAD=cache_leftpad is not None,
+            PAGED=paged, PAGE_SIZE=_page_size(k_cache, block_table),
+            ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0,
+            INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_ROW=mask_diag,
+            MASK_DIAG=mask_diag, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi_slopes is not None,
+            HAS_DESCALE=has_descale, SPLIT=splits > 1,
+            PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            block_s = min(COMBINE_BLOCK_S, triton.next_power_of_2(splits))
+            _kvcache_combine_kernel[(batch * seqlen_q * num_heads,)](
+                o_part, lse_part, out, lse, splits, seqlen_q, num_heads,
+                HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+            )
+        return compiled
+
+    key = ("decode", head_dim, bool(causal), q.dtype, k_cache.dtype, paged, spec)
+    configs.launch_first_that_compiles(key, candidates, launch)
+    return out, lse

@@ -1,0 +1,381 @@
+"""flash_attn_with_kvcache: attention over a KV cache for inference, flash-attn's API (docs/kvcache.md).
+
+Two custom ops, so that torch.compile traces through without graph breaks and only an append mutates the cache:
+- flashtile::kvcache_append (mutates k_cache, v_cache): the new keys (rotated) and values into the cache.
+- flashtile::kvcache_attn: split-KV attention over the cache, (out, lse).
+CUDA tensors run the Triton kernels (flashtile.kernels.decode); CPU tensors run them in Triton's interpreter when
+TRITON_INTERPRET=1, else the pure-PyTorch reference (flashtile.reference.kvcache) with a one-time warning.
+"""
+from typing import Optional
+
+import torch
+
+from ._ops import _use_kernels, _warn_cpu_fallback
+from ._validate import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, resolve_scale
+from .kernels import decode as _decode
+from .reference import kvcache as _reference
+
+# An fp8 cache holds float8 e4m3 values with one descale factor per (batch, kv head), as FlashAttention-3's.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+
+
+@torch.library.custom_op("flashtile::kvcache_append", mutates_args=("k_cache", "v_cache"),
+                         device_types=("cuda", "cpu"))
+def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: Optional[torch.Tensor], cache_seqlen: int, cache_batch_idx: Optional[torch.Tensor],
+                   block_table: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor],
+                   rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool, k_descale: Optional[torch.Tensor],
+                   v_descale: Optional[torch.Tensor]) -> None:
+    """k (rotated when rotary_cos is given) and v into cache rows cache_seqlens[b] + i (cache_seqlen for every b
+    when cache_seqlens is None), in place."""
+    if _use_kernels(k_cache):
+        _decode.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
+                               rotary_cos, rotary_sin, rotary_interleaved, k_descale, v_descale)
+        return
+    _warn_cpu_fallback()
+    # Rotary in fp32, as the kernel computes it, then rounded to the cache's dtype.
+    _reference.append_kv_(k_cache, v_cache, k.float(), v, cache_seqlen if cache_seqlens is None else cache_seqlens,
+                          cache_batch_idx=cache_batch_idx, block_table=block_table, rotary_cos=rotary_cos,
+                          rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, k_descale=k_descale,
+                          v_descale=v_descale)
+
+
+@kvcache_append.register_fake
+def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
+                         rotary_cos, rotary_sin, rotary_interleaved, k_descale, v_descale):
+    return None
+
+
+@torch.library.custom_op("flashtile::kvcache_attn", mutates_args=(), device_types=("cuda", "cpu"))
+def kvcache_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
+                 cache_seqlen: int, seqlen_new: int, cache_batch_idx: Optional[torch.Tensor],
+                 cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                 rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
+                 alibi_slopes: Optional[torch.Tensor], softmax_scale: float, causal: bool, window_left: int,
+                 window_right: int, softcap: float, num_splits: int, k_descale: Optional[torch.Tensor],
+                 v_descale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32) of q over each sequence's cache rows
+    [cache_leftpad[b], cache_seqlens[b] + seqlen_new)."""
+    if _use_kernels(q):
+        return _decode.kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new,
+                                         cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
+                                         rotary_interleaved, alibi_slopes, softmax_scale, causal, window_left,
+                                         window_right, softcap, num_splits, k_descale, v_descale)
+    _warn_cpu_fallback()
+    out, lse = _reference.kvcache_attention(
+        q.float(), k_cache, v_cache, cache_seqlen if cache_seqlens is None else cache_seqlens,
+        seqlen_new=seqlen_new, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
+    return out.to(q.dtype), lse.float()
+
+
+@kvcache_attn.register_fake
+def _kvcache_attn_fake(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad,
+                       block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal,
+                       window_left, window_right, softcap, num_splits, k_descale, v_descale):
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    return q.new_empty((batch, seqlen_q, num_heads, head_dim)), q.new_empty((batch, num_heads, seqlen_q),
+                                                                           dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Argument checks (flashtile._validate's style: name the bad value and the fix)
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_device(name, t, q):
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device).")
+
+
+def _check_index(name, t, q, batch):
+    """A per-sequence integer vector (batch,) on q's device; returned contiguous."""
+    if t is None:
+        return None
+    _check_tensor(name, t)
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; it must be torch.int32 (or int64): convert it with "
+                        f".to(torch.int32).")
+    _check_device(name, t, q)
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (batch,) = ({batch},), one entry per "
+                         f"sequence of q.")
+    return t.contiguous()
+
+
+def _check_cache(q, k_cache, v_cache, block_table):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            layout = "(num_blocks, page_block_size, nheads_k, headdim)" if block_table is not None else \
+                "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}.")
+        _check_device(name, t, q)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dimension (headdim) must be contiguous, got stride {t.stride(-1)}; the "
+                             f"cache is updated in place, so allocate it with a contiguous headdim.")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} but v_cache has {tuple(v_cache.shape)}; they "
+                         f"must be equal.")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; store both in one dtype.")
+    if k_cache.dtype in FP8_CACHE_DTYPES:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"an fp8 cache needs q in float16 or bfloat16 (the dequantised keys and values take "
+                            f"q's dtype), got q {q.dtype}; convert q with .to(torch.bfloat16).")
+    elif k_cache.dtype != q.dtype:
+        raise TypeError(f"q is {q.dtype} but the cache is {k_cache.dtype}; they must share one dtype (or the cache "
+                        f"is float8_e4m3fn with k_descale/v_descale): convert q with .to({k_cache.dtype}).")
+
+
+def _check_block_table(block_table, q, k_cache, batch):
+    if block_table is None:
+        return None
+    _check_tensor("block_table", block_table)
+    if block_table.dtype not in INDEX_DTYPES:
+        raise TypeError(f"block_table has dtype {block_table.dtype}; it must be torch.int32: convert it with "
+                        f".to(torch.int32).")
+    _check_device("block_table", block_table, q)
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; it must be (batch, "
+                         f"max_num_blocks_per_seq) = ({batch}, n >= 1): row b lists the pages of sequence b in "
+                         f"order.")
+    return block_table.contiguous()
+
+
+def _check_new_kv(k, v, q, k_cache, batch, num_kv_heads, head_dim):
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the new keys and values to append) or neither.")
+    if k is None:
+        return None, None
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(name, t)
+        _check_device(name, t, q)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} is {t.dtype} but q is {q.dtype}; convert it with .to({q.dtype}).")
+        if t.dim() != 4 or t.shape[0] != batch or t.shape[2] != num_kv_heads or t.shape[3] != head_dim:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (batch, seqlen_new, nheads_k, headdim) "
+                             f"= ({batch}, seqlen_new, {num_kv_heads}, {head_dim}), like the cache's heads.")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k has {k.shape[1]} new tokens but v has {v.shape[1]}; append as many keys as values.")
+    return (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+
+
+def _check_rotary(rotary_cos, rotary_sin, q, k, head_dim):
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("pass both rotary_cos and rotary_sin, or neither.")
+    if rotary_cos is None:
+        return None, None
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin rotate the new keys as they are appended, so they need k and v; "
+                         "pass the new keys, or apply the rotary embedding to q yourself.")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _check_tensor(name, t)
+        _check_device(name, t, q)
+        if not t.is_floating_point():
+            raise TypeError(f"{name} has dtype {t.dtype}; it must be a floating-point tensor.")
+        if t.dim() != 2 or t.shape[1] < 1 or 2 * t.shape[1] > head_dim:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (seqlen_ro, rotary_dim / 2) with "
+                             f"rotary_dim <= headdim = {head_dim}.")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos has shape {tuple(rotary_cos.shape)} but rotary_sin has "
+                         f"{tuple(rotary_sin.shape)}; they must be equal.")
+    return (t if t.stride(-1) == 1 else t.contiguous() for t in (rotary_cos, rotary_sin))
+
+
+def _check_window(window_size):
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(map(_is_int, window_size)):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
+                        f"{window_size!r}. Use (-1, -1) for no window.")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}.")
+    return tuple(window_size)
+
+
+def _check_softcap(softcap):
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}.")
+    if not (softcap >= 0.0 and softcap != float("inf")):
+        raise ValueError(f"softcap must be finite and >= 0 (0.0 = off), got {softcap}.")
+    return float(softcap)
+
+
+def _check_fp32(name, t, q, shapes, what):
+    if t is None:
+        return None
+    _check_tensor(name, t)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}; convert it with .float().")
+    _check_device(name, t, q)
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be {' or '.join(map(str, shapes))} ({what}).")
+    return t.contiguous()
+
+
+def _check_descale(k_descale, v_descale, q, k_cache, batch, num_kv_heads):
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    if (k_descale is None) != (v_descale is None):
+        raise ValueError("pass both k_descale and v_descale, or neither.")
+    if fp8 and k_descale is None:
+        raise ValueError(f"the cache is {k_cache.dtype}: pass k_descale and v_descale, float32 (batch, nheads_k) "
+                         f"factors that turn stored values into real ones (torch.ones for none).")
+    if not fp8 and k_descale is not None:
+        raise ValueError(f"k_descale/v_descale apply to an fp8 (float8_e4m3fn) cache; this cache is "
+                         f"{k_cache.dtype}, so drop them.")
+    shape = [(batch, num_kv_heads)]
+    what = "one factor per sequence and kv head"
+    return _check_fp32("k_descale", k_descale, q, shape, what), _check_fp32("v_descale", v_descale, q, shape, what)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public function
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, k_descale=None,
+                            v_descale=None):
+    """Attention of new query tokens over a KV cache, appending their keys and values first; flash-attn compatible.
+
+    If k and v are given they are written into k_cache and v_cache *in place* at rows cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1 of each sequence (rotated first when rotary_cos/rotary_sin are given), and
+    attention then covers the updated cache. Sequence b attends to its cache rows
+    [cache_leftpad[b], cache_seqlens[b] + seqlen_new); the rest of the cache is neither read nor written.
+
+    Grouped-query attention: nheads must be a multiple of nheads_k; query head h uses kv head h // (nheads //
+    nheads_k). The query heads that share a kv head are computed together, so each key is read once per kv head.
+
+    causal=True aligns the mask to the bottom-right corner of (seqlen_q, seqlen_k), seqlen_k being the sequence's
+    number of keys: query i sees key j iff j <= i + seqlen_k - seqlen_q. With seqlen_q = 2, seqlen_k = 5:
+        1 1 1 1 0
+        1 1 1 1 1
+    A row that sees no key outputs 0 and has LSE -inf.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32. headdim: a multiple of 8, at most 256.
+        k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) without block_table, or
+            (num_blocks, page_block_size, nheads_k, headdim) with one (a paged cache; any page size: 16, 32, ...,
+            256). q's dtype, or float8_e4m3fn with k_descale/v_descale. The headdim must be contiguous.
+        k, v: optional (batch, seqlen_new, nheads_k, headdim), q's dtype: new keys/values to append.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), rotary_dim <= headdim; needs k and v. The new
+            keys are rotated at positions cache_seqlens[b] + i. With causal or a window, query i is rotated at
+            position cache_seqlens[b] + i; otherwise every query at cache_seqlens[b] (flash-attn's convention).
+            seqlen_ro must cover every position used: positions past it are rotated by angle 0.
+        cache_seqlens: int, or (batch,) int32 tensor: each sequence's length before the append. Default None: the
+            whole cache (seqlen_cache, or max_num_blocks_per_seq * page_block_size); required with k and v.
+            Lengths in a tensor are not checked (that would synchronise with the GPU): keep
+            cache_seqlens + seqlen_new within the cache.
+        cache_batch_idx: optional (batch,) int32: the cache row of each sequence (default b). Not with block_table,
+            whose rows already name each sequence's pages.
+        cache_leftpad: optional (batch,) int32: the first valid cache row of each sequence (default 0). Keys before
+            it are ignored and the mask alignment counts keys from it.
+        block_table: optional (batch, max_num_blocks_per_seq) int32: the pages of each sequence, in order.
+        softmax_scale: float, default 1 / sqrt(headdim).
+        causal: bool, default False.
+        window_size: (left, right), default (-1, -1). Query i sees keys i + seqlen_k - seqlen_q - left ..
+            i + seqlen_k - seqlen_q + right, inclusive; -1 leaves a side unbounded. causal sets right to 0.
+        softcap: float, default 0.0 (off). Scores become softcap * tanh(scores / softcap).
+        rotary_interleaved: bool, default True: rotate dims (0, 1), (2, 3), ... (GPT-J); False: dims
+            (i, i + rotary_dim / 2) (GPT-NeoX).
+        alibi_slopes: optional (nheads,) or (batch, nheads) float32. Adds -slope * |i + seqlen_k - seqlen_q - j|
+            to the score of query i and key j (after softcap).
+        num_splits: int, default 0. The keys of each sequence are split into this many chunks computed in
+            parallel and merged; 0 picks the number so one launch fills the GPU, 1 does not split.
+        return_softmax_lse: bool, default False: also return the LSE.
+        k_descale, v_descale: keyword-only, (batch, nheads_k) float32, for a float8_e4m3fn cache only: real
+            key = stored key * k_descale (likewise v). Appended keys/values are stored as value / descale,
+            saturated to +-448.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim) in q's dtype.
+        softmax_lse (only if return_softmax_lse): (batch, nheads, seqlen_q) float32, natural-log logsumexp of each
+            row's scores (-inf for a row that sees no key).
+
+    No backward (inference only).
+    """
+    _check_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}; for one "
+                         f"decode step use seqlen_q = 1 (q.unsqueeze(1)).")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; flashtile supports float16, bfloat16 and float32: convert it with "
+                        f".to(torch.bfloat16).")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"flashtile runs on CUDA GPUs (and on the CPU for testing), got device {q.device}.")
+    if q.numel() == 0:
+        raise ValueError(f"q is empty (shape {tuple(q.shape)}); batch, seqlen_q, nheads and headdim must be >= 1.")
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_table = _check_block_table(block_table, q, k_cache, batch)
+    _check_cache(q, k_cache, v_cache, block_table)
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q has headdim {head_dim} but the cache has {k_cache.shape[3]}; they must be equal.")
+    if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"headdim {head_dim} is not supported: it must be a multiple of {HEAD_DIM_MULTIPLE} and at "
+                         f"most {MAX_HEAD_DIM}; pad it with zeros to the next multiple of {HEAD_DIM_MULTIPLE}.")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads but the cache has {num_kv_heads}; the number of query heads must "
+                         f"be a multiple of the number of key/value heads (grouped-query attention).")
+    if k_cache.numel() == 0:
+        raise ValueError(f"the cache is empty (shape {tuple(k_cache.shape)}); allocate at least one row per "
+                         f"sequence.")
+    cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, q, batch)
+    cache_leftpad = _check_index("cache_leftpad", cache_leftpad, q, batch)
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be combined with block_table: block_table's row b already names the "
+                         "pages of sequence b; reorder its rows instead.")
+    if block_table is None and cache_batch_idx is None and k_cache.shape[0] != batch:
+        raise ValueError(f"the cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass "
+                         f"cache_batch_idx (batch,) to say which cache row each sequence uses.")
+    capacity = _decode._capacity(k_cache, block_table)
+    k, v = _check_new_kv(k, v, q, k_cache, batch, num_kv_heads, head_dim)
+    seqlen_new = 0 if k is None else k.shape[1]
+    rotary_cos, rotary_sin = _check_rotary(rotary_cos, rotary_sin, q, k, head_dim)
+
+    cache_seqlen = capacity
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("appending k and v needs cache_seqlens, each sequence's current length (where the new "
+                             "tokens go): pass an int or a (batch,) int32 tensor.")
+    elif _is_int(cache_seqlens):
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            raise ValueError(f"cache_seqlens={cache_seqlens} with {seqlen_new} new tokens does not fit a cache of "
+                             f"{capacity} rows per sequence; it must be in [0, {capacity - seqlen_new}].")
+        cache_seqlen, cache_seqlens = cache_seqlens, None
+    else:
+        cache_seqlens = _check_index("cache_seqlens", cache_seqlens, q, batch)
+
+    scale = resolve_scale(softmax_scale, head_dim)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}.")
+    window_left, window_right = _check_window(window_size)
+    softcap = _check_softcap(softcap)
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}.")
+    alibi_slopes = _check_fp32("alibi_slopes", alibi_slopes, q, [(num_heads,), (batch, num_heads)],
+                               "one slope per query head, optionally per sequence")
+    if not _is_int(num_splits) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically, 1 = no split), got "
+                         f"{num_splits!r}.")
+    k_descale, v_descale = _check_descale(k_descale, v_descale, q, k_cache, batch, num_kv_heads)
+
+    if k is not None and seqlen_new > 0:
+        kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
+                       rotary_cos, rotary_sin, rotary_interleaved, k_descale, v_descale)
+    out, lse = kvcache_attn(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx,
+                            cache_leftpad, block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, scale,
+                            causal, window_left, window_right, softcap, num_splits, k_descale, v_descale)
+    return (out, lse) if return_softmax_lse else out
