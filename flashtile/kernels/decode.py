@@ -87,6 +87,20 @@ def split_candidates(head_dim, dtype, spec):
     return first + _SAFE_TILES
 
 
+# triton.cdiv and triton.next_power_of_2 are Triton functions in recent versions (jit / constexpr_function): from
+# the host each call costs microseconds, which a small decode step (~10 us of GPU time) cannot spare.
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_pow2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _block_d(head_dim):
+    return max(configs.MIN_BLOCK_D, _next_pow2(head_dim))
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -105,8 +119,8 @@ def choose_num_splits(requested, programs, max_keys, block_n, device):
         sms = INTERPRETER_SM_COUNT
     else:
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    wanted = triton.cdiv(SPLIT_WAVES * sms, programs)
-    useful = max(1, triton.cdiv(max_keys, MIN_BLOCKS_PER_SPLIT * block_n))
+    wanted = _cdiv(SPLIT_WAVES * sms, programs)
+    useful = max(1, _cdiv(max_keys, MIN_BLOCKS_PER_SPLIT * block_n))
     return max(1, min(wanted, useful, MAX_AUTO_SPLITS))
 
 
@@ -441,6 +455,7 @@ def _capacity(k_cache, block_table):
     return k_cache.shape[1]
 
 
+@functools.lru_cache(maxsize=None)
 def _dummy(device):
     # Stands in for an absent optional tensor: its pointer is passed but never read (the constexpr flag is off).
     return torch.empty(1, dtype=torch.int32, device=device)
@@ -458,8 +473,8 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, 
     paged = block_table is not None
     rotary = rotary_cos is not None
     quantize = k_descale is not None
-    block_r = min(APPEND_BLOCK_R, triton.next_power_of_2(seqlen_new))
-    grid = (triton.cdiv(seqlen_new, block_r), batch * num_kv_heads)
+    block_r = min(APPEND_BLOCK_R, _next_pow2(seqlen_new))
+    grid = (_cdiv(seqlen_new, block_r), batch * num_kv_heads)
     _kvcache_append_kernel[grid](
         k_new, v_new, k_cache, v_cache,
         cache_seqlens if cache_seqlens is not None else dummy,
@@ -476,7 +491,7 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, 
         k_descale.stride(0) if quantize else 0,
         seqlen_new, cache_seqlen, _capacity(k_cache, block_table), num_kv_heads,
         rotary_cos.shape[0] if rotary else 0,
-        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=configs.LaunchSpec.block_d(head_dim),
+        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=_block_d(head_dim),
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         PAGED=paged, PAGE_SIZE=_page_size(k_cache, block_table),
         ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0, INTERLEAVED=bool(rotary_interleaved),
@@ -516,17 +531,20 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_n
     has_softcap = softcap > 0.0
     has_descale = k_descale is not None
     spec = configs.launch_spec(q, (q, k_cache, v_cache))
-    block_d = spec.block_d(head_dim)
+    block_d = _block_d(head_dim)
     rows = seqlen_q * group
     candidates = split_candidates(head_dim, k_cache.dtype, spec)
 
     def launch(cfg):
-        block_m = min(cfg.block_m, max(MIN_BLOCK_M, triton.next_power_of_2(rows)))
-        m_blocks = triton.cdiv(rows, block_m)
+        block_m = min(cfg.block_m, max(MIN_BLOCK_M, _next_pow2(rows)))
+        m_blocks = _cdiv(rows, block_m)
         splits = choose_num_splits(num_splits, batch * num_kv_heads * m_blocks, max_keys, cfg.block_n, device)
         if splits > 1:
-            o_part = _common.empty((batch, seqlen_q, num_heads, splits, head_dim), torch.float32, device)
-            lse_part = _common.empty((batch, seqlen_q, num_heads, splits), torch.float32, device)
+            # One allocation for both: o_part [B, Sq, Hq, S, D], then lse_part [B, Sq, Hq, S].
+            n_rows = batch * seqlen_q * num_heads * splits
+            part = _common.empty((n_rows * (head_dim + 1),), torch.float32, device)
+            o_part = part[:n_rows * head_dim].view(batch, seqlen_q, num_heads, splits, head_dim)
+            lse_part = part[n_rows * head_dim:].view(batch, seqlen_q, num_heads, splits)
         else:
             o_part, lse_part = dummy, dummy
         compiled = _kvcache_split_kernel[(batch * num_kv_heads, splits, m_blocks)](
@@ -563,7 +581,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_n
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
-            block_s = min(COMBINE_BLOCK_S, triton.next_power_of_2(splits))
+            block_s = min(COMBINE_BLOCK_S, _next_pow2(splits))
             _kvcache_combine_kernel[(batch * seqlen_q * num_heads,)](
                 o_part, lse_part, out, lse, splits, seqlen_q, num_heads,
                 HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
