@@ -24,13 +24,12 @@ from typing import Optional
 import pytest
 import torch
 
-import flashtile.kernels._common
 from flashtile.kernels import configs, decode
 from flashtile.kernels.configs import TileConfig
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.reference import kvcache as reference
 from flashtile.reference import naive_attention
-from flashtile.testing import K, assert_close, judge
+from flashtile.testing import K, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO_ROOT = Path(__file__).resolve().parents[1]
