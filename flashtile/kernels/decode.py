@@ -18,8 +18,9 @@ Three kernels, explained in docs/kvcache.md:
 1. _kvcache_append_kernel writes k_new (rotated) and v_new into the cache, in place.
 2. _kvcache_split_kernel: one program per (batch, kv head, split, row block). The G = Hq / Hk query heads that
    share a kv head are packed into the rows of one tile (row r = query i * G + head g), so each K/V block is read
-   once per kv head instead of once per query head. A split runs the online softmax (docs/derivation.md#4) over its
-   slice of the keys and writes (O_s, lse_s); with a single split it writes the final output directly.
+   once per kv head instead of once per query head. A split runs the online softmax over its slice of the keys
+   (docs/derivation.md#4-tiled-attention-fa1-and-fa2-loop-orders) and writes (O_s, lse_s); with a single split it
+   writes the final output directly.
 3. _kvcache_combine_kernel merges the splits: LSE = logsumexp_s lse_s, O = sum_s exp(lse_s - LSE) O_s
    (docs/derivation.md#7-merging-partial-results).
 Paged addressing is a constexpr variant (PAGED) of the same row addressing in all of them.
@@ -408,7 +409,7 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, OPart, LsePart,
 @triton.jit
 def _kvcache_combine_kernel(OPart, LsePart, Out, Lse, num_splits, seqlen_q, num_heads,
                             HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One output row (b, i, h): the online softmax of docs/derivation.md#4 with the splits as blocks, each
+    """One output row (b, i, h): the online softmax of docs/derivation.md ch. 4 with the splits as blocks, each
     carrying its weight exp2(lse_s) instead of a block of scores."""
     row = tl.program_id(0).to(tl.int64)  # (b * Sq + i) * Hq + h, also the row of out [B, Sq, Hq, D]
     o_d = tl.arange(0, BLOCK_D)
