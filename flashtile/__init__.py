@@ -1,7 +1,10 @@
-"""flashtile: FlashAttention as a pure-Python library (Triton kernels, forward and backward)."""
+"""flashtile: FlashAttention as a pure-Python library (Triton kernels, no C++ build)."""
 from . import reference
-from .interface import flash_attn_func, scaled_dot_product_attention
+from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                        scaled_dot_product_attention)
 
 __version__ = "0.1.0"
-
-__all__ = ["flash_attn_func", "scaled_dot_product_attention", "reference", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention",
+           "reference", "__version__"]

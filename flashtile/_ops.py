@@ -6,6 +6,9 @@ Where each op runs:
 - CPU tensors with TRITON_INTERPRET=1 set before flashtile is imported: the same Triton kernels, interpreted (slow;
   this is how the CI tests the kernels).
 - CPU tensors otherwise: the pure-PyTorch reference (flashtile.reference), with a one-time warning.
+
+Packed inputs: with k None, q is a packed qkv tensor (..., 3, H, D); with v None, k is a packed kv (..., 2, Hk, D).
+The backward then returns one gradient for the packed tensor, written in place by the kernels (no concatenation).
 """
 import os
 import sys
@@ -15,9 +18,12 @@ from typing import Optional
 import torch
 
 from . import reference
+from .kernels import _common as _kernel_common
 from .kernels import backward as _bwd_kernels
 from .kernels import configs as _configs
 from .kernels import forward as _fwd_kernels
+from .kernels.features import Features
+from .reference.dropout import dropout_mask
 
 _warned_cpu_fallback = False
 
@@ -47,64 +53,228 @@ def _warn_cpu_fallback():
                       "interpreter instead, or move the tensors to a CUDA GPU.", stacklevel=_user_stacklevel())
 
 
+def _unpack(q, k, v):
+    if k is None:
+        return q.unbind(-3)
+    if v is None:
+        return (q,) + tuple(k.unbind(-3))
+    return q, k, v
+
+
+def _features(causal, window_left, window_right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, seed,
+              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    # Causal is the band's right edge at the diagonal (flash-attn: causal sets window_size[1] = 0).
+    return Features(window_left=window_left, window_right=0 if causal else window_right, softcap=softcap,
+                    alibi_slopes=alibi_slopes, attn_bias=attn_bias, sinks=sinks, dropout_p=dropout_p, seed=seed,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k)
+
+
+def _reference_forward(q, k, v, scale, offset, feats: Features):
+    """The CPU fallback's forward (float32 reference; differentiable, so the fallback backward is autograd)."""
+    kw = dict(softmax_scale=scale, diagonal_offset=offset, window_size=(feats.window_left, feats.window_right),
+              softcap=feats.softcap, sinks=feats.sinks, dropout_p=feats.dropout_p)
+    seed = int(feats.seed.item()) if feats.dropout_p > 0 else 0
+
+    def one(qb, kb, vb, slopes, b_index):
+        mask_kw = {}
+        if feats.attn_bias is not None:
+            mask_kw["attn_mask" if feats.attn_bias.dtype == torch.bool else "attn_bias"] = feats.attn_bias
+        if feats.dropout_p > 0:
+            mask_kw["dropout_mask"] = dropout_mask(seed, qb.shape[0], qb.shape[2], qb.shape[1], kb.shape[1],
+                                                   feats.dropout_p, batch_offset=b_index)
+        out, lse = reference.naive_attention(qb.float(), kb.float(), vb.float(), alibi_slopes=slopes, **kw,
+                                             **mask_kw)
+        return out, lse
+
+    if not feats.varlen:
+        kw["diagonal_offset"] = offset
+        out, lse = one(q, k, v, feats.alibi_slopes, 0)
+        return out.to(q.dtype), lse.float()
+    kw.pop("diagonal_offset")  # each sequence aligns to its own bottom-right
+    cu_q, cu_k = feats.cu_seqlens_q.tolist(), feats.cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        slopes = feats.alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        out, lse = one(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]], v[None, cu_k[b]:cu_k[b + 1]],
+                       slopes, b)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=-1).float()
+
+
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-             diagonal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32). Query i sees key j iff j <= i + diagonal_offset when causal."""
+def attn_fwd(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], softmax_scale: float,
+             causal: bool, diagonal_offset: int, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+             alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
+             sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+             cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse fp32). Query i sees key j iff j <= i + diagonal_offset when causal, and inside the window
+    (left/right bounds relative to the same diagonal, -1 unbounded). Shapes: flashtile.kernels.forward."""
+    q, k, v = _unpack(q, k, v)
+    feats = _features(causal, window_left, window_right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, seed,
+                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _use_kernels(q):
-        return _fwd_kernels.attention_forward(q, k, v, softmax_scale, causal, diagonal_offset)
+        return _fwd_kernels.attention_forward(q, k, v, softmax_scale, diagonal_offset, feats)
     _warn_cpu_fallback()
-    out, lse = reference.naive_attention(q.float(), k.float(), v.float(), softmax_scale=softmax_scale,
-                                         causal=causal, diagonal_offset=diagonal_offset)
-    return out.to(q.dtype), lse.float()
+    with torch.no_grad():
+        return _reference_forward(q, k, v, softmax_scale, diagonal_offset, feats)
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, softmax_scale, causal, diagonal_offset):
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    out = q.new_empty((batch, seqlen_q, num_heads, head_dim))
-    lse = q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
+def _attn_fwd_fake(q, k, v, softmax_scale, causal, diagonal_offset, window_left=-1, window_right=-1, softcap=0.0,
+                   alibi_slopes=None, attn_bias=None, sinks=None, dropout_p=0.0, seed=None, cu_seqlens_q=None,
+                   cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    q, k, v = _unpack(q, k, v)
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
     return out, lse
 
 
 @torch.library.custom_op("flashtile::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,
-             diagonal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for attn_fwd; dlse is the gradient reaching the returned LSE (None when the LSE is unused)."""
+def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+             out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,
+             diagonal_offset: int, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+             alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
+             bias_requires_grad: bool = False, sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+             seed: Optional[torch.Tensor] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
+             cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+             max_seqlen_k: int = 0) -> list[torch.Tensor]:
+    """Gradients for attn_fwd: [dq, dk, dv] (packed inputs: [dqkv] or [dq, dkv]), then dbias if
+    bias_requires_grad, then dsinks if sinks are given. dlse is the gradient reaching the returned LSE (None
+    when the LSE is unused)."""
+    packed_q, packed_k, v_in = q, k, v
+    q, k, v = _unpack(q, k, v)
+    feats = _features(causal, window_left, window_right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, seed,
+                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _use_kernels(q):
-        return _bwd_kernels.attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal,
-                                               diagonal_offset)
-    _warn_cpu_fallback()
-    return reference.attention_backward(q, k, v, out, lse, dout, softmax_scale=softmax_scale, causal=causal,
-                                        diagonal_offset=diagonal_offset, dlse=dlse)
+        # Packed inputs get one gradient buffer; the kernels write its q/k/v slices directly.
+        dq = dk = dv = None
+        if packed_k is None:
+            grads = [_kernel_common.empty(packed_q.shape, q.dtype, q.device)]
+            dq, dk, dv = grads[0].unbind(-3)
+        elif v_in is None:
+            grads = [_kernel_common.empty(q.shape, q.dtype, q.device),
+                     _kernel_common.empty(packed_k.shape, k.dtype, k.device)]
+            dq, (dk, dv) = grads[0], grads[1].unbind(-3)
+        dq, dk, dv, dbias, dsinks = _bwd_kernels.attention_backward(
+            dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_offset, feats, dq=dq, dk=dk, dv=dv,
+            bias_grad=bias_requires_grad)
+        if packed_k is not None and v_in is not None:
+            grads = [dq, dk, dv]
+    else:
+        _warn_cpu_fallback()
+        grads, dbias, dsinks = _reference_backward(dout, packed_q, packed_k, v_in, out, lse, dlse, softmax_scale,
+                                                   diagonal_offset, feats, bias_requires_grad)
+    if bias_requires_grad:
+        grads.append(dbias)
+    if sinks is not None:
+        grads.append(dsinks)
+    return grads
+
+
+def _reference_backward(dout, packed_q, packed_k, v_in, out, lse, dlse, scale, offset, feats, bias_requires_grad):
+    """The CPU fallback's backward: the dense delta formula with the features (reference.attention_backward),
+    in float32, per sequence for varlen batches."""
+    q, k, v = _unpack(packed_q, packed_k, v_in)
+    kw = dict(softmax_scale=scale, window_size=(feats.window_left, feats.window_right), softcap=feats.softcap,
+              sinks=feats.sinks, dropout_p=feats.dropout_p, feature_grads=True)
+    if feats.attn_bias is not None:
+        kw["attn_mask" if feats.attn_bias.dtype == torch.bool else "attn_bias"] = feats.attn_bias
+    seed = int(feats.seed.item()) if feats.dropout_p > 0 else 0
+
+    def one(qb, kb, vb, ob, lb, dob, dlb, slopes, b_index, offset):
+        if feats.dropout_p > 0:
+            kw["dropout_mask"] = dropout_mask(seed, qb.shape[0], qb.shape[2], qb.shape[1], kb.shape[1],
+                                              feats.dropout_p, batch_offset=b_index)
+        return reference.attention_backward(qb.float(), kb.float(), vb.float(), ob.float(), lb, dob.float(),
+                                            dlse=dlb, diagonal_offset=offset, alibi_slopes=slopes, **kw)
+
+    if not feats.varlen:
+        dq, dk, dv, dbias, dsinks = one(q, k, v, out, lse, dout, dlse, feats.alibi_slopes, 0, offset)
+    else:
+        cu_q, cu_k = feats.cu_seqlens_q.tolist(), feats.cu_seqlens_k.tolist()
+        parts, dsinks = [], None
+        for b in range(len(cu_q) - 1):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            slopes = feats.alibi_slopes
+            if slopes is not None and slopes.dim() == 2:
+                slopes = slopes[b]
+            part = one(q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq], dout[None, rq],
+                       None if dlse is None else dlse[None, :, rq], slopes, b,
+                       (cu_k[b + 1] - cu_k[b]) - (cu_q[b + 1] - cu_q[b]))
+            parts.append(part[:3])
+            if part[4] is not None:
+                dsinks = part[4] if dsinks is None else dsinks + part[4]
+        dq, dk, dv = (torch.cat([p_[i][0] for p_ in parts]) for i in range(3))
+        dbias = None
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if packed_k is None:
+        grads = [torch.stack((dq, dk, dv), dim=-3)]
+    elif v_in is None:
+        grads = [dq, torch.stack((dk, dv), dim=-3)]
+    else:
+        grads = [dq, dk, dv]
+    return grads, dbias, dsinks
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset):
+def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset, window_left=-1,
+                   window_right=-1, softcap=0.0, alibi_slopes=None, attn_bias=None, bias_requires_grad=False,
+                   sinks=None, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                   max_seqlen_k=0):
     # The kernels allocate contiguous gradients whatever the input strides.
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    grads = [t.new_empty(t.shape) for t in (q, k, v) if t is not None]
+    if bias_requires_grad:
+        grads.append(attn_bias.new_empty(attn_bias.shape))
+    if sinks is not None:
+        grads.append(sinks.new_empty(sinks.shape))
+    return grads
+
+
+# Positions of attn_fwd's tensor inputs that can take a gradient.
+_BIAS_INPUT, _SINKS_INPUT = 10, 11
+_NUM_INPUTS = 18
 
 
 def _attn_fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, diagonal_offset = inputs
+    (q, k, v, softmax_scale, causal, diagonal_offset, window_left, window_right, softcap, alibi_slopes, attn_bias,
+     sinks, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.diagonal_offset = diagonal_offset
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_bias, sinks, seed, cu_seqlens_q, cu_seqlens_k)
+    ctx.scalars = (softmax_scale, causal, diagonal_offset, window_left, window_right, softcap)
+    ctx.dropout_p = dropout_p
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     # Unused outputs get None rather than a materialised zero tensor (the LSE usually is unused).
     ctx.set_materialize_grads(False)
 
 
 def _attn_fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, attn_bias, sinks, seed, cu_q, cu_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:  # the kernels need a unit stride along headdim (an expanded grad has 0)
         dout = dout.contiguous()
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.diagonal_offset)
-    return dq, dk, dv, None, None, None
+    softmax_scale, causal, diagonal_offset, window_left, window_right, softcap = ctx.scalars
+    bias_requires_grad = attn_bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
+    grads = attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset, window_left,
+                     window_right, softcap, alibi_slopes, attn_bias, bias_requires_grad, sinks, ctx.dropout_p, seed,
+                     cu_q, cu_k, *ctx.max_seqlens)
+    result = [None] * _NUM_INPUTS
+    n_main = sum(t is not None for t in (q, k, v))
+    result[:n_main] = grads[:n_main]
+    rest = list(grads[n_main:])
+    if bias_requires_grad:
+        result[_BIAS_INPUT] = rest.pop(0)
+    if sinks is not None:
+        result[_SINKS_INPUT] = rest.pop(0)
+    return tuple(result)
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)

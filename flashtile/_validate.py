@@ -4,10 +4,10 @@ import math
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Head dims: multiples of 8 (16-byte rows in half precision, what TMA and vector loads need) up to 256 (the
-# largest tile that fits the per-program shared memory and registers of the kernels).
+# Head dims: multiples of 8 (16-byte rows in half precision, what TMA and vector loads need) up to 512 (past 256
+# the tiles shrink to fit registers and shared memory: supported, not fast).
 HEAD_DIM_MULTIPLE = 8
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 
 
 def _check_tensor(name, t):
@@ -17,14 +17,21 @@ def _check_tensor(name, t):
 
 def check_qkv(q, k, v, layout="bshd"):
     """Validate attention inputs. layout "bshd": (batch, seqlen, heads, headdim), flash-attn's;
-    "bhsd": (batch, heads, seqlen, headdim), torch SDPA's. Returns nothing; raises TypeError/ValueError."""
-    names = ("q", "k", "v") if layout == "bshd" else ("query", "key", "value")
-    dims = "(batch, seqlen, heads, headdim)" if layout == "bshd" else "(batch, heads, seqlen, headdim)"
+    "bhsd": (batch, heads, seqlen, headdim), torch SDPA's; "thd": (total_seqlen, heads, headdim), the varlen
+    packing (treated as one batch entry here). Returns nothing; raises TypeError/ValueError."""
+    names = ("query", "key", "value") if layout == "bhsd" else ("q", "k", "v")
+    dims = {"bshd": "(batch, seqlen, heads, headdim)", "bhsd": "(batch, heads, seqlen, headdim)",
+            "thd": "(total_seqlen, heads, headdim)"}[layout]
+    rank = 3 if layout == "thd" else 4
     for name, t in zip(names, (q, k, v)):
         _check_tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {dims}, got shape {tuple(t.shape)} ({t.dim()}-D); "
-                             f"add the missing batch or head dimension with unsqueeze, or reshape.")
+        if t.dim() != rank:
+            hint = ("concatenate the sequences along the first dimension (cu_seqlens marks where each starts)"
+                    if layout == "thd" else "add the missing batch or head dimension with unsqueeze, or reshape")
+            raise ValueError(f"{name} must be {rank}-D {dims}, got shape {tuple(t.shape)} ({t.dim()}-D); {hint}.")
+    if layout == "thd":
+        q, k, v = (t.unsqueeze(0) for t in (q, k, v))
+        layout = "bshd"
     for name, t in zip(names, (q, k, v)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; flashtile supports float16, bfloat16 and float32: "
@@ -41,7 +48,7 @@ def check_qkv(q, k, v, layout="bshd"):
     def bshd(t):  # (batch, seqlen, heads, headdim) view of the shape
         return tuple(t.shape) if layout == "bshd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
 
-    (b, sq, hq, d), (bk, sk, hk, dk), (bv, sv, hv, dv) = bshd(q), bshd(k), bshd(v)
+    (b, _, hq, d), (bk, sk, hk, dk), (bv, sv, hv, dv) = bshd(q), bshd(k), bshd(v)
     for name, t in zip(names, (q, k, v)):
         if t.numel() == 0:
             raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); every dimension of {dims} must be at "
@@ -55,12 +62,14 @@ def check_qkv(q, k, v, layout="bshd"):
     if hk != hv:
         raise ValueError(f"{names[1]} has {hk} heads but {names[2]} has {hv}; keys and values must have the "
                          f"same number of heads.")
-    if d != dk or d != dv:
-        raise ValueError(f"head dims differ: {names[0]} {d}, {names[1]} {dk}, {names[2]} {dv}; this version needs "
-                         f"one head dim for q, k and v.")
-    if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {d} is not supported: it must be a multiple of {HEAD_DIM_MULTIPLE} and at most "
-                         f"{MAX_HEAD_DIM}; pad the head dim with zeros to the next multiple of {HEAD_DIM_MULTIPLE}.")
+    if d != dk:
+        raise ValueError(f"head dims differ: {names[0]} {d}, {names[1]} {dk}; queries and keys need one head dim "
+                         f"(values may have another).")
+    for name, size in ((names[0], d), (names[2], dv)):
+        if size % HEAD_DIM_MULTIPLE or size > MAX_HEAD_DIM:
+            raise ValueError(f"{name} head dim {size} is not supported: it must be a multiple of "
+                             f"{HEAD_DIM_MULTIPLE} and at most {MAX_HEAD_DIM}; pad the head dim with zeros to the "
+                             f"next multiple of {HEAD_DIM_MULTIPLE}.")
     if hq % hk:
         raise ValueError(f"{names[0]} has {hq} heads but {names[1]}/{names[2]} have {hk}; the number of query heads "
                          f"must be a multiple of the number of key/value heads (grouped-query attention).")
@@ -84,3 +93,100 @@ def resolve_scale(softmax_scale, head_dim, name="softmax_scale"):
 def not_built(feature, issue_hint):
     """Options whose feature is not built yet raise instead of being ignored."""
     return NotImplementedError(f"{feature} is not implemented in flashtile yet ({issue_hint}); call without it.")
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_float(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_window(window_size):
+    """-> (left, right) ints, -1 meaning unbounded."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(map(_is_int, window_size)):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
+                        f"{window_size!r}. Use (-1, -1) for full attention.")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}.")
+    return left, right
+
+
+def check_softcap(softcap):
+    if not _is_float(softcap):
+        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}.")
+    # Comparisons only (no math.isfinite): torch.compile traces this with the value as a constant.
+    if not 0.0 <= softcap < float("inf"):
+        raise ValueError(f"softcap must be finite and >= 0 (0.0 = off), got {softcap}.")
+    return float(softcap)
+
+
+def check_dropout(dropout_p):
+    if not _is_float(dropout_p):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}.")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}; pass 0.0 for no dropout (e.g. in eval).")
+    return float(dropout_p)
+
+
+def _check_fp32_vector(name, t, q, shapes, what):
+    _check_tensor(name, t)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}; convert it with .float().")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device).")
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(str(s) for s in shapes)} ({what}), got "
+                         f"{tuple(t.shape)}.")
+
+
+def check_alibi(alibi_slopes, q, batch, heads):
+    if alibi_slopes is not None:
+        _check_fp32_vector("alibi_slopes", alibi_slopes, q, [(heads,), (batch, heads)],
+                           "one slope per query head, optionally per batch entry")
+        if alibi_slopes.stride(-1) != 1:
+            alibi_slopes = alibi_slopes.contiguous()
+    return alibi_slopes
+
+
+def check_sinks(sinks, q, heads):
+    if sinks is not None:
+        _check_fp32_vector("sinks", sinks, q, [(heads,)], "one sink logit per query head")
+        sinks = sinks.contiguous()
+    return sinks
+
+
+def check_attn_mask(attn_mask, query, batch, heads, seqlen_q, seqlen_k):
+    """torch SDPA's attn_mask: bool (True = attend) or a float bias, broadcastable to (batch, heads, seqlen_q,
+    seqlen_k). Returns a 4-D view of it (size-1 dims broadcast)."""
+    _check_tensor("attn_mask", attn_mask)
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = attend) or a float bias, got {attn_mask.dtype}; convert "
+                        f"an integer mask with .bool().")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}; move it with "
+                         f".to(query.device).")
+    full = (batch, heads, seqlen_q, seqlen_k)
+    if attn_mask.dim() > 4 or any(n not in (1, f) for n, f in zip(attn_mask.shape[::-1], full[::-1])):
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, heads, "
+                         f"seqlen_q, seqlen_k) = {full}; each dimension must match or be 1.")
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q):
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_tensor(name, cu)
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets (0, len_0, len_0 + len_1, "
+                             f"...), got dtype {cu.dtype} and shape {tuple(cu.shape)}.")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; move it with .to(q.device).")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
+                         f"{cu_seqlens_k.numel()}; both hold batch + 1 offsets.")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not _is_int(m) or m < 0:
+            raise TypeError(f"{name} must be a non-negative int (the longest sequence), got {m!r}.")
+    return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()

@@ -1,36 +1,21 @@
-"""Public attention functions: flash-attn's `flash_attn_func` and torch's `scaled_dot_product_attention`.
+"""Public attention functions: flash-attn's `flash_attn_func` family (fixed-length, variable-length, packed) and
+torch's `scaled_dot_product_attention`.
 
-Both validate their arguments, then call the `flashtile::attn_fwd` custom op (flashtile._ops), which runs the
+Each validates its arguments, then calls the `flashtile::attn_fwd` custom op (flashtile._ops), which runs the
 Triton kernels on CUDA tensors and is differentiable.
 """
+import torch
+
 from . import _ops
-from ._validate import check_qkv, not_built, resolve_scale
+from . import reference
+from .reference.dropout import dropout_mask
+from ._validate import (check_alibi, check_attn_mask, check_dropout, check_qkv, check_sinks, check_softcap,
+                        check_varlen, check_window, resolve_scale)
 
-_FEATURES_ISSUE = "planned: dropout, sliding window, softcap, ALiBi and masks come with the features work"
-
-
-def _attention(q, k, v, scale, causal, diagonal_offset):
-    """The op call both APIs share. The kernels need scale > 0 (they take the row max before scaling); a negative
-    scale is the same function of -q with |scale|, and negating is exact (autograd flips dq back)."""
-    if scale < 0:
-        q, scale = -q, -scale
-    elif scale == 0:
-        # Every score is 0: uniform attention over the visible keys. Zero scores under any positive scale give it;
-        # q * 0 (not a fresh zeros tensor) keeps q in the graph, so q.grad is the exact 0.
-        q, scale = q * 0.0, 1.0
-    return _ops.attn_fwd(q, k, v, scale, causal, diagonal_offset)
-
-
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """Exact attention, flash-attn compatible.
-
-    Arguments:
-        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32, CUDA (or CPU, see the README).
-        k, v: (batch, seqlen_k, nheads_k, headdim). nheads must be a multiple of nheads_k: grouped-query
-            attention, query head h uses key/value head h // (nheads // nheads_k) (nheads_k = 1 is MQA).
-            headdim: a multiple of 8, at most 256. The last dimension must be contiguous; any other strides work.
-        dropout_p: float, default 0.0. Only 0.0 is supported in this version.
+_ARGS_DOC = """
+        dropout_p: float in [0, 1), default 0.0. Dropout on the attention probabilities (Philox in the kernel,
+            seeded from torch's generator for q's device: torch.manual_seed reproduces a run; the backward
+            regenerates the same mask). Pass 0.0 in evaluation.
         softmax_scale: float, default 1 / sqrt(headdim). Scores are softmax_scale * q @ k^T.
         causal: bool, default False. Query i sees key j iff j <= i + seqlen_k - seqlen_q: the mask is aligned to
             the bottom-right corner. With seqlen_q = 2, seqlen_k = 5:
@@ -42,37 +27,266 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 0 0
                 1 0
                 1 1
-        window_size, softcap, alibi_slopes: defaults only ((-1, -1), 0.0, None) in this version; other values
-            raise NotImplementedError.
+        window_size: (left, right), default (-1, -1). Sliding-window (local) attention: query i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (inclusive, aligned like
+            causal); -1 leaves that side unbounded. causal=True sets right to 0. Key blocks outside the band are
+            never loaded.
+        softcap: float, default 0.0 (off). Scores s become softcap * tanh(s / softcap) before the softmax
+            (Gemma 2, Grok), with its backward.
+        alibi_slopes: float32 (nheads,) or (batch, nheads), default None. Adds -slope * |i + seqlen_k - seqlen_q
+            - j| to the scores (after the softcap).
         deterministic: bool, default False. Accepted for compatibility: the backward is always deterministic
-            (no atomics).
-        return_attn_probs: bool, default False. If True, also return the log-sum-exp and, as flash-attn does
-            without dropout, None in place of the dropout mask.
+            (no atomics; bit-identical gradients from run to run).
+        return_attn_probs: bool, default False. If True, also return the log-sum-exp and S_dmask: None without
+            dropout; with dropout, a debugging tensor (batch, nheads, seqlen_q, seqlen_k) of the attention
+            probabilities with the dropped ones negated (computed densely, O(seqlen^2) memory).
+        sinks: float32 (nheads,), default None. Learnable attention sinks (gpt-oss): one logit per head that
+            joins every row's softmax denominator (its value is zero), with its gradient."""
 
+_RETURNS_DOC = """
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), q's dtype.
-        softmax_lse (only if return_attn_probs): (batch, nheads, seqlen_q) float32, natural-log
-            logsumexp of each row's scaled scores (-inf for a row that sees no key). It is differentiable.
-        S_dmask (only if return_attn_probs): None.
-    """
-    check_qkv(q, k, v, layout="bshd")
-    if dropout_p != 0.0:
-        raise not_built(f"dropout (dropout_p={dropout_p})", _FEATURES_ISSUE)
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
-                        f"{window_size!r}. Use (-1, -1) for full attention.")
-    if tuple(window_size) != (-1, -1):
-        raise not_built(f"sliding-window attention (window_size={tuple(window_size)})", _FEATURES_ISSUE)
-    if softcap != 0.0:
-        raise not_built(f"softcap (softcap={softcap})", _FEATURES_ISSUE)
-    if alibi_slopes is not None:
-        raise not_built("ALiBi (alibi_slopes)", _FEATURES_ISSUE)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
-    diagonal_offset = k.shape[1] - q.shape[1]  # bottom-right alignment
-    out, lse = _attention(q, k, v, scale, bool(causal), diagonal_offset)
+        out: {out_shape}, q's dtype.
+        softmax_lse (only if return_attn_probs): {lse_shape} float32, natural-log logsumexp of each row's
+            (modified) scores, the sink included (-inf for a row that sees no key and has no sink). It is
+            differentiable.
+        S_dmask (only if return_attn_probs): see return_attn_probs."""
+
+
+def _with_docs(out_shape, lse_shape):
+    def decorate(fn):
+        fn.__doc__ = fn.__doc__.replace("{args}", _ARGS_DOC.strip("\n")).replace(
+            "{returns}", _RETURNS_DOC.format(out_shape=out_shape, lse_shape=lse_shape).strip("\n"))
+        return fn
+    return decorate
+
+
+def _draw_seed(q, dropout_p):
+    """The Philox key for one call, drawn from torch's generator for q's device (no host sync)."""
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=q.device)
+
+
+def _attention(q, k, v, scale, causal, diagonal_offset, *, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+               attn_bias=None, sinks=None, dropout_p=0.0, varlen=None):
+    """The op call every API shares. -> (out, lse, seed). The kernels need scale > 0 (they take the row max
+    before scaling); a negative scale is the same function of -q with |scale|, and negating is exact (autograd
+    flips dq back). q may be a packed qkv (k None) or k a packed kv (v None)."""
+    if scale <= 0:
+        if k is None:  # packed qkv: rescale the q slice only, as a new tensor (the op unpacks it again)
+            q_part, k, v = q.unbind(-3)
+        else:
+            q_part = q
+        if scale < 0:
+            q_part, scale = -q_part, -scale
+        else:
+            # Every score is 0: uniform attention over the visible keys. Zero scores under any positive scale
+            # give it; q * 0 (not a fresh zeros tensor) keeps q in the graph, so q.grad is the exact 0.
+            q_part, scale = q_part * 0.0, 1.0
+        q = q_part
+    seed = _draw_seed(q, dropout_p)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    out, lse = _ops.attn_fwd(q, k, v, scale, causal, diagonal_offset, window[0], window[1], softcap,
+                             alibi_slopes, attn_bias, sinks, dropout_p, seed, cu_q, cu_k, max_q, max_k)
+    return out, lse, seed
+
+
+def _dropout_debug_mask(q, k, scale, causal, window, softcap, alibi_slopes, sinks, dropout_p, seed, offset,
+                        batch_offset=0):
+    """S_dmask for return_attn_probs with dropout: the probabilities, recomputed densely by the reference, with
+    the elements the kernel dropped (same Philox bits) negated. (batch, nheads, seqlen_q, seqlen_k) float32."""
+    q, k = q.detach().float(), k.detach().float()
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    # P itself: attention of q over k with identity values, so that out = P.
+    eye = torch.eye(seqlen_k, device=q.device).view(1, seqlen_k, 1, seqlen_k).expand(batch, seqlen_k, kv_heads,
+                                                                                      seqlen_k)
+    probs, _ = reference.naive_attention(q, k, eye, softmax_scale=scale, diagonal_offset=offset,
+                                         window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
+                                         alibi_slopes=alibi_slopes, sinks=sinks)
+    probs = probs.permute(0, 2, 1, 3)  # (batch, heads, seqlen_q, seqlen_k)
+    keep = dropout_mask(int(seed.item()), batch, heads, seqlen_q, seqlen_k, dropout_p, device=q.device,
+                        batch_offset=batch_offset)
+    return torch.where(keep, probs, -probs)
+
+
+def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks,
+           head_dim):
+    """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed)."""
+    qq, kk, vv = _ops._unpack(q, k, v)
+    check_qkv(qq, kk, vv, layout="bshd")
+    dropout_p = check_dropout(dropout_p)
+    window = check_window(window_size)
+    softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi(alibi_slopes, qq, qq.shape[0], qq.shape[2])
+    sinks = check_sinks(sinks, qq, qq.shape[2])
+    scale = resolve_scale(softmax_scale, head_dim)
+    diagonal_offset = kk.shape[1] - qq.shape[1]  # bottom-right alignment
+    out, lse, seed = _attention(q, k, v, scale, bool(causal), diagonal_offset, window=window, softcap=softcap,
+                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p)
     if return_attn_probs:
-        return out, lse, None
+        s_dmask = None
+        if dropout_p > 0:
+            s_dmask = _dropout_debug_mask(qq, kk, scale, causal, window, softcap, alibi_slopes, sinks, dropout_p,
+                                          seed, diagonal_offset)
+        return out, lse, s_dmask
     return out
+
+
+@_with_docs("(batch, seqlen_q, nheads, headdim_v)", "(batch, nheads, seqlen_q)")
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None):
+    """Exact attention, flash-attn compatible.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32, CUDA (or CPU, see the README).
+        k: (batch, seqlen_k, nheads_k, headdim). v: (batch, seqlen_k, nheads_k, headdim_v). nheads must be a
+            multiple of nheads_k: grouped-query attention, query head h uses key/value head
+            h // (nheads // nheads_k) (nheads_k = 1 is MQA). Head dims: multiples of 8 up to 512; headdim_v may
+            differ from headdim (MLA: 192 and 128). The last dimension must be contiguous; any other strides work.
+{args}
+
+{returns}
+    """
+    check_qkv(q, k, v, layout="bshd")  # before _flash, which would read k = None as packed inputs
+    return _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sinks, q.shape[-1])
+
+
+def _check_packed(name, t, count, rank):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    if t.dim() != rank or t.shape[-3] != count:
+        raise ValueError(f"{name} must be {rank}-D with {count} at dimension -3 (the packed {name[:-1]}), got shape "
+                         f"{tuple(t.shape)}; stack the tensors with torch.stack(..., dim=-3).")
+
+
+@_with_docs("(batch, seqlen, nheads, headdim)", "(batch, nheads, seqlen)")
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              sinks=None):
+    """flash_attn_func on one packed tensor; its gradient is one tensor too, written in place by the kernels.
+
+    Arguments:
+        qkv: (batch, seqlen, 3, nheads, headdim).
+{args}
+
+{returns}
+    """
+    _check_packed("qkv", qkv, 3, 5)
+    return _flash(qkv, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs, sinks, qkv.shape[-1])
+
+
+@_with_docs("(batch, seqlen_q, nheads, headdim)", "(batch, nheads, seqlen_q)")
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             sinks=None):
+    """flash_attn_func with keys and values packed in one tensor (one gradient tensor for it).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim). kv: (batch, seqlen_k, 2, nheads_k, headdim).
+{args}
+
+{returns}
+    """
+    _check_packed("kv", kv, 2, 5)
+    return _flash(q, kv, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs, sinks, kv.shape[-1])
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, return_attn_probs, sinks, head_dim):
+    qq, kk, vv = _ops._unpack(q, k, v)
+    check_qkv(qq, kk, vv, layout="thd")
+    cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, qq)
+    batch = cu_q.numel() - 1
+    dropout_p = check_dropout(dropout_p)
+    window = check_window(window_size)
+    softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi(alibi_slopes, qq, batch, qq.shape[1])
+    sinks = check_sinks(sinks, qq, qq.shape[1])
+    scale = resolve_scale(softmax_scale, head_dim)
+    out, lse, seed = _attention(q, k, v, scale, bool(causal), 0, window=window, softcap=softcap,
+                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                                varlen=(cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k)))
+    if return_attn_probs:
+        s_dmask = None
+        if dropout_p > 0:
+            s_dmask = qq.new_zeros((batch, qq.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.float32)
+            bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+            for b in range(batch):
+                sq, sk = bounds_q[b + 1] - bounds_q[b], bounds_k[b + 1] - bounds_k[b]
+                if sq == 0 or sk == 0:
+                    continue
+                slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+                s_dmask[b, :, :sq, :sk] = _dropout_debug_mask(
+                    qq[None, bounds_q[b]:bounds_q[b + 1]], kk[None, bounds_k[b]:bounds_k[b + 1]], scale, causal,
+                    window, softcap, slopes, sinks, dropout_p, seed, sk - sq, batch_offset=b)[0]
+        return out, lse, s_dmask
+    return out
+
+
+@_with_docs("(total_q, nheads, headdim_v)", "(nheads, total_q)")
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None):
+    """Attention over a batch of sequences of different lengths, concatenated (no padding), flash-attn compatible.
+
+    Arguments:
+        q: (total_q, nheads, headdim), the batch's queries one sequence after another. k: (total_k, nheads_k,
+            headdim), v: (total_k, nheads_k, headdim_v).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,): sequence b is rows [cu[b], cu[b + 1]). Lengths may be 0.
+        max_seqlen_q, max_seqlen_k: int, the longest sequence (sizes the launch grid; must not be smaller).
+        Masks (causal, window, ALiBi) align to each sequence's own bottom-right corner; alibi_slopes may be
+            (batch, nheads).
+{args}
+        block_table: not supported (paged keys/values are flash_attn_with_kvcache's).
+
+{returns}
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged keys/values) is not supported by flash_attn_varlen_func; use "
+                                  "flashtile.flash_attn_with_kvcache for paged caches, or gather the pages first.")
+    check_qkv(q, k, v, layout="thd")  # before _varlen, which would read k = None as packed inputs
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, q.shape[-1])
+
+
+@_with_docs("(total, nheads, headdim)", "(nheads, total)")
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, sinks=None):
+    """flash_attn_varlen_func on one packed tensor (one gradient tensor for it).
+
+    Arguments:
+        qkv: (total, 3, nheads, headdim). cu_seqlens: int32 (batch + 1,). max_seqlen: int.
+{args}
+
+{returns}
+    """
+    _check_packed("qkv", qkv, 3, 4)
+    return _varlen(qkv, None, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, qkv.shape[-1])
+
+
+@_with_docs("(total_q, nheads, headdim)", "(nheads, total_q)")
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    sinks=None):
+    """flash_attn_varlen_func with keys and values packed in one tensor (one gradient tensor for it).
+
+    Arguments:
+        q: (total_q, nheads, headdim). kv: (total_k, 2, nheads_k, headdim). cu_seqlens_q, cu_seqlens_k: int32
+            (batch + 1,). max_seqlen_q, max_seqlen_k: int.
+{args}
+
+{returns}
+    """
+    _check_packed("kv", kv, 2, 4)
+    return _varlen(q, kv, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, kv.shape[-1])
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -80,29 +294,37 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch.nn.functional.scaled_dot_product_attention with flashtile's kernels.
 
     Arguments (torch's names, layout and semantics):
-        query: (batch, heads, seqlen_q, headdim); key, value: (batch, heads_kv, seqlen_k, headdim).
-        attn_mask: only None in this version (other values raise NotImplementedError).
-        dropout_p: only 0.0 in this version.
+        query: (batch, heads, seqlen_q, headdim); key: (batch, heads_kv, seqlen_k, headdim); value: (batch,
+            heads_kv, seqlen_k, headdim_v).
+        attn_mask: None, a bool mask (True = attend) or a float bias added to the scores, broadcastable to
+            (batch, heads, seqlen_q, seqlen_k). A float bias that requires grad gets its gradient (summed over the
+            broadcast dimensions). Tiles of the mask that attend nothing are skipped. Unlike torch, a row that
+            attends no key outputs 0 (not NaN).
+        dropout_p: float in [0, 1), applied whenever > 0 (as in torch: pass 0.0 in evaluation). Philox in the
+            kernel, seeded from torch's generator.
         is_causal: bool. As in torch, the mask is aligned to the top-left corner: query i sees key j iff j <= i.
             With seqlen_q = 2, seqlen_k = 5:
                 1 0 0 0 0
                 1 1 0 0 0
+            It cannot be combined with attn_mask (as in torch).
         scale: float, default 1 / sqrt(headdim).
         enable_gqa: bool. If False, query and key/value must have the same number of heads; if True, heads must be
             a multiple of heads_kv (query head h uses key/value head h // (heads // heads_kv)).
 
-    Returns: (batch, heads, seqlen_q, headdim) in query's dtype (a transposed view of a (batch, seqlen, heads,
+    Returns: (batch, heads, seqlen_q, headdim_v) in query's dtype (a transposed view of a (batch, seqlen, heads,
     headdim) buffer, as torch's flash backend returns).
     """
     check_qkv(query, key, value, layout="bhsd")
-    if attn_mask is not None:
-        raise not_built("attn_mask (bias and boolean masks)", _FEATURES_ISSUE)
-    if dropout_p != 0.0:
-        raise not_built(f"dropout (dropout_p={dropout_p})", _FEATURES_ISSUE)
+    dropout_p = check_dropout(dropout_p)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key/value have {key.shape[1]}; pass "
                          f"enable_gqa=True for grouped-query attention, or repeat the key/value heads.")
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot both be given (as in torch); fold the causal "
+                             "mask into attn_mask, or drop attn_mask.")
+        attn_mask = check_attn_mask(attn_mask, query, query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     scale = resolve_scale(scale, query.shape[-1], name="scale")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views: the kernels take any strides
-    out, _ = _attention(q, k, v, scale, bool(is_causal), 0)  # diagonal offset 0: top-left alignment
-    return out.transpose(1, 2)
+    out, _, _ = _attention(q, k, v, scale, bool(is_causal), 0, attn_bias=attn_mask, dropout_p=dropout_p)
+    return out.transpose(1, 2)  # diagonal offset 0 above: top-left alignment

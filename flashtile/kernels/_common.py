@@ -11,6 +11,7 @@ Two ways to reach memory, chosen per launch by the constexpr USE_TMA:
 import torch
 import triton
 import triton.language as tl
+from triton.language.random import philox
 
 # Compiled kernels may only read globals that are constexpr; host code reads LOG2E.value.
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E), see docs/derivation.md#5-kernel-tricks
@@ -21,6 +22,14 @@ def empty(shape, dtype, device):
     """Every buffer a launcher hands to a kernel comes from here (outputs and scratch). The tests replace it with a
     NaN-filled allocation, so an element a kernel fails to write shows up as NaN instead of passing by luck."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _slice_base(ptr, i_b, row0, i_h, stride_b, stride_s, stride_h):
+    """Start of the (batch i_b, head i_h) slice, from sequence row row0 on (a varlen sequence's first row, else 0).
+    int64 before multiplying by strides: B * S * H * D may pass 2^31 elements."""
+    return (ptr + tl.cast(i_b, tl.int64) * stride_b + tl.cast(row0, tl.int64) * stride_s
+            + tl.cast(i_h, tl.int64) * stride_h)
 
 
 @triton.jit
@@ -92,31 +101,109 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_range(start_m, seqlen_q, seqlen_k, diag_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """Key ranges for the query block starting at start_m (docs/derivation.md#5-kernel-tricks).
+def _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key ranges for the query block starting at start_m (docs/derivation.md#5-kernel-tricks and #8).
 
-    Keys [0, full_hi) are whole blocks every row of the block sees: no mask. Keys [full_hi, hi) need one: the
-    causal diagonal (query i sees key j iff j <= i + diag_offset) and the ragged last block. Keys >= hi are
-    invisible to every row and never loaded.
+    Query i sees key j iff j <= i + diag_offset + window_right (MASK_RIGHT; causal is window_right = 0) and
+    j >= i + diag_offset - window_left (MASK_LEFT). Returns (lo, full_lo, full_hi, hi):
+    keys [full_lo, full_hi) are whole blocks every row of the block sees (no mask); [lo, full_lo) and
+    [full_hi, hi) need the mask (the band's edges and the ragged last block); keys outside [lo, hi) are invisible
+    to every row and never loaded. The masked stages are [lo, min(full_lo, hi)) and [max(full_lo, full_hi), hi),
+    which together with the unmasked one cover [lo, hi) exactly once whatever the order of full_lo and full_hi.
     """
-    if IS_CAUSAL:
-        last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-        hi = tl.maximum(tl.minimum(seqlen_k, last_row + diag_offset + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seqlen_k, start_m + diag_offset + 1), 0)
+    last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    if MASK_RIGHT:
+        hi = tl.maximum(tl.minimum(seqlen_k, last_row + diag_offset + window_right + 1), 0)
+        full_hi = tl.maximum(tl.minimum(seqlen_k, start_m + diag_offset + window_right + 1), 0)
     else:
         hi = seqlen_k
         full_hi = seqlen_k
     full_hi = (full_hi // BLOCK_N) * BLOCK_N
-    return full_hi, hi
+    if MASK_LEFT:
+        lo = (tl.maximum(start_m + diag_offset - window_left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_row + diag_offset - window_left, 0), BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _query_start(start_n, diag_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """First query block that sees any key of the key block starting at start_n (the transpose of _key_range):
-    query i sees key j iff i >= j - diag_offset. Earlier query blocks are skipped."""
-    if IS_CAUSAL:
-        lo = (tl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
+def _query_range(start_n, seqlen_q, diag_offset, window_left, window_right,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows [lo, hi) that see any key of the key block starting at start_n (the transpose of _key_range):
+    query i sees key j iff j - diag_offset - window_right <= i <= j - diag_offset + window_left. lo is rounded
+    down to a query block; rows outside [lo, hi) are skipped."""
+    if MASK_RIGHT:
+        lo = (tl.maximum(start_n - diag_offset - window_right, 0) // BLOCK_M) * BLOCK_M
     else:
         lo = 0
-    return lo
+    if MASK_LEFT:
+        hi = tl.minimum(seqlen_q, start_n + BLOCK_N - 1 - diag_offset + window_left + 1)
+    else:
+        hi = seqlen_q
+    return lo, hi
+
+
+@triton.jit
+def _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Which (query r_m, key r_n) pairs are inside the sequence and the band. r_m and r_n are index tensors that
+    broadcast to the tile ([M, 1] and [1, N], or transposed for the dK/dV kernel)."""
+    vis = r_n < seqlen_k
+    if MASK_RIGHT:
+        vis = vis & (r_n <= r_m + diag_offset + window_right)
+    if MASK_LEFT:
+        vis = vis & (r_n >= r_m + diag_offset - window_left)
+    return vis
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (no libdevice, so the interpreter runs it too): 1 - 2 / (e^2x + 1), exact at both limits."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, p_bias, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k,
+               diag_offset, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
+    """Scores in natural units from the raw products q.k, in flash-attn's order (docs/derivation.md#8):
+    scale, then softcap * tanh(s / softcap), then the ALiBi bias -slope * |i + diag_offset - j|, then an additive
+    float bias (BIAS == 1) read at [r_m, r_n]. Returns (s, t) with t = tanh(s / softcap), which the backward
+    needs for d softcap(x) / dx = 1 - t^2 (t is s itself when there is no softcap)."""
+    s = b_s * sm_scale
+    t = s
+    if SOFTCAP:
+        t = _tanh(s / softcap)
+        s = softcap * t
+    if HAS_ALIBI:
+        s = s - slope * tl.abs(r_m + diag_offset - r_n).to(tl.float32)
+    if BIAS == 1:
+        in_bounds = (r_m < seqlen_q) & (r_n < seqlen_k)
+        bias = tl.load(p_bias + r_m.to(tl.int64) * stride_bias_m + r_n.to(tl.int64) * stride_bias_n,
+                       mask=in_bounds, other=0.0)
+        s = s + bias.to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _mask_keep(p_mask, r_m, r_n, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k):
+    """A boolean attn_mask (stored as bytes; True = attend) at [r_m, r_n]; outside the sequence: not attended."""
+    in_bounds = (r_m < seqlen_q) & (r_n < seqlen_k)
+    m = tl.load(p_mask + r_m.to(tl.int64) * stride_mask_m + r_n.to(tl.int64) * stride_mask_n, mask=in_bounds,
+                other=0)
+    return m != 0
+
+
+@triton.jit
+def _dropout_keep(seed, i_bh, r_m, r_n, threshold):
+    """Philox keep-mask of dropout: element (b, h, i, j) is kept iff the top 31 bits of Philox-4x32-10 at counter
+    (j, i, b * H + h, 0) under the 64-bit key `seed` are >= threshold = round(p * 2^31). The forward, both backward
+    kernels and dropout_mask() evaluate it at the same counters, in either tile orientation, and get the same bits."""
+    c0 = (r_n + 0 * r_m).to(tl.uint32, bitcast=True)
+    c1 = (r_m + 0 * r_n).to(tl.uint32, bitcast=True)
+    c2 = (c0 * 0 + i_bh.to(tl.uint32, bitcast=True))
+    c3 = c0 * 0
+    r0, _, _, _ = philox(seed, c0, c1, c2, c3)
+    return (r0 >> 1).to(tl.int32, bitcast=True) >= threshold

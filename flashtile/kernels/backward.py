@@ -1,9 +1,11 @@
 """Attention backward: delta preprocess, a dK/dV kernel (K/V block resident, streams Q) and a dQ kernel
 (Q block resident, streams K/V). No atomics, so gradients are bit-for-bit deterministic.
 
-q, out, dout, dq: [B, Sq, Hq, D]; k, v, dk, dv: [B, Sk, Hk, D]; lse, dlse: [B, Hq, Sq].
+q, out, dout, dq: [B, Sq, Hq, D(v)]; k, v, dk, dv: [B, Sk, Hk, D(v)]; lse, dlse: [B, Hq, Sq] (varlen: [total, H, D]
+and [Hq, total_q], as in forward.py).
 The math is docs/derivation.md#6-backward: delta = rowsum(dO * O) - dLSE, P = exp(S - LSE), dV = P^T dO,
-dP = dO V^T, dS = P * (dP - delta), dQ = scale * dS K, dK = scale * dS^T Q.
+dP = dO V^T, dS = P * (dP - delta), dQ = scale * dS K, dK = scale * dS^T Q; the features' terms (softcap's
+1 - tanh^2, dropout's regenerated mask, the bias and sink gradients) are docs/derivation.md#8.
 """
 import torch
 import triton
@@ -11,40 +13,61 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import LOG2E, _key_range, _load_tile, _mma, _query_start, _store_tile, _tile_view
+from ._common import (LOG2E, _dropout_keep, _key_range, _load_tile, _mask_keep, _mma, _query_range, _score_mod,
+                      _slice_base, _store_tile, _tile_view, _visible)
+from .features import Features
 
 # Delta and the log2 LSE are stored per (batch, head) padded to a multiple of this many rows (the largest query
 # tile the backward uses), with LSE = +inf and delta = 0 in the padding: a streamed query tile that runs past Sq
-# then needs no mask, since its P = exp2(s - inf) = 0.
+# then needs no mask, since its P = exp2(s - inf) = 0. Varlen batches pad every sequence to the longest.
 ROW_PAD = 128
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, LseLog2,
+def _seq_bounds(CuSeqQ, CuSeqK, i_b, seqlen_q, seqlen_k, diag_offset, VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k, diag_offset) of batch entry i_b: a varlen sequence's rows in the
+    packed tensors and its own bottom-right offset, or the fixed-length launch's values."""
+    if VARLEN:
+        q_start = tl.load(CuSeqQ + i_b)
+        seqlen_q = tl.load(CuSeqQ + i_b + 1) - q_start
+        k_start = tl.load(CuSeqK + i_b)
+        seqlen_k = tl.load(CuSeqK + i_b + 1) - k_start
+        diag_offset = seqlen_k - seqlen_q
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, k_start, seqlen_q, seqlen_k, diag_offset
+
+
+@triton.jit
+def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, LseLog2, CuSeqQ,
                            stride_ob, stride_os, stride_oh,
                            stride_dob, stride_dos, stride_doh,
-                           stride_dlb, stride_dlh,
+                           stride_lb, stride_lh, stride_dlb, stride_dlh,
                            seqlen_q, seqlen_q_pad, num_heads,
-                           HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                           HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
+    q_start, _, seqlen_q, _, _ = _seq_bounds(CuSeqQ, CuSeqQ, i_b, seqlen_q, seqlen_q, 0, VARLEN)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = tl.arange(0, BLOCK_DV)
     m_m = o_m < seqlen_q
-    m_md = m_m[:, None] & (o_d[None, :] < HEAD_DIM)
+    m_md = m_m[:, None] & (o_d[None, :] < HEAD_DIM_V)
+    rows = (q_start + o_m)[:, None].to(tl.int64)
     p_o = Out + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
     p_do = dOut + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
-    b_o = tl.load(p_o + o_m[:, None].to(tl.int64) * stride_os + o_d[None, :], mask=m_md, other=0.0)
-    b_do = tl.load(p_do + o_m[:, None].to(tl.int64) * stride_dos + o_d[None, :], mask=m_md, other=0.0)
+    b_o = tl.load(p_o + rows * stride_os + o_d[None, :], mask=m_md, other=0.0)
+    b_do = tl.load(p_do + rows * stride_dos + o_d[None, :], mask=m_md, other=0.0)
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [BLOCK_M]
     if HAS_DLSE:
         # A loss that also uses the LSE adds dLSE_i * P_ij to dS_ij (d lse_i / d s_ij = P_ij): fold it into delta.
-        p_dlse = dLse + i_b.to(tl.int64) * stride_dlb + i_h.to(tl.int64) * stride_dlh
+        p_dlse = dLse + i_b.to(tl.int64) * stride_dlb + i_h.to(tl.int64) * stride_dlh + q_start
         b_delta -= tl.load(p_dlse + o_m, mask=m_m, other=0.0)
-    b_lse = tl.load(Lse + i_bh.to(tl.int64) * seqlen_q + o_m, mask=m_m, other=float("-inf"))
+    p_lse = Lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + q_start
+    b_lse = tl.load(p_lse + o_m, mask=m_m, other=float("-inf"))
     # A row that sees no key has LSE = -inf; +inf makes its P = exp2(s - inf) = 0 instead of exp2(-inf + inf) = NaN.
     b_lse_log2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
     tl.store(Delta + i_bh.to(tl.int64) * seqlen_q_pad + o_m, b_delta)
@@ -52,232 +75,404 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, LseLog2,
 
 
 @triton.jit
+def _recompute_p(b_s, b_lse, r_m, r_n, seqlen_q, seqlen_k, diag_offset, sm_scale, qk_scale, window_left,
+                 window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n,
+                 MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
+    """P = exp2(S - LSE) from the raw products b_s, in either orientation (r_m, r_n broadcast to b_s's shape);
+    masked pairs get P = 0. Also returns tanh(s / softcap) for the softcap backward (b_s when unused)."""
+    if SOFTCAP or HAS_ALIBI or BIAS == 1:
+        b_s, b_t = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, p_bias, stride_bias_m, stride_bias_n,
+                              seqlen_q, seqlen_k, diag_offset, SOFTCAP, HAS_ALIBI, BIAS)
+        b_p = tl.exp2(b_s * LOG2E - b_lse)
+    else:
+        b_t = b_s
+        b_p = tl.exp2(b_s * qk_scale - b_lse)
+    if MASKED or BIAS == 2:
+        if MASKED:
+            m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+            if BIAS == 2:
+                m_visible = m_visible & _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n, seqlen_q,
+                                                   seqlen_k)
+        else:
+            m_visible = _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k)
+        b_p = tl.where(m_visible, b_p, 0.0)
+    return b_p, b_t
+
+
+@triton.jit
 def _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start_n, lo, hi,
-                    seqlen_q, stride_qs, stride_dos, diag_offset, qk_scale,
-                    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    seqlen_q, seqlen_k, stride_qs, stride_dos, diag_offset, sm_scale, qk_scale,
+                    window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                    seed, i_bh, dropout_threshold, dropout_rescale,
+                    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+                    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     USE_TMA: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi), in the transposed orientation
-    (keys as rows) so that P^T and dS^T come out of the matmuls without a transpose. MASKED applies the causal
-    mask; rows past Sq need none (their padded LSE is +inf, so P = 0), nor do keys past Sk (their dK, dV rows are
+    (keys as rows) so that P^T and dS^T come out of the matmuls without a transpose. MASKED applies the band;
+    rows past Sq need no mask (their padded LSE is +inf, so P = 0), nor do keys past Sk (their dK, dV rows are
     never stored and no other row depends on them)."""
-    o_n = start_n + tl.arange(0, BLOCK_N)
+    r_n = (start_n + tl.arange(0, BLOCK_N))[:, None]
     for start_m in tl.range(lo, hi, BLOCK_M):
-        o_m = start_m + tl.arange(0, BLOCK_M)
-        b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)  # [BLOCK_M, BLOCK_D]
-        b_lse = tl.load(p_lse + o_m)  # [BLOCK_M] log2 units, padded rows +inf
-        b_st = _mma(b_k, tl.trans(b_q), None, PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
-        b_pt = tl.exp2(b_st - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
-        if MASKED:
-            b_pt = tl.where(o_n[:, None] <= o_m[None, :] + diag_offset, b_pt, 0.0)
-        b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)  # [BLOCK_M, BLOCK_D]
-        b_dv = _mma(b_pt.to(b_do.dtype), b_do, b_dv, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
-        b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
-        b_dpt = _mma(b_v, tl.trans(b_do), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
-        b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
-        b_dk = _mma(b_dst.to(b_q.dtype), b_q, b_dk, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
+        if BLOCK_SKIP:
+            run = tl.load(p_block_map + start_m // BLOCK_M) != 0
+        else:
+            run = True
+        if run:
+            o_m = start_m + tl.arange(0, BLOCK_M)
+            r_m = o_m[None, :]
+            b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+            b_lse = tl.load(p_lse + o_m)  # [BLOCK_M] log2 units, padded rows +inf
+            b_st = _mma(b_k, tl.trans(b_q), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
+            b_pt, b_tt = _recompute_p(b_st, b_lse[None, :], r_m, r_n, seqlen_q, seqlen_k, diag_offset, sm_scale,
+                                      qk_scale, window_left, window_right, softcap, slope, p_bias, stride_bias_m,
+                                      stride_bias_n, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS)
+            b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
+            b_dpt = _mma(b_v, tl.trans(b_do), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
+            if DROPOUT:
+                # The forward's mask, regenerated: dV sums the kept, rescaled P; dP flows back only through them.
+                keep = _dropout_keep(seed, i_bh, r_m, r_n, dropout_threshold)
+                b_dv = _mma(tl.where(keep, b_pt * dropout_rescale, 0.0).to(b_do.dtype), b_do, b_dv, PRECISION,
+                            DOT_UPCAST)
+                b_dpt = tl.where(keep, b_dpt * dropout_rescale, 0.0)
+            else:
+                b_dv = _mma(b_pt.to(b_do.dtype), b_do, b_dv, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_DV]
+            b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
+            b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
+            if SOFTCAP:
+                b_dst = b_dst * (1.0 - b_tt * b_tt)
+            b_dk = _mma(b_dst.to(b_q.dtype), b_q, b_dk, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
     return b_dk, b_dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta,
+def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockMap, Seed, CuSeqQ, CuSeqK,
                      stride_qb, stride_qs, stride_qh,
                      stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh,
                      stride_dob, stride_dos, stride_doh,
                      stride_dkb, stride_dks, stride_dkh,
                      stride_dvb, stride_dvs, stride_dvh,
+                     stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+                     stride_map_b, stride_map_h, stride_map_n,
                      seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, sm_scale, qk_scale, num_kv_heads, group_size,
-                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     window_left, window_right, softcap, dropout_threshold, dropout_rescale,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASK_LEFT: tl.constexpr,
+                     MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr,
+                     BLOCK_SKIP: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      USE_TMA: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     i_n = tl.program_id(0)
     i_bhk = tl.program_id(1)
     i_b = i_bhk // num_kv_heads
     i_hk = i_bhk % num_kv_heads
     start_n = i_n * BLOCK_N
+    q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(CuSeqQ, CuSeqK, i_b, seqlen_q, seqlen_k,
+                                                                    diag_offset, VARLEN)
+    if start_n < seqlen_k:  # a varlen grid covers the longest sequence
+        k_base = _slice_base(K, i_b, k_start, i_hk, stride_kb, stride_ks, stride_kh)
+        v_base = _slice_base(V, i_b, k_start, i_hk, stride_vb, stride_vs, stride_vh)
+        k_view = _tile_view(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        v_view = _tile_view(v_base, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+        b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+        b_dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        b_dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(Seed)
 
-    k_base = K + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
-    k_view = _tile_view(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_view = _tile_view(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
-    b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
-    b_dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    b_dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        lo, hi = _query_range(start_n, seqlen_q, diag_offset, window_left, window_right, MASK_LEFT, MASK_RIGHT,
+                              BLOCK_M, BLOCK_N)
+        # Grouped-query attention: this program owns the kv head, so it sums the grads of all its query heads in
+        # registers -- no atomics, and the order of the sum is fixed.
+        for g in range(0, group_size):
+            i_h = i_hk * group_size + g
+            i_bh = i_b * num_kv_heads * group_size + i_h
+            q_base = _slice_base(Q, i_b, q_start, i_h, stride_qb, stride_qs, stride_qh)
+            do_base = _slice_base(dOut, i_b, q_start, i_h, stride_dob, stride_dos, stride_doh)
+            q_view = _tile_view(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+            do_view = _tile_view(do_base, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
+            row0 = i_bh.to(tl.int64) * seqlen_q_pad
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
+            p_bias = Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h
+            p_block_map = BlockMap + i_b.to(tl.int64) * stride_map_b + i_h * stride_map_h + i_n * stride_map_n
+            # One loop over the query blocks that see the key block, the band's mask applied to each: measured 5%
+            # faster at d128 causal on an H200 than a masked diagonal stage plus an unmasked loop (388 -> 409
+            # TFLOP/s, benchmarks/NOTES.md); the likely cause is code size: two copies of this 4-matmul body inside
+            # the head loop. The compare-select costs less.
+            b_dk, b_dv = _bwd_dkdv_inner(
+                b_dk, b_dv, b_k, b_v, q_view, do_view, LseLog2 + row0, Delta + row0, start_n, lo, hi,
+                seqlen_q, seqlen_k, stride_qs, stride_dos, diag_offset, sm_scale, qk_scale,
+                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                seed, i_bh, dropout_threshold, dropout_rescale,
+                MASK_LEFT or MASK_RIGHT, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
 
-    lo = _query_start(start_n, diag_offset, IS_CAUSAL, BLOCK_M)
-    # Grouped-query attention: this program owns the kv head, so it sums the grads of all its query heads in
-    # registers -- no atomics, and the order of the sum is fixed.
-    for g in range(0, group_size):
-        i_h = i_hk * group_size + g
-        q_base = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh
-        do_base = dOut + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
-        q_view = _tile_view(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        do_view = _tile_view(do_base, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        row0 = (i_b * num_kv_heads * group_size + i_h).to(tl.int64) * seqlen_q_pad
-        # One loop over the query blocks that see the key block, the causal mask applied to each: measured 5%
-        # faster at d128 causal on an H200 than a masked diagonal stage plus an unmasked loop (388 -> 409
-        # TFLOP/s, benchmarks/NOTES.md); the likely cause is code size: two copies of this 4-matmul body inside the
-        # head loop. The compare-select costs less.
-        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, LseLog2 + row0, Delta + row0, start_n,
-                                     lo, seqlen_q, seqlen_q, stride_qs, stride_dos, diag_offset, qk_scale,
-                                     IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
-
-    dk_base = dK + i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh
-    dv_base = dV + i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh
-    dk_view = _tile_view(dk_base, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    dv_view = _tile_view(dv_base, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    _store_tile(dk_view, (b_dk * sm_scale).to(dK.dtype.element_ty), start_n, seqlen_k, stride_dks, HEAD_DIM,
-                BLOCK_N, BLOCK_D, USE_TMA)
-    _store_tile(dv_view, b_dv.to(dV.dtype.element_ty), start_n, seqlen_k, stride_dvs, HEAD_DIM,
-                BLOCK_N, BLOCK_D, USE_TMA)
+        dk_base = _slice_base(dK, i_b, k_start, i_hk, stride_dkb, stride_dks, stride_dkh)
+        dv_base = _slice_base(dV, i_b, k_start, i_hk, stride_dvb, stride_dvs, stride_dvh)
+        dk_view = _tile_view(dk_base, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        dv_view = _tile_view(dv_base, seqlen_k, stride_dvs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+        _store_tile(dk_view, (b_dk * sm_scale).to(dK.dtype.element_ty), start_n, seqlen_k, stride_dks, HEAD_DIM,
+                    BLOCK_N, BLOCK_D, USE_TMA)
+        _store_tile(dv_view, b_dv.to(dV.dtype.element_ty), start_n, seqlen_k, stride_dvs, HEAD_DIM_V,
+                    BLOCK_N, BLOCK_DV, USE_TMA)
 
 
 @triton.jit
 def _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, hi,
-                  seqlen_k, stride_ks, stride_vs, diag_offset, qk_scale,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
+                  window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                  p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
+                  MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+                  DBIAS: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   USE_TMA: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Accumulate dQ of one query block over the key blocks [lo, hi)."""
+    """Accumulate dQ of one query block over the key blocks [lo, hi); with DBIAS also write dS, the gradient of
+    an additive bias."""
     o_m = start_m + tl.arange(0, BLOCK_M)
+    r_m = o_m[:, None]
     for start_n in tl.range(lo, hi, BLOCK_N):
-        b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
-        b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
-        b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
-        b_p = tl.exp2(b_s - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
-        if MASKED:
-            # Keys past Sk read as 0, which would give them P = exp2(-lse) (possibly inf): mask them with the diagonal.
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            m_visible = o_n[None, :] < seqlen_k
-            if IS_CAUSAL:
-                m_visible = m_visible & (o_n[None, :] <= o_m[:, None] + diag_offset)
-            b_p = tl.where(m_visible, b_p, 0.0)
-        b_dp = _mma(b_do, tl.trans(b_v), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
-        b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
-        b_dq = _mma(b_ds.to(b_k.dtype), b_k, b_dq, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
+        if BLOCK_SKIP:
+            run = tl.load(p_block_map + start_n // BLOCK_N) != 0
+        else:
+            run = True
+        if run:
+            r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
+            b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+            b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+            b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+            # Keys past Sk read as 0, which would give them P = exp2(-lse) (possibly inf): the masked stage drops
+            # them with the band.
+            b_p, b_t = _recompute_p(b_s, b_lse[:, None], r_m, r_n, seqlen_q, seqlen_k, diag_offset, sm_scale,
+                                    qk_scale, window_left, window_right, softcap, slope, p_bias, stride_bias_m,
+                                    stride_bias_n, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS)
+            b_dp = _mma(b_do, tl.trans(b_v), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+            if DROPOUT:
+                keep = _dropout_keep(seed, i_bh, r_m, r_n, dropout_threshold)
+                b_dp = tl.where(keep, b_dp * dropout_rescale, 0.0)
+            b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+            if DBIAS:
+                # The bias is added after the softcap, so its gradient is dS itself.
+                tl.store(p_dbias + r_m.to(tl.int64) * stride_dbias_m + r_n * stride_dbias_n,
+                         b_ds.to(p_dbias.dtype.element_ty), mask=(r_m < seqlen_q) & (r_n < seqlen_k))
+            if SOFTCAP:
+                b_ds = b_ds * (1.0 - b_t * b_t)
+            b_dq = _mma(b_ds.to(b_k.dtype), b_k, b_dq, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
     return b_dq
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta,
+def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta, Alibi, Bias, BlockMap, DBias, Seed, CuSeqQ, CuSeqK,
                    stride_qb, stride_qs, stride_qh,
                    stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh,
                    stride_dob, stride_dos, stride_doh,
                    stride_dqb, stride_dqs, stride_dqh,
+                   stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+                   stride_map_b, stride_map_h, stride_map_m,
+                   stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, sm_scale, qk_scale, num_heads, group_size,
-                   HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   window_left, window_right, softcap, dropout_threshold, dropout_rescale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASK_LEFT: tl.constexpr,
+                   MASK_RIGHT: tl.constexpr, EVEN_N: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr, DBIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                   VARLEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    USE_TMA: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     i_m = tl.program_id(0)
-    if IS_CAUSAL:
+    if MASK_RIGHT:
         i_m = tl.num_programs(0) - 1 - i_m  # heaviest query blocks first, as in the forward
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
     i_hk = i_h // group_size
     start_m = i_m * BLOCK_M
+    q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(CuSeqQ, CuSeqK, i_b, seqlen_q, seqlen_k,
+                                                                    diag_offset, VARLEN)
+    if start_m < seqlen_q:
+        q_base = _slice_base(Q, i_b, q_start, i_h, stride_qb, stride_qs, stride_qh)
+        do_base = _slice_base(dOut, i_b, q_start, i_h, stride_dob, stride_dos, stride_doh)
+        k_base = _slice_base(K, i_b, k_start, i_hk, stride_kb, stride_ks, stride_kh)
+        v_base = _slice_base(V, i_b, k_start, i_hk, stride_vb, stride_vs, stride_vh)
+        q_view = _tile_view(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_view = _tile_view(do_base, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
+        k_view = _tile_view(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        v_view = _tile_view(v_base, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+        b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
+        o_m = start_m + tl.arange(0, BLOCK_M)
+        b_lse = tl.load(LseLog2 + i_bh.to(tl.int64) * seqlen_q_pad + o_m)  # [BLOCK_M]
+        b_delta = tl.load(Delta + i_bh.to(tl.int64) * seqlen_q_pad + o_m)  # [BLOCK_M]
+        b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
+        p_bias = Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h
+        p_block_map = BlockMap + i_b.to(tl.int64) * stride_map_b + i_h * stride_map_h + i_m * stride_map_m
+        p_dbias = DBias + i_b.to(tl.int64) * stride_dbias_b + i_h.to(tl.int64) * stride_dbias_h
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(Seed)
 
-    q_base = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh
-    do_base = dOut + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
-    k_base = K + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
-    q_view = _tile_view(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    do_view = _tile_view(do_base, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    k_view = _tile_view(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_view = _tile_view(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)  # [BLOCK_M, BLOCK_D]
-    b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)  # [BLOCK_M, BLOCK_D]
-    o_m = start_m + tl.arange(0, BLOCK_M)
-    b_lse = tl.load(LseLog2 + i_bh.to(tl.int64) * seqlen_q_pad + o_m)  # [BLOCK_M]
-    b_delta = tl.load(Delta + i_bh.to(tl.int64) * seqlen_q_pad + o_m)  # [BLOCK_M]
-    b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, full_lo, full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                                              MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
+        if MASK_LEFT:
+            b_dq = _bwd_dq_inner(
+                b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, tl.minimum(full_lo, hi),
+                seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
+                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
+                True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
+        b_dq = _bwd_dq_inner(
+            b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, full_lo, full_hi,
+            seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
+            window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+            p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
+            False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
+        if not EVEN_N:  # as in the forward: no masked stage when nothing needs a mask
+            b_dq = _bwd_dq_inner(
+                b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, tl.maximum(full_lo, full_hi), hi,
+                seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
+                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
+                True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
 
-    full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, 0, full_hi,
-                         seqlen_k, stride_ks, stride_vs, diag_offset, qk_scale,
-                         False, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
-    if not EVEN_N:  # as in the forward: no masked stage when nothing needs a mask
-        b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, full_hi, hi,
-                             seqlen_k, stride_ks, stride_vs, diag_offset, qk_scale,
-                             True, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA, PRECISION, DOT_UPCAST)
-
-    dq_base = dQ + i_b.to(tl.int64) * stride_dqb + i_h.to(tl.int64) * stride_dqh
-    dq_view = _tile_view(dq_base, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    _store_tile(dq_view, (b_dq * sm_scale).to(dQ.dtype.element_ty), start_m, seqlen_q, stride_dqs, HEAD_DIM,
-                BLOCK_M, BLOCK_D, USE_TMA)
+        dq_base = _slice_base(dQ, i_b, q_start, i_h, stride_dqb, stride_dqs, stride_dqh)
+        dq_view = _tile_view(dq_base, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        _store_tile(dq_view, (b_dq * sm_scale).to(dQ.dtype.element_ty), start_m, seqlen_q, stride_dqs, HEAD_DIM,
+                    BLOCK_M, BLOCK_D, USE_TMA)
 
 
 # Rows per preprocess program: a light, memory-bound pass; 128 divides ROW_PAD.
 _PREPROCESS_BLOCK_M = 128
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset):
-    """Launch the three backward kernels. Returns (dq, dk, dv) with the layouts of q, k, v.
+def _batch_strides(t, varlen):
+    """(batch, seqlen, head) strides of a [B, S, H, D] tensor, or of a packed [total, H, D] one (batch stride 0)."""
+    return (0,) + tuple(t.stride()[:2]) if varlen else tuple(t.stride()[:3])
 
-    dlse (optional, [B, Hq, Sq]) is the gradient reaching the returned LSE. Inputs are assumed validated.
+
+def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_offset, feats: Features,
+                       dq=None, dk=None, dv=None, bias_grad=False):
+    """Launch the three backward kernels. Returns (dq, dk, dv, dbias, dsinks).
+
+    dlse (optional, lse's shape) is the gradient reaching the returned LSE. dq, dk, dv may be given: buffers (views
+    of one packed gradient, for the packed APIs) that the kernels write in full. bias_grad: also return the
+    gradient of feats.attn_bias (a float bias), summed over its broadcast dimensions; dsinks is returned when
+    feats.sinks is set. Inputs are assumed validated.
     """
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    seqlen_q_pad = triton.cdiv(seqlen_q, ROW_PAD) * ROW_PAD
-    # The preprocess reads lse and dlse as contiguous [B, H, Sq] rows; they are small, so copy any other layout.
+    varlen = feats.varlen
+    # The preprocess reads lse and dlse as rows of unit stride; they are small, so copy any other layout (autograd
+    # hands an expanded, stride-0 dlse for lse.sum()).
     lse = lse.contiguous()
     dlse = None if dlse is None else dlse.contiguous()
+    seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
+    seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    if varlen:
+        batch = feats.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
+        lse_strides = (0, lse.stride(0))
+        dlse_strides = (0, dlse.stride(0)) if dlse is not None else (0, 0)
+    else:
+        batch = q.shape[0]
+        lse_strides = (lse.stride(0), lse.stride(1))
+        dlse_strides = (dlse.stride(0), dlse.stride(1)) if dlse is not None else (0, 0)
+    seqlen_q_pad = triton.cdiv(max(seqlen_q, 1), ROW_PAD) * ROW_PAD
     delta = _common.empty((batch, num_heads, seqlen_q_pad), torch.float32, q.device)
     lse_log2 = _common.empty((batch, num_heads, seqlen_q_pad), torch.float32, q.device)
-    dq = _common.empty(q.shape, q.dtype, q.device)
-    dk = _common.empty(k.shape, k.dtype, k.device)
-    dv = _common.empty(v.shape, v.dtype, v.device)
+    dq = _common.empty(q.shape, q.dtype, q.device) if dq is None else dq
+    dk = _common.empty(k.shape, k.dtype, k.device) if dk is None else dk
+    dv = _common.empty(v.shape, v.dtype, v.device) if dv is None else dv
     spec = configs.launch_spec(q, (q, k, v, dout, dq, dk, dv))
-    block_d = spec.block_d(head_dim)
+    block_d, block_dv = spec.block_d(head_dim), spec.block_d(head_dim_v)
     qk_scale = softmax_scale * LOG2E.value
     group_size = num_heads // num_kv_heads
+    fargs = feats.kernel_args(q)
+    dropout_rescale = 1.0 / (1.0 - feats.dropout_p)
 
     has_dlse = dlse is not None
     dlse_arg = dlse if has_dlse else lse  # never read when HAS_DLSE is False
     _bwd_preprocess_kernel[(seqlen_q_pad // _PREPROCESS_BLOCK_M, batch * num_heads)](
-        out, dout, lse, dlse_arg, delta, lse_log2,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dlse_arg.stride(0), dlse_arg.stride(1),
+        out, dout, lse, dlse_arg, delta, lse_log2, fargs.cu_q,
+        *_batch_strides(out, varlen), *_batch_strides(dout, varlen), *lse_strides, *dlse_strides,
         seqlen_q, seqlen_q_pad, num_heads,
-        HEAD_DIM=head_dim, HAS_DLSE=has_dlse, BLOCK_M=_PREPROCESS_BLOCK_M, BLOCK_D=block_d,
+        HEAD_DIM_V=head_dim_v, HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M, BLOCK_DV=block_dv,
     )
 
-    dkdv_candidates, dq_candidates = configs.backward_candidates(head_dim, causal, q.dtype, spec)
+    # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
+    # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
+    dbias_full = None
+    dbias_strides = (0, 0, 0, 0)
+    if bias_grad:
+        bias = feats.attn_bias
+        full_shape = (batch, num_heads, seqlen_q, seqlen_k)
+        dtype = bias.dtype if tuple(bias.shape) == full_shape else torch.float32
+        dbias_full = torch.zeros(full_shape, dtype=dtype, device=q.device)
+        dbias_strides = dbias_full.stride()
+
+    dkdv_candidates, dq_candidates = configs.backward_candidates(max(head_dim, head_dim_v), feats.mask_right,
+                                                                 q.dtype, spec)
+    common = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, MASK_LEFT=feats.mask_left, MASK_RIGHT=feats.mask_right,
+        SOFTCAP=feats.softcap > 0, HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind, DROPOUT=feats.dropout_p > 0,
+        VARLEN=varlen, BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=spec.use_tma, PRECISION=spec.precision,
+        DOT_UPCAST=spec.dot_upcast,
+    )
+    scalars = (seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale, qk_scale)
+    feature_scalars = (feats.window_left, feats.window_right, feats.softcap, fargs.dropout_threshold,
+                       dropout_rescale)
 
     def launch_dkdv(cfg):
+        block_map, map_strides = feats.block_map(cfg.block_m, cfg.block_n, True, seqlen_q, seqlen_k)
         return _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads)](
-            q, k, v, dout, dk, dv, lse_log2, delta,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale, qk_scale, num_kv_heads, group_size,
-            HEAD_DIM=head_dim, IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            USE_TMA=spec.use_tma, PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q, k, v, dout, dk, dv, lse_log2, delta, fargs.alibi, fargs.bias,
+            fargs.alibi if block_map is None else block_map, fargs.seed, fargs.cu_q, fargs.cu_k,
+            *_batch_strides(q, varlen), *_batch_strides(k, varlen), *_batch_strides(v, varlen),
+            *_batch_strides(dout, varlen), *_batch_strides(dk, varlen), *_batch_strides(dv, varlen),
+            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides,
+            *scalars, num_kv_heads, group_size, *feature_scalars,
+            BLOCK_SKIP=block_map is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
 
     def launch_dq(cfg):
+        block_map, map_strides = feats.block_map(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
+        even_n = not feats.banded and not varlen and seqlen_k % cfg.block_n == 0
         return _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)](
-            q, k, v, dout, dq, lse_log2, delta,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale, qk_scale, num_heads, group_size,
-            HEAD_DIM=head_dim, IS_CAUSAL=causal, EVEN_N=not causal and seqlen_k % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            USE_TMA=spec.use_tma, PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            q, k, v, dout, dq, lse_log2, delta, fargs.alibi, fargs.bias,
+            fargs.alibi if block_map is None else block_map, fargs.alibi if dbias_full is None else dbias_full,
+            fargs.seed, fargs.cu_q, fargs.cu_k,
+            *_batch_strides(q, varlen), *_batch_strides(k, varlen), *_batch_strides(v, varlen),
+            *_batch_strides(dout, varlen), *_batch_strides(dq, varlen),
+            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, *dbias_strides,
+            *scalars, num_heads, group_size, *feature_scalars,
+            EVEN_N=even_n, BLOCK_SKIP=block_map is not None, DBIAS=dbias_full is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
 
-    key = (head_dim, causal, q.dtype, spec)
+    key = (max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec, feats.variant() + (bias_grad,))
     configs.launch_first_that_compiles(("bwd_dkdv",) + key, dkdv_candidates, launch_dkdv)
     configs.launch_first_that_compiles(("bwd_dq",) + key, dq_candidates, launch_dq)
-    return dq, dk, dv
+
+    dbias = None
+    if dbias_full is not None:
+        bias = feats.attn_bias
+        dims = tuple(i for i in range(4) if bias.shape[i] == 1 and dbias_full.shape[i] != 1)
+        dbias = (dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full).to(bias.dtype)
+    dsinks = None
+    if feats.sinks is not None:
+        # d loss / d sink_h = -sum_{b, i} P_sink(b, h, i) * delta(b, h, i), P_sink = exp(sink - lse)
+        # (docs/derivation.md#8); padded rows have lse = +inf, so they add 0.
+        p_sink = torch.exp2(feats.sinks.float()[None, :, None] * LOG2E.value - lse_log2)
+        dsinks = -(p_sink * delta).sum(dim=(0, 2))
+    return dq, dk, dv, dbias, dsinks

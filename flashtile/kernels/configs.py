@@ -116,6 +116,8 @@ def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
         return list(_override("fwd"))
     if spec.arch == 0:
         return _INTERPRETER_TILES
+    if head_dim > 256:
+        return _WIDE_HEAD_TILES
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory and registers
     if spec.arch == 9 and not wide:
         # H200, bf16, seqlen 16k, hidden 2048 (benchmarks/results/2026-11-21-h200-tune-fwd.json).
@@ -141,6 +143,11 @@ def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
     return first + _fallbacks(head_dim, dtype)
 
 
+# Head dims past 256 (to 512, and MLA's 192/128 pair is sized by its larger dim): accumulators of 512 columns;
+# 8 warps and short tiles keep them in registers. Chosen by register count, not tuned.
+_WIDE_HEAD_TILES = [TileConfig(64, 32, 8, 1), TileConfig(32, 32, 8, 1), TileConfig(16, 16, 4, 1)]
+
+
 def _fallbacks(head_dim, dtype):
     """What to try after the table's entries. Not the 4-warp _SAFE_TILES for fp32 past head dim 128: those spill
     so badly that compiling them takes minutes, worse than failing."""
@@ -153,6 +160,8 @@ def backward_candidates(head_dim, causal, dtype, spec):
     wide = dtype == torch.float32
     if spec.arch == 0:
         dkdv, dq = _INTERPRETER_TILES, _INTERPRETER_TILES
+    elif head_dim > 256:
+        dkdv, dq = _WIDE_HEAD_TILES[1:], _WIDE_HEAD_TILES[1:]
     elif spec.arch == 9 and not wide:
         # H200, bf16, seqlen 16k (benchmarks/results/2026-11-21-h200-tune-bwd_*.json; whole backward timed while
         # one kernel's tiles vary). dQ 128x64 w8 s3 at d64 and d128. dK/dV non-causal 64x64 w4 s2 (389 d64, 441
@@ -171,7 +180,7 @@ def backward_candidates(head_dim, causal, dtype, spec):
     else:
         # fp32 past 128: dK and dV accumulators of 32x256 fp32 over 8 warps (32 registers each). Not tuned.
         dkdv, dq = [TileConfig(32, 32, 8, 1)], [TileConfig(32, 32, 8, 1)]
-    if spec.arch != 0:
+    if spec.arch != 0 and head_dim <= 256:
         dkdv, dq = dkdv + _fallbacks(head_dim, dtype), dq + _fallbacks(head_dim, dtype)
     if _override("bwd_dkdv") is not None:
         dkdv = list(_override("bwd_dkdv"))

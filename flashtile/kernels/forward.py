@@ -1,8 +1,11 @@
 """Attention forward, FA2 loop order: one program per (query block, batch * head), streaming K/V blocks.
 
-q, out: [B, Sq, Hq, D]; k, v: [B, Sk, Hk, D]; lse: [B, Hq, Sq] fp32, natural log.
-The math is docs/derivation.md#4-tiled-attention-fa1-and-fa2-loop-orders; the exp2 and two-stage causal
-tricks are docs/derivation.md#5-kernel-tricks-exp2-and-the-causal-stages.
+q: [B, Sq, Hq, D]; k: [B, Sk, Hk, D]; v: [B, Sk, Hk, Dv]; out: [B, Sq, Hq, Dv]; lse: [B, Hq, Sq] fp32, natural
+log. Variable length (VARLEN): q, k, v, out are [total, H, D] packed sequences delimited by cu_seqlens and lse is
+[Hq, total_q], flash-attn's layouts.
+The math is docs/derivation.md#4-tiled-attention-fa1-and-fa2-loop-orders; the exp2 and causal-stage tricks are
+docs/derivation.md#5-kernel-tricks-exp2-and-the-causal-stages; the masks, score modifications, sinks and dropout
+are docs/derivation.md#8. Every feature is a constexpr: a launch without it compiles none of its code.
 """
 import torch
 import triton
@@ -10,141 +13,246 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import LN2, LOG2E, _key_range, _load_tile, _mma, _store_tile, _tile_view
+from ._common import (LN2, LOG2E, _dropout_keep, _key_range, _load_tile, _mask_keep, _mma, _score_mod,
+                      _slice_base, _store_tile, _tile_view, _visible)
+from .features import Features
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_k, stride_ks, stride_vs,
-                    diag_offset, qk_scale,
-                    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_q, seqlen_k, stride_ks, stride_vs,
+                    diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
+                    p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
+                    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+                    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     USE_TMA: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
                     WARP_SPECIALIZE: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi); m_i and the exponents are in log2 units (qk_scale holds
-    log2(e)). The max is taken on the raw scores and scaled after (qk_scale > 0, the launcher's contract), so that
-    s * qk_scale - m is one fused multiply-add per score: at head dim 64 the softmax's elementwise work is a large
-    share of the loop."""
+    """Online softmax over the key blocks [lo, hi); m_i and the exponents are in log2 units.
+
+    Without score modifications the max is taken on the raw scores and scaled after (qk_scale = scale * log2(e)
+    > 0, the launcher's contract), so that s * qk_scale - m is one fused multiply-add per score: at head dim 64
+    the softmax's elementwise work is a large share of the loop. With softcap, ALiBi or a float bias the scores
+    are built in natural units by _score_mod and converted once."""
     o_m = start_m + tl.arange(0, BLOCK_M)
+    r_m = o_m[:, None]
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
-        b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
-        if MASKED:
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            m_visible = o_n[None, :] < seqlen_k
-            if IS_CAUSAL:
-                m_visible = m_visible & (o_n[None, :] <= o_m[:, None] + diag_offset)
-            b_s = tl.where(m_visible, b_s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-            # A row that has seen no visible key yet keeps m = -inf; subtracting it would give -inf - (-inf) = NaN,
-            # so such rows subtract 0 instead (their p and alpha are then exp2(-inf) = 0, and l stays 0).
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if BLOCK_SKIP:
+            # attn_mask tiles that are masked everywhere (a precomputed map per tile) are skipped.
+            run = tl.load(p_block_map + start_n // BLOCK_N) != 0
         else:
-            m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-            m_sub = m_new
-        b_p = tl.exp2(b_s * qk_scale - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M], rescales what was accumulated under the old max
-        l_i = l_i * alpha + tl.sum(b_p, 1)
-        b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)  # [BLOCK_N, BLOCK_D]
-        acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
-        m_i = m_new
+            run = True
+        if run:
+            r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
+            b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+            b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
+            if SOFTCAP or HAS_ALIBI or BIAS == 1:
+                b_s, _ = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, p_bias, stride_bias_m, stride_bias_n,
+                                    seqlen_q, seqlen_k, diag_offset, SOFTCAP, HAS_ALIBI, BIAS)
+                b_s = b_s * LOG2E  # log2 units from here on
+            if MASKED or BIAS == 2:
+                if MASKED:
+                    m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
+                                         MASK_LEFT, MASK_RIGHT)
+                    if BIAS == 2:
+                        m_visible = m_visible & _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n,
+                                                           seqlen_q, seqlen_k)
+                else:
+                    m_visible = _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k)
+                b_s = tl.where(m_visible, b_s, float("-inf"))
+            if SOFTCAP or HAS_ALIBI or BIAS == 1:
+                m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            else:
+                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+            if MASKED or BIAS != 0:
+                # A mask can hide all of a row's keys so far (m = -inf); subtracting it would give
+                # -inf - (-inf) = NaN, so such rows subtract 0 instead (their p and alpha are then exp2(-inf) = 0,
+                # and l stays 0).
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_sub = m_new
+            if SOFTCAP or HAS_ALIBI or BIAS == 1:
+                b_p = tl.exp2(b_s - m_sub[:, None])
+            else:
+                b_p = tl.exp2(b_s * qk_scale - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+            alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M], rescales what was accumulated under the old max
+            l_i = l_i * alpha + tl.sum(b_p, 1)
+            if DROPOUT:
+                # l sums every probability; only the kept ones reach the output (1 / (1 - p) is applied at the end).
+                b_p = tl.where(_dropout_keep(seed, i_bh, r_m, r_n, dropout_threshold), b_p, 0.0)
+            b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+            acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_DV]
+            m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, Out, Lse,
+def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockMap, Sinks, Seed, CuSeqQ, CuSeqK,
                      stride_qb, stride_qs, stride_qh,
                      stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh,
                      stride_ob, stride_os, stride_oh,
-                     seqlen_q, seqlen_k, diag_offset, qk_scale, num_heads, group_size,
-                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     stride_lb, stride_lh,
+                     stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+                     stride_map_b, stride_map_h, stride_map_m,
+                     seqlen_q, seqlen_k, diag_offset, sm_scale, qk_scale, num_heads, group_size,
+                     window_left, window_right, softcap, dropout_threshold, dropout_scale,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASK_LEFT: tl.constexpr,
+                     MASK_RIGHT: tl.constexpr, EVEN_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                     HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                     DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      USE_TMA: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
                      WARP_SPECIALIZE: tl.constexpr):
     i_m = tl.program_id(0)
-    if IS_CAUSAL:
-        # Query blocks near the end see the most keys: launch them first so the last wave is short.
+    if MASK_RIGHT:
+        # Query blocks near the end see the most keys under a causal mask: launch them first so the last wave is
+        # short.
         i_m = tl.num_programs(0) - 1 - i_m
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
     i_hk = i_h // group_size  # grouped-query attention: query heads share kv head h // group_size
     start_m = i_m * BLOCK_M
+    if VARLEN:
+        # Sequence i_b is rows [cu[i_b], cu[i_b + 1]) of the packed tensors; masks align to its own bottom-right.
+        q_start = tl.load(CuSeqQ + i_b)
+        seqlen_q = tl.load(CuSeqQ + i_b + 1) - q_start
+        k_start = tl.load(CuSeqK + i_b)
+        seqlen_k = tl.load(CuSeqK + i_b + 1) - k_start
+        diag_offset = seqlen_k - seqlen_q
+    else:
+        q_start = 0
+        k_start = 0
+    if start_m < seqlen_q:  # a varlen grid covers the longest sequence; shorter ones have nothing here
+        q_base = _slice_base(Q, i_b, q_start, i_h, stride_qb, stride_qs, stride_qh)
+        k_base = _slice_base(K, i_b, k_start, i_hk, stride_kb, stride_ks, stride_kh)
+        v_base = _slice_base(V, i_b, k_start, i_hk, stride_vb, stride_vs, stride_vh)
+        o_base = _slice_base(Out, i_b, q_start, i_h, stride_ob, stride_os, stride_oh)
+        q_view = _tile_view(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        k_view = _tile_view(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        v_view = _tile_view(v_base, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+        o_view = _tile_view(o_base, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
 
-    # int64 before multiplying by strides: B * S * H * D may pass 2^31 elements.
-    q_base = Q + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh
-    k_base = K + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
-    o_base = Out + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
-    q_view = _tile_view(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    k_view = _tile_view(k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_view = _tile_view(v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    o_view = _tile_view(o_base, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
+        p_bias = Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h
+        p_block_map = BlockMap + i_b.to(tl.int64) * stride_map_b + i_h * stride_map_h + i_m * stride_map_m
+        seed = 0
+        if DROPOUT:
+            seed = tl.load(Seed)
 
-    b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)  # [BLOCK_M, BLOCK_D]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    # Stage 1: key blocks every row sees, no mask.
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, 0, full_hi, seqlen_k,
-                                    stride_ks, stride_vs, diag_offset, qk_scale,
-                                    False, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    USE_TMA, PRECISION, DOT_UPCAST, WARP_SPECIALIZE)
-    # Stage 2: the diagonal and the ragged last block, masked. EVEN_N (not causal, Sk a multiple of BLOCK_N)
-    # compiles it out; one loop is also what warp specialization needs (two crash Triton 3.6's compiler).
-    if not EVEN_N:
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, full_hi, hi, seqlen_k,
-                                        stride_ks, stride_vs, diag_offset, qk_scale,
-                                        True, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-                                        USE_TMA, PRECISION, DOT_UPCAST, False)
+        lo, full_lo, full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                                              MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
+        if MASK_LEFT:
+            # Stage 0: the band's left edge, masked.
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
+                stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
+                p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
+                True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, False)
+        # Stage 1: key blocks every row sees, no mask.
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, b_q, k_view, v_view, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
+            stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
+            p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
+            False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, WARP_SPECIALIZE)
+        # Stage 2: the diagonal (or the band's right edge) and the ragged last block, masked. EVEN_N (no band, Sk a
+        # multiple of BLOCK_N) compiles it out; one loop is also what warp specialization needs (two crash
+        # Triton 3.6's compiler).
+        if not EVEN_N:
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, b_q, k_view, v_view, start_m, tl.maximum(full_lo, full_hi), hi, seqlen_q, seqlen_k,
+                stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
+                p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
+                True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, False)
 
-    # A row that sees no key (causal with Sq > Sk) has l = 0: it outputs 0 and its LSE is -inf.
-    m_empty = l_i == 0.0
-    l_safe = tl.where(m_empty, 1.0, l_i)
-    acc = acc / l_safe[:, None]
-    lse = tl.where(m_empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    _store_tile(o_view, acc.to(Out.dtype.element_ty), start_m, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, BLOCK_D,
-                USE_TMA)
-    o_m = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Lse + i_bh.to(tl.int64) * seqlen_q + o_m, lse, mask=o_m < seqlen_q)
+        if HAS_SINKS:
+            # The head's sink logit joins the denominator (docs/derivation.md#8): one more term exp(sink - m).
+            sink = tl.load(Sinks + i_h) * LOG2E
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
+            m_i = m_fin
+        # A row that sees no key (and has no sink) has l = 0: it outputs 0 and its LSE is -inf.
+        m_empty = l_i == 0.0
+        l_safe = tl.where(m_empty, 1.0, l_i)
+        if DROPOUT:
+            l_safe = l_safe * dropout_scale  # dropout_scale = 1 - p: kept probabilities are scaled by 1 / (1 - p)
+        acc = acc / l_safe[:, None]
+        if DROPOUT:
+            l_safe = l_safe / dropout_scale
+        lse = tl.where(m_empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        _store_tile(o_view, acc.to(Out.dtype.element_ty), start_m, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M,
+                    BLOCK_DV, USE_TMA)
+        o_m = start_m + tl.arange(0, BLOCK_M)
+        p_lse = Lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + q_start
+        tl.store(p_lse + o_m, lse, mask=o_m < seqlen_q)
 
 
-def attention_forward(q, k, v, softmax_scale, causal, diagonal_offset):
-    """Launch the forward kernel. Returns (out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32 natural log).
+def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
+    """Launch the forward kernel. Returns (out, lse fp32 natural log); shapes in the module docstring.
 
-    Inputs are assumed validated (flashtile._validate); softmax_scale must be > 0 (the public API turns a negative
-    scale into a positive one on -q). diagonal_offset: query i sees key j iff j <= i + diagonal_offset when causal
-    (Sk - Sq aligns the mask bottom-right, 0 top-left).
+    Inputs are assumed validated (flashtile._validate) and `feats` resolved (flashtile.kernels.features);
+    softmax_scale must be > 0 (the public API turns a negative scale into a positive one on -q). Query i sees key
+    j iff j <= i + diagonal_offset + right and j >= i + diagonal_offset - left, where the window bounds
+    (feats.window_left / window_right; causal is right = 0) that are < 0 do not apply. Varlen computes each
+    sequence's offset as Sk - Sq itself.
     """
     assert softmax_scale > 0, "the kernel takes the row max before scaling: the scale must be positive"
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
-    lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
+    seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
+    seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    if feats.varlen:
+        batch = feats.cu_seqlens_q.numel() - 1
+        out = _common.empty((q.shape[0], num_heads, head_dim_v), q.dtype, q.device)
+        lse = _common.empty((num_heads, q.shape[0]), torch.float32, q.device)
+        strides = [(0,) + tuple(t.stride()[:2]) for t in (q, k, v, out)]
+        lse_strides = (0, lse.stride(0))
+        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
+    else:
+        batch = q.shape[0]
+        out = _common.empty((batch, seqlen_q, num_heads, head_dim_v), q.dtype, q.device)
+        lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
+        strides = [tuple(t.stride()[:3]) for t in (q, k, v, out)]
+        lse_strides = (lse.stride(0), lse.stride(1))
     spec = configs.launch_spec(q, (q, k, v, out))
-    candidates = configs.forward_candidates(head_dim, causal, q.dtype, spec)
+    candidates = configs.forward_candidates(max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec)
+    fargs = feats.kernel_args(q)
 
     def launch(cfg):
         grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
         # The single-loop form, except for fp32 under tf32: there the operand rounding (_common._round_tf32) gave
         # wrong results inside it on Triton 3.6 while the two-stage form is right (tests/test_gpu.py).
-        even_n = not causal and seqlen_k % cfg.block_n == 0 and not (q.dtype == torch.float32
-                                                                       and spec.precision == "tf32")
+        even_n = (not feats.banded and not feats.varlen and seqlen_k % cfg.block_n == 0
+                  and not (q.dtype == torch.float32 and spec.precision == "tf32"))
+        block_map, map_strides = feats.block_map(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
         return _attn_fwd_kernel[grid](
-            q, k, v, out, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            seqlen_q, seqlen_k, diagonal_offset, softmax_scale * LOG2E.value, num_heads, num_heads // num_kv_heads,
-            HEAD_DIM=head_dim, IS_CAUSAL=causal, EVEN_N=even_n,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=spec.block_d(head_dim),
-            USE_TMA=spec.use_tma, PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
-            WARP_SPECIALIZE=cfg.warp_specialize and even_n,
+            q, k, v, out, lse, fargs.alibi, fargs.bias, fargs.alibi if block_map is None else block_map, fargs.sinks,
+            fargs.seed, fargs.cu_q, fargs.cu_k,
+            *strides[0], *strides[1], *strides[2], *strides[3], *lse_strides,
+            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides,
+            seqlen_q, seqlen_k, diagonal_offset, softmax_scale, softmax_scale * LOG2E.value, num_heads,
+            num_heads // num_kv_heads, feats.window_left, feats.window_right, feats.softcap,
+            fargs.dropout_threshold, 1.0 - feats.dropout_p,
+            HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, MASK_LEFT=feats.mask_left, MASK_RIGHT=feats.mask_right,
+            EVEN_N=even_n, SOFTCAP=feats.softcap > 0, HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind,
+            BLOCK_SKIP=block_map is not None, HAS_SINKS=fargs.has_sinks, DROPOUT=feats.dropout_p > 0,
+            VARLEN=feats.varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=spec.block_d(head_dim),
+            BLOCK_DV=spec.block_d(head_dim_v), USE_TMA=spec.use_tma, PRECISION=spec.precision,
+            DOT_UPCAST=spec.dot_upcast, WARP_SPECIALIZE=cfg.warp_specialize and even_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    configs.launch_first_that_compiles(("fwd", head_dim, causal, q.dtype, spec), candidates, launch)
+    configs.launch_first_that_compiles(("fwd", max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
+                                        feats.variant()), candidates, launch)
     return out, lse

@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from ._common import (NEG_INF, accum_dtype, band_mask, causal_mask, check_backward_rows, check_qkv, finite_or_zero,
+from ._common import (NEG_INF, accum_dtype, band_mask, check_backward_rows, check_qkv, finite_or_zero,
                       group_kv, group_q, group_rows, resolve_offset, resolve_scale, resolve_window, ungroup_kv,
                       ungroup_q, ungroup_rows)
 
@@ -57,6 +57,33 @@ def _group_heads(x, hk):
 
 def _as_4d(x):
     return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+
+
+def _modified_scores(qg, kg, scale, offset, causal, window, softcap, alibi_slopes, attn_bias, attn_mask):
+    """S of grouped q, k ([B, Hk, G, Sq, D], [B, Hk, 1, Sk, D]) with the score modifications and masks of
+    naive_attention, in qg's dtype: [B, Hk, G, Sq, Sk], masked entries -inf. Also returns tanh(scale q k^T /
+    softcap) (None without softcap), which the backward needs."""
+    hk, hq = qg.shape[1], qg.shape[1] * qg.shape[2]
+    sq, sk, dtype, device = qg.shape[3], kg.shape[3], qg.dtype, qg.device
+    s = scale * (qg @ kg.mT)                                                 # [B, Hk, G, Sq, Sk]
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    if alibi_slopes is not None:
+        rows = torch.arange(sq, device=device)[:, None] + offset
+        distance = (rows - torch.arange(sk, device=device)[None, :]).abs().to(dtype)       # |i + off - j|, [Sq, Sk]
+        slopes = alibi_slopes.to(dtype).reshape(-1, hq, 1, 1)                # [B|1, Hq, 1, 1]
+        s = s - _group_heads(slopes, hk) * distance
+    if attn_bias is not None:
+        s = s + _group_heads(_as_4d(attn_bias.to(dtype)), hk)
+    visible = band_mask(sq, sk, offset, causal, window, device=device)       # [Sq, Sk] or None
+    if attn_mask is not None:
+        keep = _group_heads(_as_4d(attn_mask), hk)
+        visible = keep if visible is None else keep & visible
+    if visible is not None:
+        s = s.masked_fill(~visible, NEG_INF)
+    return s, t
 
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, diagonal_offset=None, window_size=(-1, -1),
@@ -140,22 +167,7 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, diagonal_offse
     dtype, lse_dtype = q.dtype, accum_dtype(q.dtype)
     qg, kg, vg = group_q(q, hk, dtype), group_kv(k, dtype), group_kv(v, dtype)
 
-    s = scale * (qg @ kg.mT)                                                 # [B, Hk, G, Sq, Sk]
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if alibi_slopes is not None:
-        rows = torch.arange(sq, device=q.device)[:, None] + offset
-        distance = (rows - torch.arange(sk, device=q.device)[None, :]).abs().to(dtype)     # |i + off - j|, [Sq, Sk]
-        slopes = alibi_slopes.to(dtype).reshape(-1, hq, 1, 1)                # [B|1, Hq, 1, 1]
-        s = s - _group_heads(slopes, hk) * distance
-    if attn_bias is not None:
-        s = s + _group_heads(_as_4d(attn_bias.to(dtype)), hk)
-    visible = band_mask(sq, sk, offset, causal, window, device=q.device)     # [Sq, Sk] or None
-    if attn_mask is not None:
-        keep = _group_heads(_as_4d(attn_mask), hk)
-        visible = keep if visible is None else keep & visible
-    if visible is not None:
-        s = s.masked_fill(~visible, NEG_INF)
+    s, _ = _modified_scores(qg, kg, scale, offset, causal, window, softcap, alibi_slopes, attn_bias, attn_mask)
 
     # Safe softmax (ch. 2). The max only shifts S and cancels in P and in lse, so it carries no gradient: detaching
     # it keeps autograd out of amax, whose backward would see the ties of an all -inf row.
@@ -260,30 +272,38 @@ def naive_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale
 
 
 def attention_backward(q, k, v, out, lse, dout, *, softmax_scale=None, causal=False, diagonal_offset=None,
-                       dlse=None):
-    """Dense delta-based backward of attention (docs/derivation.md, ch. 6); not autograd.
+                       dlse=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_bias=None, attn_mask=None,
+                       sinks=None, dropout_p=0.0, dropout_mask=None, feature_grads=False):
+    """Dense delta-based backward of attention (docs/derivation.md, ch. 6 and 8); not autograd.
 
-        delta = rowsum(dout * out) - dlse     P = exp(S - lse)      dV = P^T dO      dP = dO V^T
-        dS = P * (dP - delta)                 dQ = scale dS K       dK = scale dS^T Q
+        delta = rowsum(dout * out) - dlse     P = exp(S - lse)      dV = (P * Z / (1 - p))^T dO
+        dP = (dO V^T) * Z / (1 - p)           dS = P * (dP - delta)
+        dX = dS * (1 - tanh^2)  (softcap)     dQ = scale dX K       dK = scale dX^T Q
+        dbias = dS                            dsink_h = -sum_{b, i} exp(sink_h - lse_i) delta_i
 
     Args:
-        q, k, v, softmax_scale, causal, diagonal_offset: as for naive_attention.
+        q, k, v, softmax_scale, causal, diagonal_offset and the features (window_size ... dropout_mask): as for
+            naive_attention.
         out: [B, Sq, Hq, Dv], the forward output. lse: [B, Hq, Sq], the forward's natural-log LSE.
         dout: [B, Sq, Hq, Dv], the gradient of the loss with respect to out.
         dlse: optional [B, Hq, Sq], the gradient of the loss with respect to lse, for losses that use the returned
             LSE (d lse_i / d S_ij = P_ij, so it enters as dS = P * (dP - delta + dlse)). Default None means 0.
+        feature_grads: also return dbias (attn_bias's shape, broadcast dims summed; None without a bias) and
+            dsinks (None without sinks).
 
     Returns:
-        dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, Dv] in the dtypes of q, k, v. dk and dv sum over the
-        query heads that share each kv head. Rows with lse = -inf (no visible key) contribute nothing.
+        dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, Dv] in the dtypes of q, k, v (then dbias, dsinks with
+        feature_grads). dk and dv sum over the query heads that share each kv head. Rows with lse = -inf (no
+        visible key) contribute nothing.
 
-    Computes in float32 (float64 for float64 inputs). This is the CPU fallback backward: it holds two
-    [B, Hq, Sq, Sk] matrices (P and dP, which becomes dS in place) and never the autograd graph.
+    Computes in float32 (float64 for float64 inputs). This is the CPU fallback backward: it holds a few
+    [B, Hq, Sq, Sk] matrices (P, dP, dS) and never the autograd graph.
     """
     sq, sk, hk = check_qkv(q, k, v)
     check_backward_rows(q, v, out, dout, lse, dlse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    offset = resolve_offset(causal, diagonal_offset, sq, sk)
+    window = resolve_window(window_size)
+    offset = resolve_offset(causal or window != (-1, -1) or alibi_slopes is not None, diagonal_offset, sq, sk)
     acc = accum_dtype(q.dtype)
     qg, kg, vg = group_q(q, hk, acc), group_kv(k, acc), group_kv(v, acc)
     dog = group_q(dout, hk, acc)
@@ -296,14 +316,30 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale=None, causal=Fa
     # (S - lse would be -inf - (-inf) = NaN).
     lse_g = lse_g.masked_fill(lse_g == NEG_INF, float("inf"))
 
-    p = scale * (qg @ kg.mT)                                                 # S, [B, Hk, G, Sq, Sk]
-    if offset is not None:
-        p.masked_fill_(~causal_mask(sq, sk, offset, device=q.device), NEG_INF)
-    p.sub_(lse_g.unsqueeze(-1)).exp_()                                       # P = exp(S - lse), in place
-    dv = (p.mT @ dog).sum(dim=2, keepdim=True)                               # [B, Hk, 1, Sk, Dv]
-    ds = dog @ vg.mT                                                         # dP, [B, Hk, G, Sq, Sk]
-    ds.sub_(delta.unsqueeze(-1)).mul_(p)                                     # dS = P * (dP - delta), in place
+    s, t = _modified_scores(qg, kg, scale, offset, causal, window, float(softcap), alibi_slopes, attn_bias,
+                            attn_mask)
+    p = s.sub_(lse_g.unsqueeze(-1)).exp_()                                   # P = exp(S - lse), in place
+    dp = dog @ vg.mT                                                         # dP, [B, Hk, G, Sq, Sk]
+    if dropout_mask is not None:
+        kept = _group_heads(dropout_mask, hk).to(acc) / (1.0 - dropout_p)    # Z / (1 - p)
+        dv = ((p * kept).mT @ dog).sum(dim=2, keepdim=True)                  # [B, Hk, 1, Sk, Dv]
+        dp.mul_(kept)
+    else:
+        dv = (p.mT @ dog).sum(dim=2, keepdim=True)
+    ds = dp.sub_(delta.unsqueeze(-1)).mul_(p)                                # dS = P * (dP - delta), in place
     del p
+    dbias = dsinks = None
+    if feature_grads and attn_bias is not None:
+        dbias = ds.flatten(1, 2)                                             # [B, Hq, Sq, Sk]
+        dims = tuple(i for i in range(4) if _as_4d(attn_bias).shape[i] == 1 and dbias.shape[i] != 1)
+        dbias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).reshape(attn_bias.shape).to(attn_bias.dtype)
+    if feature_grads and sinks is not None:
+        p_sink = torch.exp(_group_heads(sinks.to(acc).reshape(1, -1, 1, 1), hk).squeeze(-1) - lse_g)
+        dsinks = -(p_sink * delta).sum(dim=(0, 3)).reshape(-1).to(sinks.dtype)
+    if t is not None:
+        ds.mul_(1.0 - t * t)                                                 # through softcap: d tanh = 1 - tanh^2
     dq = scale * (ds @ kg)                                                   # [B, Hk, G, Sq, D]
     dk = scale * (ds.mT @ qg).sum(dim=2, keepdim=True)                       # [B, Hk, 1, Sk, D]
-    return ungroup_q(dq, q.dtype), ungroup_kv(dk, k.dtype), ungroup_kv(dv, v.dtype)
+    grads = ungroup_q(dq, q.dtype), ungroup_kv(dk, k.dtype), ungroup_kv(dv, v.dtype)
+    return grads + (dbias, dsinks) if feature_grads else grads
+

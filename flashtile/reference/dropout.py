@@ -1,0 +1,56 @@
+"""Dropout's keep-mask in pure PyTorch: the same Philox-4x32-10 bits the kernels draw (docs/derivation.md#8).
+
+Element (b, h, i, j) is kept iff the top 31 bits of the first Philox output at counter (j, i, b * H + h, 0) under
+the 64-bit key `seed` are >= round(p * 2^31). This is an independent implementation (integer arithmetic in int64
+tensors) of what flashtile/kernels/_common._dropout_keep computes with Triton's Philox, so a test that feeds it
+to the reference checks the kernels' random numbers too. It is also the CPU fallback's mask and what
+`return_attn_probs=True` encodes in S_dmask.
+"""
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_ROUNDS = 10
+_BITS = 31
+
+
+def _mulhi32(a, b):
+    """High 32 bits of a * b for uint32 values held in int64 (the product can pass 2^63, so split b)."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    return (a * b_hi + ((a * b_lo) >> 16)) >> 16
+
+
+def philox_4x32(seed, c0, c1, c2, c3):
+    """Philox-4x32-10 with key (seed & 0xffffffff, seed >> 32) on uint32 counters held in int64 tensors; returns
+    the four outputs (int64 tensors with values in [0, 2^32))."""
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(_ROUNDS):
+        old_c0, old_c2 = c0, c2
+        c0 = _mulhi32(torch.full_like(old_c2, _ROUND_B), old_c2) ^ c1 ^ k0
+        c2 = _mulhi32(torch.full_like(old_c0, _ROUND_A), old_c0) ^ c3 ^ k1
+        c1 = (_ROUND_B * old_c2) & _MASK32
+        c3 = (_ROUND_A * old_c0) & _MASK32
+        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(p):
+    """The integer threshold on 31 random bits that keeps an element with probability 1 - p."""
+    return min(round(p * 2 ** _BITS), 2 ** _BITS - 1)
+
+
+def dropout_mask(seed, batch, heads, seqlen_q, seqlen_k, p, *, device="cpu", batch_offset=0):
+    """Keep-mask [batch, heads, seqlen_q, seqlen_k] (True = kept) of dropout with probability p under `seed` (an
+    int). batch_offset numbers the batch entries from there (a varlen sequence b uses counter b * heads + h)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}.")
+    seed = int(seed)
+    i = torch.arange(seqlen_q, device=device, dtype=torch.int64).view(1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=device, dtype=torch.int64).view(1, 1, 1, -1)
+    bh = ((torch.arange(batch, device=device, dtype=torch.int64).view(-1, 1) + batch_offset) * heads
+          + torch.arange(heads, device=device, dtype=torch.int64).view(1, -1)).view(batch, heads, 1, 1)
+    shape = (batch, heads, seqlen_q, seqlen_k)
+    c0, c1, c2 = j.expand(shape), i.expand(shape), (bh & _MASK32).expand(shape)
+    r0, _, _, _ = philox_4x32(seed, c0, c1, c2, torch.zeros(shape, dtype=torch.int64, device=device))
+    return (r0 >> 1) >= dropout_threshold(p)
