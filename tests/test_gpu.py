@@ -161,3 +161,135 @@ def test_even_seqlen_non_causal(d, dtype):
     """Non-causal with Sk a multiple of every tile: the single-loop (EVEN_N) kernels, the shapes that exposed a
     wrong LSE under warp specialization."""
     _check(1, 4096, 4096, 16, 16, d, False, dtype, seed=d)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Features at sizes the interpreter cannot reach (tests/test_features.py runs the small ones compiled too)
+# --------------------------------------------------------------------------------------------------------------
+
+def _feature_check(b, sq, sk, h, hk, d, dtype, seed, causal=False, sinks=False, **kw):
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=seed)
+    gen = torch.Generator(DEVICE).manual_seed(seed + 1)
+    dout = torch.randn(q.shape, device=DEVICE, generator=gen).to(dtype)
+    sink = torch.randn(h, device=DEVICE, generator=gen).requires_grad_() if sinks else None
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, sinks=sink, return_attn_probs=True, **kw)
+    grads = torch.autograd.grad((out * dout).sum(), [q, k, v] + ([sink] if sinks else []))
+    got = (out.detach(), lse.detach(), *grads[:3], None, grads[3] if sinks else None)
+    ref_kw = dict(kw)
+    if sinks:
+        ref_kw["sinks"] = sink.detach()
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq, **ref_kw)
+
+
+FEATURES_LARGE = [
+    ("window-causal", dict(causal=True, window_size=(300, 0))),
+    ("window-both", dict(window_size=(200, 333))),
+    ("softcap", dict(softcap=20.0)),
+    ("alibi-causal", dict(causal=True, alibi_slopes="slopes")),
+    ("sinks-causal", dict(causal=True, sinks=True)),
+    ("all", dict(causal=True, window_size=(500, 0), softcap=15.0, alibi_slopes="slopes", sinks=True)),
+]
+
+
+@pytest.mark.parametrize("name,kw", FEATURES_LARGE, ids=[f[0] for f in FEATURES_LARGE])
+@pytest.mark.parametrize("d", (64, 128))
+def test_features_large(name, kw, d):
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "slopes":
+        kw["alibi_slopes"] = torch.rand(8, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(d)) * 0.1
+    _feature_check(1, 2000, 2500, 8, 2, d, torch.bfloat16, seed=d + len(name), **kw)
+
+
+def test_dropout_large():
+    """Dropped fraction within 1% of p at 2k x 2k x 8 heads, and the output and grads against the reference
+    with the same (independently generated) Philox mask."""
+    from flashtile.reference.dropout import dropout_mask
+    b, s, h, d, p = 1, 1024, 8, 64, 0.15
+    q, k, v = make_qkv(b, s, s, h, h, d, torch.bfloat16, device=DEVICE, seed=3)
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
+    torch.manual_seed(5)
+    out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
+    grads = torch.autograd.grad((out * dout).sum(), [q, k, v])
+    torch.manual_seed(5)
+    seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=DEVICE).item())
+    mask = dropout_mask(seed, b, h, s, s, p, device=DEVICE)
+    visible = torch.ones(s, s, dtype=torch.bool, device=DEVICE).tril()
+    assert abs((~mask[..., visible]).float().mean().item() - p) < 0.01
+    assert torch.equal(s_dmask < 0, ~mask & visible)
+    check_against_reference((out.detach(), lse.detach(), *grads), q.detach(), k.detach(), v.detach(), dout,
+                            d ** -0.5, True, 0, dropout_p=p, dropout_mask=mask)
+
+
+def test_varlen_large():
+    lens = [1, 0, 1500, 777, 3000, 64]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    total, h, hk, d = sum(lens), 8, 2, 128
+    gen = torch.Generator(DEVICE).manual_seed(7)
+    q = torch.randn((total, h, d), device=DEVICE, generator=gen).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn((total, hk, d), device=DEVICE, generator=gen).to(torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn((total, h, d), device=DEVICE, generator=gen).to(torch.bfloat16)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                                   window_size=(256, 0), return_attn_probs=True)
+    grads = torch.autograd.grad((out * dout).sum(), [q, k, v])
+    bounds = cu.tolist()
+    for i in range(len(lens)):
+        if lens[i] == 0:
+            continue
+        r = slice(bounds[i], bounds[i + 1])
+        seq = lambda t: t[r].unsqueeze(0)  # noqa: E731
+        check_against_reference((seq(out.detach()), lse.detach()[:, r].unsqueeze(0), *(seq(g) for g in grads)),
+                                seq(q).detach(), seq(k).detach(), seq(v).detach(), seq(dout), d ** -0.5, True, 0,
+                                window_size=(256, 0))
+
+
+def test_bias_large():
+    b, s, h, d = 2, 1500, 4, 64
+    q, k, v = make_qkv(b, s, s, h, h, d, torch.float16, device=DEVICE, seed=8)
+    bias = torch.randn((1, h, s, s), device=DEVICE).to(torch.float16)
+    bias[..., :, 100:400] = float("-inf")
+    bias.requires_grad_()
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.float16)
+    out = flashtile.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=bias)
+    out = out.transpose(1, 2)
+    grads = torch.autograd.grad((out * dout).sum(), [q, k, v, bias])
+    check_against_reference((out.detach(), None, *grads, None), q.detach(), k.detach(), v.detach(), dout,
+                            d ** -0.5, False, 0, attn_bias=bias)
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (512, 512)], ids=("mla-192-128", "d512"))
+def test_wide_head_dims(d, dv):
+    q, k, _ = make_qkv(1, 700, 900, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d)
+    v = torch.randn((1, 900, 2, dv), device=DEVICE).to(torch.bfloat16).requires_grad_()
+    dout = torch.randn((1, 700, 4, dv), device=DEVICE).to(torch.bfloat16)
+    got = _fwd_bwd(q, k, v, dout, True)
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, True, 200)
+
+
+def test_deterministic_30_runs():
+    """deterministic=True (always on): 30 backward passes give bit-identical gradients, GQA, window, ALiBi and a
+    bias gradient included."""
+    q, k, v = make_qkv(2, 2048, 2048, 16, 4, 128, torch.bfloat16, device=DEVICE, seed=30)
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
+    slopes = torch.rand(16, device=DEVICE) * 0.1
+
+    def grads():
+        out = flashtile.flash_attn_func(q, k, v, causal=True, window_size=(700, 0), alibi_slopes=slopes,
+                                        deterministic=True)
+        return torch.autograd.grad((out * dout).sum(), [q, k, v])
+
+    first = grads()
+    for _ in range(29):
+        for a, b in zip(first, grads()):
+            assert torch.equal(a, b)
+    bias = torch.randn((1, 16, 512, 512), device=DEVICE).to(torch.bfloat16).requires_grad_()
+    qs, ks, vs = (t.detach()[:, :512].transpose(1, 2).requires_grad_() for t in (q, k, v))
+
+    def bias_grads():
+        out = flashtile.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, enable_gqa=True)
+        return torch.autograd.grad(out.float().square().sum(), [qs, ks, vs, bias])
+
+    first = bias_grads()
+    for _ in range(29):
+        for a, b in zip(first, bias_grads()):
+            assert torch.equal(a, b)

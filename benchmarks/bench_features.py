@@ -1,0 +1,182 @@
+"""What each attention feature costs against the plain kernel, in one run on one GPU.
+
+    python benchmarks/bench_features.py --out benchmarks/results
+
+bf16, head dim 128, 16 heads, seqlen 16k, batch 1 (the issue's shape). For each feature: forward and forward +
+backward time (median of triton.testing.do_bench) next to the plain kernel with the same causal setting, and the
+cost = time / plain time - 1 (the bar is <= 10%). Sliding windows are reported as speedups over full attention
+(the bar: w = 1024 runs >= 5x faster). Varlen runs random lengths summing to 16k and is compared by TFLOP/s (its
+work is sum(len^2), not 16k^2) with the plain kernel at 16k and at the mean length. Writes
+<date>-<gpu>-features.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import triton
+
+import flashtile
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+
+
+def _time(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _fwd_bwd(fn, inputs):
+    out = fn()
+    grad = torch.randn_like(out)
+
+    def run():
+        o = fn()
+        torch.autograd.grad(o, inputs, grad)
+    return run
+
+
+def _inputs(b, s, h, d, grad=True):
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    return [torch.randn((b, s, h, d), generator=gen, device=DEVICE, dtype=DTYPE).requires_grad_(grad)
+            for _ in range(3)]
+
+
+def _flops(b, h, sq, sk, d, causal):
+    return 4 * b * h * sq * sk * d * (0.5 if causal else 1.0)
+
+
+def run(seqlen, heads, head_dim, out_dir):
+    b, s, h, d = 1, seqlen, heads, head_dim
+    q, k, v = _inputs(b, s, h, d)
+    rows = []
+
+    def measure(name, fn, base=None, flops=None, inputs=(q, k, v), bwd=True):
+        fwd_ms = _time(fn)
+        fb_ms = _time(_fwd_bwd(fn, list(inputs))) if bwd else None
+        row = dict(name=name, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms)
+        if flops is not None:
+            row["fwd_tflops"] = flops / fwd_ms * 1e-9
+            if fb_ms is not None:
+                row["fwd_bwd_tflops"] = 3.5 * flops / fb_ms * 1e-9
+        if base is not None:
+            row["vs"] = base["name"]
+            row["fwd_cost"] = fwd_ms / base["fwd_ms"] - 1
+            if fb_ms is not None and base["fwd_bwd_ms"] is not None:
+                row["fwd_bwd_cost"] = fb_ms / base["fwd_bwd_ms"] - 1
+        rows.append(row)
+        print(_fmt(row), flush=True)
+        return row
+
+    full = measure("plain", lambda: flashtile.flash_attn_func(q, k, v), flops=_flops(b, h, s, s, d, False))
+    causal = measure("plain causal", lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+                     flops=_flops(b, h, s, s, d, True))
+    for w in (1024, 4096):
+        row = measure(f"causal + window {w}", lambda: flashtile.flash_attn_func(q, k, v, causal=True,
+                                                                               window_size=(w, 0)))
+        row["speedup_vs_full"] = full["fwd_ms"] / row["fwd_ms"]
+        row["speedup_vs_causal"] = causal["fwd_ms"] / row["fwd_ms"]
+        row["fwd_bwd_speedup_vs_full"] = full["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    measure("softcap 30", lambda: flashtile.flash_attn_func(q, k, v, softcap=30.0), base=full,
+            flops=_flops(b, h, s, s, d, False))
+    measure("causal + softcap 30", lambda: flashtile.flash_attn_func(q, k, v, causal=True, softcap=30.0),
+            base=causal, flops=_flops(b, h, s, s, d, True))
+    slopes = torch.rand(h, device=DEVICE) * 0.1
+    measure("ALiBi", lambda: flashtile.flash_attn_func(q, k, v, alibi_slopes=slopes), base=full,
+            flops=_flops(b, h, s, s, d, False))
+    measure("causal + ALiBi", lambda: flashtile.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes),
+            base=causal, flops=_flops(b, h, s, s, d, True))
+    sinks = torch.randn(h, device=DEVICE, requires_grad=True)
+    measure("causal + sinks", lambda: flashtile.flash_attn_func(q, k, v, causal=True, sinks=sinks), base=causal,
+            flops=_flops(b, h, s, s, d, True), inputs=(q, k, v, sinks))
+    measure("causal + dropout 0.1", lambda: flashtile.flash_attn_func(q, k, v, causal=True, dropout_p=0.1),
+            base=causal, flops=_flops(b, h, s, s, d, True))
+    # Bias through SDPA's layout: (batch, heads, seqlen, seqlen) views of the same q, k, v.
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    sdpa_full = measure("sdpa plain", lambda: flashtile.scaled_dot_product_attention(qt, kt, vt),
+                        flops=_flops(b, h, s, s, d, False))
+    bias_shared = torch.randn((1, 1, s, s), device=DEVICE, dtype=DTYPE)
+    measure("bias (1,1,S,S)", lambda: flashtile.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias_shared),
+            base=sdpa_full, flops=_flops(b, h, s, s, d, False))
+    bias_heads = torch.randn((1, h, s, s), device=DEVICE, dtype=DTYPE)
+    measure("bias (1,H,S,S)", lambda: flashtile.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias_heads),
+            base=sdpa_full, flops=_flops(b, h, s, s, d, False))
+    bias_heads = None  # free 8 GB before the next row
+    bias_grad = torch.randn((1, h, s, s), device=DEVICE, dtype=DTYPE, requires_grad=True)
+    measure("bias (1,H,S,S) + dbias", lambda: flashtile.scaled_dot_product_attention(qt, kt, vt,
+                                                                                     attn_mask=bias_grad),
+            base=sdpa_full, flops=_flops(b, h, s, s, d, False), inputs=(q, k, v, bias_grad))
+    bias_grad = None
+    causal_mask = torch.ones((s, s), device=DEVICE, dtype=torch.bool).tril()
+    measure("bool causal mask (S,S)", lambda: flashtile.scaled_dot_product_attention(qt, kt, vt,
+                                                                                     attn_mask=causal_mask),
+            base=causal, flops=_flops(b, h, s, s, d, True))
+
+    # Varlen: random lengths summing to s, causal.
+    gen = torch.Generator().manual_seed(1)
+    cuts = sorted(torch.randperm(s - 1, generator=gen)[:15].add(1).tolist())
+    lens = [e - a for a, e in zip([0] + cuts, cuts + [s])]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    qv, kv, vv = (t.detach()[0].requires_grad_() for t in (q, k, v))
+    work = sum(_flops(1, h, n, n, d, True) for n in lens)
+    row = measure(f"varlen causal ({len(lens)} seqs)", lambda: flashtile.flash_attn_varlen_func(
+        qv, kv, vv, cu, cu, max(lens), max(lens), causal=True), flops=work, inputs=(qv, kv, vv))
+    row["lens"] = lens
+    mean = s // len(lens)
+    qm, km, vm = _inputs(len(lens), mean, h, d)
+    padded = measure(f"plain causal batch {len(lens)} x {mean}", lambda: flashtile.flash_attn_func(
+        qm, km, vm, causal=True), flops=_flops(len(lens), h, mean, mean, d, True), inputs=(qm, km, vm))
+    row["tflops_vs_plain_16k"] = row["fwd_tflops"] / causal["fwd_tflops"]
+    row["tflops_vs_plain_mean_len"] = row["fwd_tflops"] / padded["fwd_tflops"]
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat(), dtype="bf16", batch=b, heads=h, head_dim=d, seqlen=s)
+    tag = torch.cuda.get_device_name().split()[-1].lower()
+    path = Path(out_dir) / f"{meta['date']}-{tag}-features.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"wrote {path}")
+    return rows
+
+
+def _fmt(row):
+    parts = [f"{row['name']:<34}", f"fwd {row['fwd_ms']:8.3f} ms"]
+    if row.get("fwd_bwd_ms") is not None:
+        parts.append(f"fwd+bwd {row['fwd_bwd_ms']:8.3f} ms")
+    if "fwd_tflops" in row:
+        parts.append(f"{row['fwd_tflops']:6.1f} TF/s")
+    if "fwd_cost" in row:
+        parts.append(f"cost fwd {row['fwd_cost']:+6.1%}")
+    if "fwd_bwd_cost" in row:
+        parts.append(f"fwd+bwd {row['fwd_bwd_cost']:+6.1%}")
+    return "  ".join(parts)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--seqlen", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args(argv)
+    rows = run(args.seqlen, args.heads, args.head_dim, args.out)
+    print("\nsummary")
+    for row in rows:
+        extra = ""
+        if "speedup_vs_full" in row:
+            extra = f"  {row['speedup_vs_full']:.1f}x faster than full (fwd), {row['fwd_bwd_speedup_vs_full']:.1f}x fwd+bwd"
+        if "tflops_vs_plain_16k" in row:
+            extra = (f"  TFLOP/s {row['tflops_vs_plain_16k']:.2f}x plain causal 16k, "
+                     f"{row['tflops_vs_plain_mean_len']:.2f}x plain causal at the mean length")
+        print(_fmt(row) + extra)
+
+
+if __name__ == "__main__":
+    main()
