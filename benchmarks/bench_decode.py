@@ -257,7 +257,7 @@ def sweep_tiles():
 
 def sweep(shapes, progress=log):
     """Split kernel tiles at num_splits=0, then num_splits for the best tile, per shape (contiguous and paged 16):
-    what decode.py's tile table and SPLIT_WAVES should come from."""
+    what decode.py's tile table and split heuristic (SPLIT_TOLERANCE) should come from."""
     from flashtile.kernels import decode
     rows = []
     saved = decode.TILE_OVERRIDE

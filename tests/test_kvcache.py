@@ -457,14 +457,30 @@ def test_small_tiles_many_row_blocks(poison, request, monkeypatch):
 
 
 def test_choose_num_splits():
-    dev = torch.device("cpu")
-    # Enough programs already: no split. Few programs, long cache: SPLIT_WAVES x SMs programs.
-    assert decode.choose_num_splits(0, 1000, 10 ** 6, 64, dev) == 1
-    assert decode.choose_num_splits(0, 1, 10 ** 6, 64, dev) == decode.SPLIT_WAVES * decode.INTERPRETER_SM_COUNT
+    # An explicit request is honoured; whole waves already: no split. 1000 programs are 7.6 waves: the last one
+    # 58% full, 5.6% of the time lost; 3 splits lose 1.2%.
+    assert decode.choose_num_splits(5, 1000, 10, 64, 132) == 5
+    assert decode.choose_num_splits(0, 8 * 132, 10 ** 6, 64, 132) == 1
+    assert decode.choose_num_splits(0, 1000, 10 ** 6, 64, 132) == 3
     # Short cache: at least MIN_BLOCKS_PER_SPLIT blocks per split.
-    assert decode.choose_num_splits(0, 1, 64 * decode.MIN_BLOCKS_PER_SPLIT, 64, dev) == 1
-    # An explicit request is honoured.
-    assert decode.choose_num_splits(5, 1000, 10, 64, dev) == 5
+    assert decode.choose_num_splits(0, 1, 64 * decode.MIN_BLOCKS_PER_SPLIT, 64, 132) == 1
+    # Waves on 132 slots (Hk = 8): batch 8 fills one wave with 2 splits (128 programs) where 5 splits would run
+    # 2.4 waves; batch 1 takes 16; 256 programs are 2 waves already.
+    assert decode.choose_num_splits(0, 64, 10 ** 6, 64, 132) == 2
+    assert decode.choose_num_splits(0, 8, 10 ** 6, 64, 132) == 16
+    assert decode.choose_num_splits(0, 256, 10 ** 6, 64, 132) == 1
+    assert decode.choose_num_splits(0, 64, 10 ** 6, 64, 264) == 4
+
+
+def test_split_slots_from_shared_memory(monkeypatch):
+    """Resident programs per SM from the K/V buffers' shared memory: 3 stages of 128 x 128 bf16 K and V (192 KB) fit
+    once in 228 KB, 64-key blocks (96 KB) twice."""
+    monkeypatch.setattr(configs, "INTERPRETING", False)
+    monkeypatch.setattr(decode, "_device_limits", lambda index: (132, 228 * 1024))
+    cuda = torch.device("cuda", 0)
+    assert decode.split_slots(cuda, TileConfig(64, 128, 4, 3), 128, 2) == 132
+    assert decode.split_slots(cuda, TileConfig(64, 64, 4, 3), 128, 2) == 264
+    assert decode.split_slots(cuda, TileConfig(64, 64, 4, 3), 128, 1) == 4 * 132  # fp8: half the bytes
 
 
 # ----------------------------------------------------------------------------------------------------------------

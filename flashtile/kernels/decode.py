@@ -44,14 +44,19 @@ UNBOUNDED = 1 << 30
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
 # num_splits=0 heuristic. Decode at q_len 1 is one program per (batch, kv head) without splitting: 8 programs for
-# batch 1 at Hk = 8, on a GPU with 132 SMs. Splitting the keys gives SPLIT_WAVES programs per SM (two resident per
-# SM keep loads in flight while the other waits). PERF_NOTES.md's probe found ~1 wave best and more 3-8% slower;
-# not yet measured for these kernels: benchmarks/bench_decode.py --sweep times the alternatives.
-SPLIT_WAVES = 2
-# ... but never fewer than this many key blocks per split: each split also loads q, writes a partial row and adds
-# work to the combine.
+# batch 1 at Hk = 8, on a GPU with 132 SMs. With s splits of equal length, the launch takes
+# ceil(programs * s / slots) waves of 1/s the work each (slots: programs the GPU holds at once), so the time is
+# proportional to ceil(programs * s / slots) / s; the fewest splits within SPLIT_TOLERANCE of the best are chosen
+# (fewer, longer programs: PERF_NOTES.md's probe found programs beyond one wave cost 3-8%). E.g. 132 SMs, one
+# program each: batch 8 -> 2 splits (128 programs), batch 1 -> 16 (128), batch 64 -> 1 (512). Not yet measured
+# for these kernels: benchmarks/bench_decode.py --sweep times the alternatives.
+SPLIT_TOLERANCE = 0.05
+# Never fewer than this many key blocks per split: each split also loads q, writes a partial row and adds work to
+# the combine.
 MIN_BLOCKS_PER_SPLIT = 2
 MAX_AUTO_SPLITS = 128
+# Resident programs per SM are bounded by shared memory (the pipelined K/V buffers) and by this many warps.
+MAX_WARPS_PER_SM = 64
 # The interpreter has no SMs; pretending to have a few makes num_splits=0 split at test sizes too.
 INTERPRETER_SM_COUNT = 4
 # Splits merged per step of the combine's loop: a [16, D] fp32 tile.
@@ -103,26 +108,43 @@ def _block_d(head_dim):
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_limits(device_index):
+    """(SMs, shared memory per SM in bytes) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or getattr(props, "shared_memory_per_block_optin", 0)
+    return props.multi_processor_count, smem
 
 
-def choose_num_splits(requested, programs, max_keys, block_n, device):
-    """Splits of the key range: `requested` when > 0, else enough for SPLIT_WAVES programs per SM.
+def split_slots(device, cfg, head_dim, cache_elem_size):
+    """Programs of the split kernel the device runs at once: SMs x resident programs per SM, the latter estimated
+    from the shared memory of the pipelined K and V tiles (num_stages buffers of each) and the warp limit."""
+    if configs.INTERPRETING or device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    sms, smem_per_sm = _device_limits(device.index if device.index is not None else torch.cuda.current_device())
+    smem = max(cfg.num_stages, 1) * 2 * cfg.block_n * _block_d(head_dim) * cache_elem_size
+    resident = max(1, min(smem_per_sm // smem, MAX_WARPS_PER_SM // cfg.num_warps))
+    return sms * resident
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_splits(programs, slots, max_splits):
+    def time(s):  # waves x work per program, in units of one unsplit program
+        return _cdiv(programs * s, slots) / s
+    best = min(time(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if time(s) <= best * (1 + SPLIT_TOLERANCE))
+
+
+def choose_num_splits(requested, programs, max_keys, block_n, slots):
+    """Splits of the key range: `requested` when > 0, else the wave-quantised choice above.
 
     programs: the launch's programs without splitting (batch x kv heads x row blocks). max_keys: an upper bound on
     the keys one row block sees (the cache's capacity, narrowed by a sliding window); the actual lengths live on
-    the device and reading them would synchronise.
+    the device and reading them would synchronise. slots: programs the device runs at once (split_slots).
     """
     if requested > 0:
         return requested
-    if configs.INTERPRETING or device.type != "cuda":
-        sms = INTERPRETER_SM_COUNT
-    else:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    wanted = _cdiv(SPLIT_WAVES * sms, programs)
-    useful = max(1, _cdiv(max_keys, MIN_BLOCKS_PER_SPLIT * block_n))
-    return max(1, min(wanted, useful, MAX_AUTO_SPLITS))
+    max_splits = max(1, min(MAX_AUTO_SPLITS, _cdiv(max_keys, MIN_BLOCKS_PER_SPLIT * block_n)))
+    return _best_splits(programs, slots, max_splits)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -539,7 +561,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_n
     def launch(cfg):
         block_m = min(cfg.block_m, max(MIN_BLOCK_M, _next_pow2(rows)))
         m_blocks = _cdiv(rows, block_m)
-        splits = choose_num_splits(num_splits, batch * num_kv_heads * m_blocks, max_keys, cfg.block_n, device)
+        splits = choose_num_splits(num_splits, batch * num_kv_heads * m_blocks, max_keys, cfg.block_n,
+                                   split_slots(device, cfg, head_dim, k_cache.element_size()))
         if splits > 1:
             # One allocation for both: o_part [B, Sq, Hq, S, D], then lse_part [B, Sq, Hq, S].
             n_rows = batch * seqlen_q * num_heads * splits
