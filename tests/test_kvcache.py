@@ -62,6 +62,8 @@ class Case:
     int_seqlens: bool = False  # cache_seqlens as a Python int (every sequence the same length)
     fp8: bool = False  # float8_e4m3fn cache with descales; q, k, v in `dtype`
     growing_keys: bool = False  # keys grow along the cache: later splits have the larger LSEs
+    strided: bool = False  # q, k, v slices of one packed projection; a contiguous cache a view of a longer buffer
+    index_dtype: torch.dtype = torch.int32  # of cache_seqlens, cache_batch_idx, cache_leftpad, block_table
 
     def id(self):
         parts = [f"B{self.batch}", f"Sq{self.seqlen_q}", f"H{self.heads}", f"Hk{self.kv_heads}", f"D{self.head_dim}",
@@ -92,6 +94,10 @@ class Case:
             parts.append(f"scale{self.scale:g}")
         if self.growing_keys:
             parts.append("growing")
+        if self.strided:
+            parts.append("strided")
+        if self.index_dtype != torch.int32:
+            parts.append(str(self.index_dtype).replace("torch.", ""))
         parts.append(f"split{self.num_splits}")
         return "-".join(parts)
 
@@ -147,10 +153,11 @@ class Inputs:
     k_descale: Optional[torch.Tensor]
     v_descale: Optional[torch.Tensor]
     layout: Layout
+    index_dtype: torch.dtype = torch.int32
 
     @property
     def cache_seqlens(self):
-        return torch.tensor(self.lengths, dtype=torch.int32, device=self.q.device)
+        return torch.tensor(self.lengths, dtype=self.index_dtype, device=self.q.device)
 
 
 def _randn(shape, gen, dtype):
@@ -195,11 +202,12 @@ def make_inputs(case, seed):
         pages = capacity // case.page_size
         pool = b * pages + 3  # spare pages, all NaN
         perm = torch.randperm(pool, generator=cpu_gen)[:b * pages].to(DEVICE)
-        layout = Layout("paged", pool, block_table=perm.view(b, pages).to(torch.int32), page_size=case.page_size)
+        layout = Layout("paged", pool, block_table=perm.view(b, pages).to(case.index_dtype),
+                        page_size=case.page_size)
     else:
         rows_total = b + 2 if case.batch_idx else b
         batch_idx = torch.randperm(rows_total, generator=cpu_gen)[:b] if case.batch_idx else torch.arange(b)
-        layout = Layout("contiguous", rows_total, batch_idx=batch_idx.to(torch.int32).to(DEVICE))
+        layout = Layout("contiguous", rows_total, batch_idx=batch_idx.to(case.index_dtype).to(DEVICE))
 
     q = _randn((b, case.seqlen_q, case.heads, d), gen, case.dtype)
     k = v = None
@@ -211,13 +219,14 @@ def make_inputs(case, seed):
         seqlen_ro = capacity + case.seqlen_q
         angle = torch.rand((seqlen_ro, case.rotary_dim // 2), generator=gen, device=DEVICE) * 2 * math.pi
         cos, sin = torch.cos(angle).to(case.dtype), torch.sin(angle).to(case.dtype)
-    leftpad = torch.tensor(starts, dtype=torch.int32, device=DEVICE) if case.leftpad else None
+    leftpad = torch.tensor(starts, dtype=case.index_dtype, device=DEVICE) if case.leftpad else None
     alibi = None
     if case.alibi == "heads":
         alibi = torch.rand((case.heads,), generator=gen, device=DEVICE) * 0.3
     elif case.alibi == "batch":
         alibi = torch.rand((b, case.heads), generator=gen, device=DEVICE) * 0.3
-    return Inputs(q, k_logical, v_logical, k, v, cos, sin, lengths, leftpad, alibi, k_descale, v_descale, layout)
+    return Inputs(q, k_logical, v_logical, k, v, cos, sin, lengths, leftpad, alibi, k_descale, v_descale, layout,
+                  case.index_dtype)
 
 
 def _bits(t):
@@ -249,9 +258,13 @@ def run_case(case, seed, **call_kwargs):
     layout = inp.layout
     k_store = layout.place(inp.k_logical, float("nan"))
     v_store = layout.place(inp.v_logical, float("nan"))
+    q, k, v = inp.q, inp.k, inp.v
+    if case.strided:
+        assert layout.kind == "contiguous", "a view of a longer buffer would change a paged cache's page size"
+        q, k, v, k_store, v_store, spare = _strided(q, k, v, k_store, v_store)
     k_before, v_before = k_store.clone(), v_store.clone()
     out, lse = flash_attn_with_kvcache(
-        inp.q, k_store, v_store, inp.k, inp.v, inp.cos, inp.sin,
+        q, k_store, v_store, k, v, inp.cos, inp.sin,
         cache_seqlens=inp.lengths[0] if case.int_seqlens else inp.cache_seqlens,
         cache_batch_idx=layout.batch_idx if case.batch_idx else None, cache_leftpad=inp.leftpad,
         block_table=layout.block_table, softmax_scale=case.scale, causal=case.causal, window_size=case.window,
@@ -274,6 +287,8 @@ def run_case(case, seed, **call_kwargs):
         "the appended rows"
     assert torch.equal(_bits(v_store[~written_store]), _bits(v_before[~written_store])), "v_cache changed outside " \
         "the appended rows"
+    if case.strided:
+        assert all(torch.isnan(t.float()).all() for t in spare), "written past the cache view"
     if case.seqlen_new:
         k_after, v_after = layout.gather(k_store), layout.gather(v_store)
         if case.fp8:
@@ -286,6 +301,27 @@ def run_case(case, seed, **call_kwargs):
             assert_close("k_cache appended rows", k_after[written], k64[written], k_pt[written], case.dtype)
             assert torch.equal(_bits(v_after[written]), _bits(v_pt[written])), "v_cache appended rows"
     return out, lse
+
+
+def _strided(q, k, v, k_store, v_store):
+    """q, k, v as slices of one packed (B, S, Hq + 2 Hk, D) tensor (a fused QKV projection; k, v need S_new = Sq);
+    the caches as the first rows of buffers 5 rows longer. Returns them and the spare rows (which must stay NaN)."""
+    b, s, hq, d = q.shape
+    if k is not None:
+        hk = k.shape[2]
+        packed = torch.cat((q, k, v), dim=2)
+        q, k, v = packed[:, :, :hq], packed[:, :, hq:hq + hk], packed[:, :, hq + hk:]
+        assert not k.is_contiguous()
+    else:
+        q = torch.stack((q, torch.full_like(q, float("nan"))), dim=3)[:, :, :, 0]  # heads 2 * D apart
+    stores = []
+    for t in (k_store, v_store):
+        long = t.new_full((t.shape[0], t.shape[1] + 5) + tuple(t.shape[2:]), float("nan"))
+        long[:, :t.shape[1]] = t
+        stores.append(long)
+    k_store, v_store = (t[:, :k_store.shape[1]] for t in stores)
+    assert not k_store.is_contiguous() and not q.is_contiguous()
+    return q, k, v, k_store, v_store, [t[:, k_store.shape[1]:] for t in stores]
 
 
 def _seed(request):
@@ -309,6 +345,7 @@ DECODE_CASES = [
     Case(int_seqlens=True, num_splits=2),
     Case(head_dim=24, dtype=torch.float16, num_splits=2),
     Case(head_dim=128, batch=1, heads=4, kv_heads=1, capacity=80, num_splits=2),
+    Case(head_dim=256, batch=1, heads=2, kv_heads=1, capacity=50, num_splits=2, dtype=torch.float16),
     # q_len > 1 (speculative decoding, chunked prefill) with the bottom-right causal mask; Sq > length leaves the
     # first rows with no key.
     Case(seqlen_q=5, lengths=(0, 3, 90), causal=True, num_splits=2),
@@ -358,6 +395,10 @@ APPEND_CASES = [
     Case(seqlen_new=1, leftpad=True, num_splits=3),
     Case(seqlen_new=3, page_size=16, leftpad=True, num_splits=2),
     Case(seqlen_new=1, int_seqlens=True, num_splits=2),
+    Case(seqlen_new=4, seqlen_q=4, causal=True, rotary_dim=16, strided=True, num_splits=2),
+    Case(strided=True, seqlen_q=2, num_splits=1),
+    Case(seqlen_new=2, batch_idx=True, leftpad=True, index_dtype=torch.int64, num_splits=2),
+    Case(seqlen_new=2, page_size=16, leftpad=True, index_dtype=torch.int64, num_splits=2),
 ]
 
 ROTARY_CASES = [
