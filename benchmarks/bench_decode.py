@@ -127,7 +127,7 @@ def sdpa(backend_name):
     def make(q, k, v, num_splits=0):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = getattr(SDPBackend, backend_name)
-        qt = q.transpose(1, 2)  # [B, Hq, 1, D]
+        qt = q.transpose(1, 2).contiguous()  # [B, Hq, 1, D]
         if not fits(2 * k.numel() * k.element_size()):
             raise Unsupported("SDPA's (B, H, S, D) copy of the cache does not fit in memory")
         kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, Hkv, S, D], SDPA's layout
