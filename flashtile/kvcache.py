@@ -9,7 +9,8 @@ TRITON_INTERPRET=1, else the pure-PyTorch reference (flashtile.reference.kvcache
 import torch
 
 from ._ops import _use_kernels, _warn_cpu_fallback
-from ._validate import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, resolve_scale
+from ._validate import (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, check_alibi,
+                        check_softcap, check_window, resolve_scale)
 from .kernels import decode as _decode
 from .reference import kvcache as _reference
 
@@ -202,23 +203,6 @@ def _check_rotary(rotary_cos, rotary_sin, q, k, head_dim):
     return (t if t.stride(-1) == 1 else t.contiguous() for t in (rotary_cos, rotary_sin))
 
 
-def _check_window(window_size):
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(map(_is_int, window_size)):
-        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
-                        f"{window_size!r}. Use (-1, -1) for no window.")
-    if min(window_size) < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}.")
-    return tuple(window_size)
-
-
-def _check_softcap(softcap):
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
-        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}.")
-    if not (softcap >= 0.0 and softcap != float("inf")):
-        raise ValueError(f"softcap must be finite and >= 0 (0.0 = off), got {softcap}.")
-    return float(softcap)
-
-
 def _check_fp32(name, t, q, shapes, what):
     if t is None:
         return None
@@ -370,12 +354,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = resolve_scale(softmax_scale, head_dim)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}.")
-    window_left, window_right = _check_window(window_size)
-    softcap = _check_softcap(softcap)
+    window_left, window_right = check_window(window_size)
+    softcap = check_softcap(softcap)
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}.")
-    alibi_slopes = _check_fp32("alibi_slopes", alibi_slopes, q, [(num_heads,), (batch, num_heads)],
-                               "one slope per query head, optionally per sequence")
+    alibi_slopes = check_alibi(alibi_slopes, q, batch, num_heads)
     if not _is_int(num_splits) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically, 1 = no split), got "
                          f"{num_splits!r}.")

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import _common, configs
-from ._common import LN2, LOG2E, _mma
+from ._common import LN2, LOG2E, _mma, _tanh
 from .configs import TileConfig
 
 # tl.dot needs at least 16 rows: a q_len-1 decode with G = 4 query heads per kv head pads its 4 rows to 16.
@@ -275,10 +275,8 @@ def _kvcache_append_kernel(KNew, VNew, KCache, VCache, Seqlens, BatchIdx, BlockT
 
 @triton.jit
 def _softcap_log2(s, cap_scale, cap_log2):
-    """cap * tanh(scale * s / cap) in log2 units (cap_log2 = cap * log2(e), cap_scale = scale / cap), with
-    tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both saturations (exp2 -> inf gives 1, -> 0 gives -1)."""
-    e = tl.exp2(s * (cap_scale * 2.0 * LOG2E))
-    return cap_log2 * (1.0 - 2.0 / (e + 1.0))
+    """cap * tanh(scale * s / cap) in log2 units (cap_log2 = cap * log2(e), cap_scale = scale / cap)."""
+    return cap_log2 * _tanh(s * cap_scale)
 
 
 @triton.jit
