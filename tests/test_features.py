@@ -523,3 +523,24 @@ def test_cpu_fallback_runs_the_features():
     done = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ("float", "bool"))
+def test_mask_tma_path(poison, monkeypatch, kind):
+    """attn_mask tiles read through TMA descriptors (what Hopper runs for a full, aligned mask), forced on."""
+    monkeypatch.setattr(configs, "TMA_OVERRIDE", True)
+    b, sq, sk, h, d = 2, 50, 64, 2, 32
+    q, k, v = make_qkv(b, sq, sk, h, h, d, torch.bfloat16, device=DEVICE, seed=121)
+    dout = _dout(q, 122)
+    if kind == "float":
+        mask = torch.randn((b, h, sq, sk), generator=_gen(123), device=DEVICE).to(torch.bfloat16)
+        mask[..., 9] = float("-inf")
+        mask.requires_grad_()
+        out, grads = _sdpa(q, k, v, dout, mask, extra_grads=[mask])
+        check_against_reference((out, None, *grads, None), q.detach(), k.detach(), v.detach(), dout, d ** -0.5,
+                                False, 0, attn_bias=mask)
+    else:
+        mask = torch.rand((b, h, sq, sk), generator=_gen(124), device=DEVICE) > 0.5
+        out, grads = _sdpa(q, k, v, dout, mask)
+        check_against_reference((out, None, *grads), q.detach(), k.detach(), v.detach(), dout, d ** -0.5, False, 0,
+                                attn_mask=mask)

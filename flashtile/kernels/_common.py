@@ -166,44 +166,92 @@ def _tanh(x):
 
 
 @triton.jit
-def _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, p_bias, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k,
-               diag_offset, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
-    """Scores in natural units from the raw products q.k, in flash-attn's order (docs/derivation.md#8):
-    scale, then softcap * tanh(s / softcap), then the ALiBi bias -slope * |i + diag_offset - j|, then an additive
-    float bias (BIAS == 1) read at [r_m, r_n]. Returns (s, t) with t = tanh(s / softcap), which the backward
-    needs for d softcap(x) / dx = 1 - t^2 (t is s itself when there is no softcap)."""
-    s = b_s * sm_scale
-    t = s
+def _tanh_approx(x):
+    """The GPU's tanh.approx.f32 (one special-function op, relative error ~2^-11): for 16-bit inputs, whose own
+    rounding (2^-8 to 2^-11) dominates it. fp32 and the interpreter use _tanh."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, bias, diag_offset, SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
+    """Scores in log2 units from the raw products q.k, in flash-attn's order (docs/derivation.md#8): scale, then
+    softcap * tanh(s / softcap), then the ALiBi bias -slope * |i + diag_offset - j|, then an additive float bias
+    (the tile `bias`, from _load_bias, when BIAS is a float kind); every term is multiplied by log2(e) once, folded
+    into its constant. SOFTCAP: 0 off, 1 exact tanh, 2 the hardware approximation. Returns (s, t) with
+    t = tanh(s / softcap), which the backward needs for d softcap(x) / dx = 1 - t^2 (t is s without softcap)."""
     if SOFTCAP:
-        t = _tanh(s / softcap)
-        s = softcap * t
+        if SOFTCAP == 2:
+            t = _tanh_approx(b_s * (sm_scale / softcap))
+        else:
+            t = _tanh(b_s * (sm_scale / softcap))
+        s = t * (softcap * LOG2E)
+    else:
+        s = b_s * (sm_scale * LOG2E)
+        t = s
     if HAS_ALIBI:
-        s = s - slope * tl.abs(r_m + diag_offset - r_n).to(tl.float32)
-    if BIAS == 1:
-        in_bounds = (r_m < seqlen_q) & (r_n < seqlen_k)
-        bias = tl.load(p_bias + r_m.to(tl.int64) * stride_bias_m + r_n.to(tl.int64) * stride_bias_n,
-                       mask=in_bounds, other=0.0)
-        s = s + bias.to(tl.float32)
+        s = s - (slope * LOG2E) * tl.abs(r_m + diag_offset - r_n).to(tl.float32)
+    if BIAS % 2 == 1:
+        s = s + bias.to(tl.float32) * LOG2E
     return s, t
 
 
+# BIAS constexpr of the kernels: what attn_mask holds and how its tiles are read.
+#   0 none; 1 float bias, 2 bool mask (pointer loads); 3 float bias, 4 bool mask (TMA descriptor loads).
+# Odd: a float bias; even and > 0: a bool mask; >= 3: TMA.
+
 @triton.jit
-def _mask_keep(p_mask, r_m, r_n, stride_mask_m, stride_mask_n, seqlen_q, seqlen_k):
-    """A boolean attn_mask (stored as bytes; True = attend) at [r_m, r_n]; outside the sequence: not attended."""
-    in_bounds = (r_m < seqlen_q) & (r_n < seqlen_k)
-    m = tl.load(p_mask + r_m.to(tl.int64) * stride_mask_m + r_n.to(tl.int64) * stride_mask_n, mask=in_bounds,
-                other=0)
-    return m != 0
+def _bias_view(p_bias, seqlen_q, seqlen_k, stride_bias_m, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The handle attn_mask tiles of one (batch, head) are read through: a descriptor or the pointer itself."""
+    if BIAS >= 3:
+        view = tl.make_tensor_descriptor(p_bias, shape=[seqlen_q, seqlen_k], strides=[stride_bias_m, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
+    else:
+        view = p_bias
+    return view
 
 
 @triton.jit
-def _dropout_keep(seed, i_bh, r_m, r_n, threshold):
-    """Philox keep-mask of dropout: element (b, h, i, j) is kept iff the top 31 bits of Philox-4x32-10 at counter
-    (j, i, b * H + h, 0) under the 64-bit key `seed` are >= threshold = round(p * 2^31). The forward, both backward
-    kernels and dropout_mask() evaluate it at the same counters, in either tile orientation, and get the same bits."""
-    c0 = (r_n + 0 * r_m).to(tl.uint32, bitcast=True)
-    c1 = (r_m + 0 * r_n).to(tl.uint32, bitcast=True)
-    c2 = (c0 * 0 + i_bh.to(tl.uint32, bitcast=True))
-    c3 = c0 * 0
-    r0, _, _, _ = philox(seed, c0, c1, c2, c3)
-    return (r0 >> 1).to(tl.int32, bitcast=True) >= threshold
+def _load_bias(view, start_m, start_n, seqlen_q, seqlen_k, stride_bias_m, stride_bias_n, BIAS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """The attn_mask tile of queries [start_m, +BLOCK_M) x keys [start_n, +BLOCK_N), as [BLOCK_M, BLOCK_N] or
+    (TRANSPOSE) [BLOCK_N, BLOCK_M]; outside the sequence it reads 0 (not attended, for a bool mask). A TMA load
+    costs no per-element address arithmetic, which at a 128 x 64 tile is otherwise several integer ops per score."""
+    if BIAS >= 3:
+        tile = view.load([start_m, start_n])
+        if TRANSPOSE:
+            tile = tl.trans(tile)
+    else:
+        if TRANSPOSE:
+            r_m = (start_m + tl.arange(0, BLOCK_M))[None, :]
+            r_n = (start_n + tl.arange(0, BLOCK_N))[:, None]
+        else:
+            r_m = (start_m + tl.arange(0, BLOCK_M))[:, None]
+            r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
+        tile = tl.load(view + r_m.to(tl.int64) * stride_bias_m + r_n.to(tl.int64) * stride_bias_n,
+                       mask=(r_m < seqlen_q) & (r_n < seqlen_k), other=0)
+    return tile
+
+
+@triton.jit
+def _dropout_keep(seed, i_bh, start_m, start_n, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TRANSPOSE: tl.constexpr):
+    """Philox keep-mask of dropout for queries [start_m, +BLOCK_M) x keys [start_n, +BLOCK_N) ([BLOCK_N, BLOCK_M]
+    when TRANSPOSE). Element (b, h, i, j) is kept iff the top 31 bits of output j % 4 of Philox-4x32-10 at counter
+    (j // 4, i, b * H + h, 0) under the 64-bit key `seed` are >= threshold = round(p * 2^31): one Philox call gives
+    four keys' bits. The forward, both backward kernels and reference.dropout.dropout_mask evaluate the same
+    counters and get the same bits."""
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_c = start_n // 4 + tl.arange(0, BLOCK_N // 4)  # start_n is a multiple of BLOCK_N >= 16
+    c0 = (o_c[None, :] + 0 * o_m[:, None]).to(tl.uint32, bitcast=True)
+    c1 = (o_m[:, None] + 0 * o_c[None, :]).to(tl.uint32, bitcast=True)
+    c2 = c0 * 0 + i_bh.to(tl.uint32, bitcast=True)
+    r0, r1, r2, r3 = philox(seed, c0, c1, c2, c0 * 0)  # [BLOCK_M, BLOCK_N // 4] each
+    # Key 4c + t takes output t. tl.join appends the new dimension last: the inner joins give [.., c, y] and the
+    # outer one [.., c, y, x], which flattens to 4c + 2y + x: so the pairs are (r0, r2) and (r1, r3).
+    bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_M, BLOCK_N])
+    keep = (bits >> 1).to(tl.int32, bitcast=True) >= threshold
+    if TRANSPOSE:
+        keep = tl.trans(keep)
+    return keep

@@ -13,7 +13,8 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import (LOG2E, _dropout_keep, _key_range, _load_tile, _mask_keep, _mma, _query_range, _score_mod,
+from ._common import (LOG2E, _dropout_keep, _bias_view, _key_range, _load_bias, _load_tile, _mma, _query_range,
+                      _score_mod,
                       _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
 
@@ -75,27 +76,26 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, LseLog2, CuSeqQ,
 
 
 @triton.jit
-def _recompute_p(b_s, b_lse, r_m, r_n, seqlen_q, seqlen_k, diag_offset, sm_scale, qk_scale, window_left,
-                 window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n,
-                 MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
-    """P = exp2(S - LSE) from the raw products b_s, in either orientation (r_m, r_n broadcast to b_s's shape);
-    masked pairs get P = 0. Also returns tanh(s / softcap) for the softcap backward (b_s when unused)."""
-    if SOFTCAP or HAS_ALIBI or BIAS == 1:
-        b_s, b_t = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, p_bias, stride_bias_m, stride_bias_n,
-                              seqlen_q, seqlen_k, diag_offset, SOFTCAP, HAS_ALIBI, BIAS)
-        b_p = tl.exp2(b_s * LOG2E - b_lse)
+def _recompute_p(b_s, b_lse, r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale, window_left, window_right,
+                 softcap, slope, bias, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
+    """P = exp2(S - LSE) from the raw products b_s, in either orientation (r_m, r_n and the attn_mask tile `bias`
+    broadcast to b_s's shape); masked pairs get P = 0. Also returns tanh(s / softcap) for the softcap backward
+    (b_s when unused)."""
+    if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
+        b_s, b_t = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, bias, diag_offset, SOFTCAP, HAS_ALIBI,
+                              BIAS)  # log2 units
+        b_p = tl.exp2(b_s - b_lse)
     else:
         b_t = b_s
         b_p = tl.exp2(b_s * qk_scale - b_lse)
-    if MASKED or BIAS == 2:
+    if MASKED or (BIAS and BIAS % 2 == 0):
         if MASKED:
             m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right, MASK_LEFT, MASK_RIGHT)
-            if BIAS == 2:
-                m_visible = m_visible & _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n, seqlen_q,
-                                                   seqlen_k)
+            if BIAS and BIAS % 2 == 0:
+                m_visible = m_visible & (bias != 0)
         else:
-            m_visible = _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k)
+            m_visible = bias != 0
         b_p = tl.where(m_visible, b_p, 0.0)
     return b_p, b_t
 
@@ -103,7 +103,7 @@ def _recompute_p(b_s, b_lse, r_m, r_n, seqlen_q, seqlen_k, diag_offset, sm_scale
 @triton.jit
 def _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start_n, lo, hi,
                     seqlen_q, seqlen_k, stride_qs, stride_dos, diag_offset, sm_scale, qk_scale,
-                    window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                    window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_list,
                     seed, i_bh, dropout_threshold, dropout_rescale,
                     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr,
@@ -115,40 +115,45 @@ def _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start
     rows past Sq need no mask (their padded LSE is +inf, so P = 0), nor do keys past Sk (their dK, dV rows are
     never stored and no other row depends on them)."""
     r_n = (start_n + tl.arange(0, BLOCK_N))[:, None]
-    for start_m in tl.range(lo, hi, BLOCK_M):
+    # BLOCK_SKIP: [lo, hi) indexes the list of query blocks a bool attn_mask lets this key block be seen by.
+    for it in tl.range(lo, hi, 1 if BLOCK_SKIP else BLOCK_M):
         if BLOCK_SKIP:
-            run = tl.load(p_block_map + start_m // BLOCK_M) != 0
+            start_m = tl.load(p_block_list + it) * BLOCK_M
         else:
-            run = True
-        if run:
-            o_m = start_m + tl.arange(0, BLOCK_M)
-            r_m = o_m[None, :]
-            b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-            b_lse = tl.load(p_lse + o_m)  # [BLOCK_M] log2 units, padded rows +inf
-            b_st = _mma(b_k, tl.trans(b_q), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
-            b_pt, b_tt = _recompute_p(b_st, b_lse[None, :], r_m, r_n, seqlen_q, seqlen_k, diag_offset, sm_scale,
-                                      qk_scale, window_left, window_right, softcap, slope, p_bias, stride_bias_m,
-                                      stride_bias_n, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS)
-            b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
-            b_dpt = _mma(b_v, tl.trans(b_do), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
-            if DROPOUT:
-                # The forward's mask, regenerated: dV sums the kept, rescaled P; dP flows back only through them.
-                keep = _dropout_keep(seed, i_bh, r_m, r_n, dropout_threshold)
-                b_dv = _mma(tl.where(keep, b_pt * dropout_rescale, 0.0).to(b_do.dtype), b_do, b_dv, PRECISION,
-                            DOT_UPCAST)
-                b_dpt = tl.where(keep, b_dpt * dropout_rescale, 0.0)
-            else:
-                b_dv = _mma(b_pt.to(b_do.dtype), b_do, b_dv, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_DV]
-            b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
-            b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
-            if SOFTCAP:
-                b_dst = b_dst * (1.0 - b_tt * b_tt)
-            b_dk = _mma(b_dst.to(b_q.dtype), b_q, b_dk, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
+            start_m = it
+        o_m = start_m + tl.arange(0, BLOCK_M)
+        r_m = o_m[None, :]
+        b_q = _load_tile(q_view, start_m, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        b_lse = tl.load(p_lse + o_m)  # [BLOCK_M] log2 units, padded rows +inf
+        b_st = _mma(b_k, tl.trans(b_q), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
+        bias = 0.0
+        if BIAS:
+            bias = _load_bias(p_bias, start_m, start_n, seqlen_q, seqlen_k, stride_bias_m, stride_bias_n, BIAS,
+                              BLOCK_M, BLOCK_N, True)
+        b_pt, b_tt = _recompute_p(b_st, b_lse[None, :], r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale,
+                                  window_left, window_right, softcap, slope, bias, MASKED, MASK_LEFT, MASK_RIGHT,
+                                  SOFTCAP, HAS_ALIBI, BIAS)
+        b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
+        b_dpt = _mma(b_v, tl.trans(b_do), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
+        if DROPOUT:
+            # The forward's mask, regenerated: dV sums the kept, rescaled P; dP flows back only through them.
+            keep = _dropout_keep(seed, i_bh, start_m, start_n, dropout_threshold, BLOCK_M, BLOCK_N, True)
+            b_dv = _mma(tl.where(keep, b_pt * dropout_rescale, 0.0).to(b_do.dtype), b_do, b_dv, PRECISION,
+                        DOT_UPCAST)
+            b_dpt = tl.where(keep, b_dpt * dropout_rescale, 0.0)
+        else:
+            b_dv = _mma(b_pt.to(b_do.dtype), b_do, b_dv, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_DV]
+        b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
+        b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
+        if SOFTCAP:
+            b_dst = b_dst * (1.0 - b_tt * b_tt)
+        b_dk = _mma(b_dst.to(b_q.dtype), b_q, b_dk, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_D]
     return b_dk, b_dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockMap, Seed, CuSeqQ, CuSeqK,
+def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockCount, BlockList, Seed, CuSeqQ,
+                     CuSeqK,
                      stride_qb, stride_qs, stride_qh,
                      stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh,
@@ -156,7 +161,7 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockMa
                      stride_dkb, stride_dks, stride_dkh,
                      stride_dvb, stride_dvs, stride_dvh,
                      stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-                     stride_map_b, stride_map_h, stride_map_n,
+                     stride_map_b, stride_map_h, map_cols,
                      seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, sm_scale, qk_scale, num_kv_heads, group_size,
                      window_left, window_right, softcap, dropout_threshold, dropout_rescale,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASK_LEFT: tl.constexpr,
@@ -199,8 +204,15 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockMa
             slope = 0.0
             if HAS_ALIBI:
                 slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
-            p_bias = Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h
-            p_block_map = BlockMap + i_b.to(tl.int64) * stride_map_b + i_h * stride_map_h + i_n * stride_map_n
+            p_bias = _bias_view(Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h,
+                                seqlen_q, seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
+            if BLOCK_SKIP:
+                map_row = i_b * stride_map_b + i_h * stride_map_h + i_n
+                p_block_list = BlockList + map_row.to(tl.int64) * map_cols
+                lo = 0
+                hi = tl.load(BlockCount + map_row)
+            else:
+                p_block_list = BlockList
             # One loop over the query blocks that see the key block, the band's mask applied to each: measured 5%
             # faster at d128 causal on an H200 than a masked diagonal stage plus an unmasked loop (388 -> 409
             # TFLOP/s, benchmarks/NOTES.md); the likely cause is code size: two copies of this 4-matmul body inside
@@ -208,7 +220,7 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockMa
             b_dk, b_dv = _bwd_dkdv_inner(
                 b_dk, b_dv, b_k, b_v, q_view, do_view, LseLog2 + row0, Delta + row0, start_n, lo, hi,
                 seqlen_q, seqlen_k, stride_qs, stride_dos, diag_offset, sm_scale, qk_scale,
-                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_list,
                 seed, i_bh, dropout_threshold, dropout_rescale,
                 MASK_LEFT or MASK_RIGHT, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
@@ -226,7 +238,7 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockMa
 @triton.jit
 def _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, hi,
                   seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
-                  window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                  window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_list,
                   p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
                   MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr,
@@ -237,45 +249,50 @@ def _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, 
     an additive bias."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     r_m = o_m[:, None]
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    # BLOCK_SKIP: [lo, hi) indexes the list of key blocks a bool attn_mask lets this query block see.
+    for it in tl.range(lo, hi, 1 if BLOCK_SKIP else BLOCK_N):
         if BLOCK_SKIP:
-            run = tl.load(p_block_map + start_n // BLOCK_N) != 0
+            start_n = tl.load(p_block_list + it) * BLOCK_N
         else:
-            run = True
-        if run:
-            r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
-            b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-            b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
-            b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
-            # Keys past Sk read as 0, which would give them P = exp2(-lse) (possibly inf): the masked stage drops
-            # them with the band.
-            b_p, b_t = _recompute_p(b_s, b_lse[:, None], r_m, r_n, seqlen_q, seqlen_k, diag_offset, sm_scale,
-                                    qk_scale, window_left, window_right, softcap, slope, p_bias, stride_bias_m,
-                                    stride_bias_n, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS)
-            b_dp = _mma(b_do, tl.trans(b_v), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
-            if DROPOUT:
-                keep = _dropout_keep(seed, i_bh, r_m, r_n, dropout_threshold)
-                b_dp = tl.where(keep, b_dp * dropout_rescale, 0.0)
-            b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
-            if DBIAS:
-                # The bias is added after the softcap, so its gradient is dS itself.
-                tl.store(p_dbias + r_m.to(tl.int64) * stride_dbias_m + r_n * stride_dbias_n,
-                         b_ds.to(p_dbias.dtype.element_ty), mask=(r_m < seqlen_q) & (r_n < seqlen_k))
-            if SOFTCAP:
-                b_ds = b_ds * (1.0 - b_t * b_t)
-            b_dq = _mma(b_ds.to(b_k.dtype), b_k, b_dq, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
+            start_n = it
+        r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
+        b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+        b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+        # Keys past Sk read as 0, which would give them P = exp2(-lse) (possibly inf): the masked stage drops
+        # them with the band.
+        bias = 0.0
+        if BIAS:
+            bias = _load_bias(p_bias, start_m, start_n, seqlen_q, seqlen_k, stride_bias_m, stride_bias_n, BIAS,
+                              BLOCK_M, BLOCK_N, False)
+        b_p, b_t = _recompute_p(b_s, b_lse[:, None], r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale,
+                                window_left, window_right, softcap, slope, bias, MASKED, MASK_LEFT, MASK_RIGHT,
+                                SOFTCAP, HAS_ALIBI, BIAS)
+        b_dp = _mma(b_do, tl.trans(b_v), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+        if DROPOUT:
+            keep = _dropout_keep(seed, i_bh, start_m, start_n, dropout_threshold, BLOCK_M, BLOCK_N, False)
+            b_dp = tl.where(keep, b_dp * dropout_rescale, 0.0)
+        b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if DBIAS:
+            # The bias is added after the softcap, so its gradient is dS itself.
+            tl.store(p_dbias + r_m.to(tl.int64) * stride_dbias_m + r_n * stride_dbias_n,
+                     b_ds.to(p_dbias.dtype.element_ty), mask=(r_m < seqlen_q) & (r_n < seqlen_k))
+        if SOFTCAP:
+            b_ds = b_ds * (1.0 - b_t * b_t)
+        b_dq = _mma(b_ds.to(b_k.dtype), b_k, b_dq, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
     return b_dq
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta, Alibi, Bias, BlockMap, DBias, Seed, CuSeqQ, CuSeqK,
+def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta, Alibi, Bias, BlockCount, BlockList, DBias, Seed, CuSeqQ,
+                   CuSeqK,
                    stride_qb, stride_qs, stride_qh,
                    stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh,
                    stride_dob, stride_dos, stride_doh,
                    stride_dqb, stride_dqs, stride_dqh,
                    stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-                   stride_map_b, stride_map_h, stride_map_m,
+                   stride_map_b, stride_map_h, map_cols,
                    stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, sm_scale, qk_scale, num_heads, group_size,
                    window_left, window_right, softcap, dropout_threshold, dropout_rescale,
@@ -313,38 +330,51 @@ def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta, Alibi, Bias, BlockMap, DBi
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
-        p_bias = Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h
-        p_block_map = BlockMap + i_b.to(tl.int64) * stride_map_b + i_h * stride_map_h + i_m * stride_map_m
+        p_bias = _bias_view(Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h, seqlen_q,
+                            seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
         p_dbias = DBias + i_b.to(tl.int64) * stride_dbias_b + i_h.to(tl.int64) * stride_dbias_h
         seed = 0
         if DROPOUT:
             seed = tl.load(Seed)
 
-        lo, full_lo, full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-                                              MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
-        if MASK_LEFT:
+        if BLOCK_SKIP:
+            # One masked loop over the listed key blocks (a bool attn_mask comes without a band).
+            map_row = i_b * stride_map_b + i_h * stride_map_h + i_m
+            p_block_list = BlockList + map_row.to(tl.int64) * map_cols
             b_dq = _bwd_dq_inner(
-                b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, tl.minimum(full_lo, hi),
+                b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, 0, tl.load(BlockCount + map_row),
                 seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
-                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_list,
                 p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
                 True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
-        b_dq = _bwd_dq_inner(
-            b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, full_lo, full_hi,
-            seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
-            window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
-            p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
-            False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
-        if not EVEN_N:  # as in the forward: no masked stage when nothing needs a mask
+        else:
+            p_block_list = BlockList
+            lo, full_lo, full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                                                  MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
+            if MASK_LEFT:
+                b_dq = _bwd_dq_inner(
+                    b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, tl.minimum(full_lo, hi),
+                    seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
+                    window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_list,
+                    p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
+                    True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
             b_dq = _bwd_dq_inner(
-                b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, tl.maximum(full_lo, full_hi), hi,
+                b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, full_lo, full_hi,
                 seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
-                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_map,
+                window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_list,
                 p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
-                True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
+                False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
+            if not EVEN_N:  # as in the forward: no masked stage when nothing needs a mask
+                b_dq = _bwd_dq_inner(
+                    b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, tl.maximum(full_lo, full_hi), hi,
+                    seqlen_q, seqlen_k, stride_ks, stride_vs, diag_offset, sm_scale, qk_scale,
+                    window_left, window_right, softcap, slope, p_bias, stride_bias_m, stride_bias_n, p_block_list,
+                    p_dbias, stride_dbias_m, stride_dbias_n, seed, i_bh, dropout_threshold, dropout_rescale,
+                    True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DBIAS, DROPOUT,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST)
 
         dq_base = _slice_base(dQ, i_b, q_start, i_h, stride_dqb, stride_dqs, stride_dqh)
         dq_view = _tile_view(dq_base, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -396,7 +426,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     block_d, block_dv = spec.block_d(head_dim), spec.block_d(head_dim_v)
     qk_scale = softmax_scale * LOG2E.value
     group_size = num_heads // num_kv_heads
-    fargs = feats.kernel_args(q)
+    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k)
     dropout_rescale = 1.0 / (1.0 - feats.dropout_p)
 
     has_dlse = dlse is not None
@@ -423,7 +453,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
                                                                  q.dtype, spec)
     common = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, MASK_LEFT=feats.mask_left, MASK_RIGHT=feats.mask_right,
-        SOFTCAP=feats.softcap > 0, HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind, DROPOUT=feats.dropout_p > 0,
+        SOFTCAP=feats.softcap_mode(q.dtype), HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind, DROPOUT=feats.dropout_p > 0,
         VARLEN=varlen, BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=spec.use_tma, PRECISION=spec.precision,
         DOT_UPCAST=spec.dot_upcast,
     )
@@ -432,35 +462,36 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
                        dropout_rescale)
 
     def launch_dkdv(cfg):
-        block_map, map_strides = feats.block_map(cfg.block_m, cfg.block_n, True, seqlen_q, seqlen_k)
+        lists = feats.block_lists(cfg.block_m, cfg.block_n, True, seqlen_q, seqlen_k)
+        counts, indices, map_strides, map_cols = lists if lists is not None else (fargs.cu_q, fargs.cu_q, (0, 0), 0)
         return _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads)](
-            q, k, v, dout, dk, dv, lse_log2, delta, fargs.alibi, fargs.bias,
-            fargs.alibi if block_map is None else block_map, fargs.seed, fargs.cu_q, fargs.cu_k,
+            q, k, v, dout, dk, dv, lse_log2, delta, fargs.alibi, fargs.bias, counts, indices, fargs.seed, fargs.cu_q,
+            fargs.cu_k,
             *_batch_strides(q, varlen), *_batch_strides(k, varlen), *_batch_strides(v, varlen),
             *_batch_strides(dout, varlen), *_batch_strides(dk, varlen), *_batch_strides(dv, varlen),
-            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides,
+            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, map_cols,
             *scalars, num_kv_heads, group_size, *feature_scalars,
-            BLOCK_SKIP=block_map is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_SKIP=lists is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
 
     def launch_dq(cfg):
-        block_map, map_strides = feats.block_map(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
+        lists = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
+        counts, indices, map_strides, map_cols = lists if lists is not None else (fargs.cu_q, fargs.cu_q, (0, 0), 0)
         even_n = not feats.banded and not varlen and seqlen_k % cfg.block_n == 0
         return _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)](
-            q, k, v, dout, dq, lse_log2, delta, fargs.alibi, fargs.bias,
-            fargs.alibi if block_map is None else block_map, fargs.alibi if dbias_full is None else dbias_full,
-            fargs.seed, fargs.cu_q, fargs.cu_k,
+            q, k, v, dout, dq, lse_log2, delta, fargs.alibi, fargs.bias, counts, indices,
+            fargs.alibi if dbias_full is None else dbias_full, fargs.seed, fargs.cu_q, fargs.cu_k,
             *_batch_strides(q, varlen), *_batch_strides(k, varlen), *_batch_strides(v, varlen),
             *_batch_strides(dout, varlen), *_batch_strides(dq, varlen),
-            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, *dbias_strides,
+            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, map_cols, *dbias_strides,
             *scalars, num_heads, group_size, *feature_scalars,
-            EVEN_N=even_n, BLOCK_SKIP=block_map is not None, DBIAS=dbias_full is not None,
+            EVEN_N=even_n, BLOCK_SKIP=lists is not None, DBIAS=dbias_full is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
 
-    key = (max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec, feats.variant() + (bias_grad,))
+    key = (max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec, feats.variant() + (bias_grad, fargs.bias_kind))
     configs.launch_first_that_compiles(("bwd_dkdv",) + key, dkdv_candidates, launch_dkdv)
     configs.launch_first_that_compiles(("bwd_dq",) + key, dq_candidates, launch_dq)
 

@@ -9,10 +9,13 @@ from typing import Optional
 
 import torch
 
+from . import configs
+
 # Dropout keeps element (b, h, i, j) iff 31 random bits >= round(p * 2^31) (_common._dropout_keep).
 _DROPOUT_BITS = 31
 
-BIAS_NONE, BIAS_FLOAT, BIAS_BOOL = 0, 1, 2
+# The kernels' BIAS constexpr (_common._bias_view): + BIAS_TMA when the tiles are read by TMA descriptors.
+BIAS_NONE, BIAS_FLOAT, BIAS_BOOL, BIAS_TMA = 0, 1, 2, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +80,30 @@ class Features:
             return BIAS_NONE
         return BIAS_BOOL if self.attn_bias.dtype == torch.bool else BIAS_FLOAT
 
+    def softcap_mode(self, dtype):
+        """SOFTCAP constexpr: 0 off; 2 the hardware tanh approximation for 16-bit inputs on a GPU; 1 the exact
+        tanh (fp32, and the interpreter, which runs no inline assembly)."""
+        if self.softcap <= 0:
+            return 0
+        return 1 if dtype == torch.float32 or configs.INTERPRETING else 2
+
     def variant(self):
         """The constexpr flags, for the launch cache's key."""
         return (self.mask_left, self.mask_right, self.softcap > 0, self.alibi_slopes is not None, self.bias_kind,
                 self.sinks is not None, self.dropout_p > 0, self.varlen)
 
-    def kernel_args(self, q):
+    def _bias_tma_ok(self, use_tma, seqlen_q, seqlen_k):
+        """Whether attn_mask tiles can be TMA loads: a Hopper launch, full (not broadcast) query and key dims with
+        a unit key stride, and 16-byte aligned base and strides."""
+        bias = self.attn_bias
+        if not use_tma or bias is None or self.varlen or tuple(bias.shape[2:]) != (seqlen_q, seqlen_k):
+            return False
+        size = bias.element_size()
+        strides = [st for st, n in zip(bias.stride()[:3], bias.shape[:3]) if n > 1]
+        return (bias.stride(3) == 1 and bias.data_ptr() % configs.TMA_ALIGN_BYTES == 0
+                and all(st * size % configs.TMA_ALIGN_BYTES == 0 for st in strides))
+
+    def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0):
         placeholder = q.new_empty((1,), dtype=torch.float32)
         alibi, stride_alibi_b = placeholder, 0
         if self.alibi_slopes is not None:
@@ -97,33 +118,39 @@ class Features:
         cu_placeholder = q.new_zeros((1,), dtype=torch.int32)
         return KernelArgs(
             alibi=alibi, stride_alibi_b=stride_alibi_b, has_alibi=self.alibi_slopes is not None,
-            bias=bias, bias_strides=bias_strides, bias_kind=self.bias_kind,
+            bias=bias, bias_strides=bias_strides,
+            bias_kind=self.bias_kind + (BIAS_TMA if self._bias_tma_ok(use_tma, seqlen_q, seqlen_k) else 0),
             sinks=self.sinks if self.sinks is not None else placeholder, has_sinks=self.sinks is not None,
             seed=seed, dropout_threshold=threshold,
             cu_q=self.cu_seqlens_q if self.varlen else cu_placeholder,
             cu_k=self.cu_seqlens_k if self.varlen else cu_placeholder,
         )
 
-    def block_map(self, block_m, block_n, transpose, seqlen_q=None, seqlen_k=None):
-        """For an attn_bias: int8 map [B|1, H|1, query block, key block] (transpose: [.., key block, query
-        block]) of tiles holding any attended element (True, or a float > -inf); the kernels skip the others.
-        Returns (map or None, (stride_b, stride_h, stride_row)), strides 0 along broadcast dims."""
-        if self.attn_bias is None:
-            return None, (0, 0, 0)
+    def block_lists(self, block_m, block_n, transpose, seqlen_q, seqlen_k):
+        """For a bool attn_mask, which tiles to visit: per (batch|1, head|1, resident block), the number of
+        streamed blocks that hold any attended element and their indices, ascending (FlexAttention's block-sparse
+        iteration: the kernel loops over the list, so fully masked tiles cost nothing and the loop stays a plain
+        pipelined loop). transpose: resident key blocks, streamed query blocks (the dK/dV kernel).
+
+        Returns None without a bool mask, else (counts int32 [B|1, H|1, R], indices int32 [B|1, H|1, R, C],
+        (stride_b, stride_h) of the counts (0 along broadcast dims), C)."""
+        if self.bias_kind != BIAS_BOOL:
+            return None
         key = (block_m, block_n, transpose)
         if key not in self._maps:
-            bias = self.attn_bias
-            b, h, sq, sk = bias.shape
-            sq, sk = (seqlen_q or sq), (seqlen_k or sk)
-            visible = bias if bias.dtype == torch.bool else bias > float("-inf")
-            visible = visible.expand(b, h, sq, sk)
-            nm, nn = -(-sq // block_m), -(-sk // block_n)
-            padded = visible.new_zeros((b, h, nm * block_m, nn * block_n))
-            padded[:, :, :sq, :sk] = visible
-            tiles = padded.view(b, h, nm, block_m, nn, block_n).any(dim=5).any(dim=3).to(torch.int8)
+            mask = self.attn_bias
+            b, h = mask.shape[:2]
+            nm, nn = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+            padded = mask.new_zeros((b, h, nm * block_m, nn * block_n))
+            padded[:, :, :seqlen_q, :seqlen_k] = mask.expand(b, h, seqlen_q, seqlen_k)
+            tiles = padded.view(b, h, nm, block_m, nn, block_n).any(dim=5).any(dim=3)  # [b, h, nm, nn]
             if transpose:
                 tiles = tiles.transpose(2, 3)
-            tiles = tiles.contiguous()
-            strides = (tiles.stride(0) if b > 1 else 0, tiles.stride(1) if h > 1 else 0, tiles.stride(2))
-            self._maps[key] = (tiles, strides)
+            counts = tiles.sum(dim=-1, dtype=torch.int32).contiguous()
+            # A stable descending sort of the 0/1 flags puts the visited blocks first, in ascending order.
+            indices = torch.sort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).indices
+            indices = indices.to(torch.int32).contiguous()
+            rows = counts.shape[-1]
+            strides = (h * rows if b > 1 else 0, rows if h > 1 else 0)
+            self._maps[key] = (counts, indices, strides, indices.shape[-1])
         return self._maps[key]

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import (LN2, LOG2E, _dropout_keep, _key_range, _load_tile, _mask_keep, _mma, _score_mod,
+from ._common import (LN2, LOG2E, _dropout_keep, _bias_view, _key_range, _load_bias, _load_tile, _mma, _score_mod,
                       _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
 
@@ -21,7 +21,7 @@ from .features import Features
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_q, seqlen_k, stride_ks, stride_vs,
                     diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
-                    p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
+                    p_bias, stride_bias_m, stride_bias_n, p_block_list, seed, i_bh, dropout_threshold,
                     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_SKIP: tl.constexpr,
                     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -33,68 +33,71 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_
     Without score modifications the max is taken on the raw scores and scaled after (qk_scale = scale * log2(e)
     > 0, the launcher's contract), so that s * qk_scale - m is one fused multiply-add per score: at head dim 64
     the softmax's elementwise work is a large share of the loop. With softcap, ALiBi or a float bias the scores
-    are built in natural units by _score_mod and converted once."""
+    are built by _score_mod, already in log2 units."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     r_m = o_m[:, None]
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    # BLOCK_SKIP: [lo, hi) indexes the list of key blocks a bool attn_mask lets this query block see
+    # (Features.block_lists); fully masked tiles are not in it.
+    for it in tl.range(lo, hi, 1 if BLOCK_SKIP else BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         if BLOCK_SKIP:
-            # attn_mask tiles that are masked everywhere (a precomputed map per tile) are skipped.
-            run = tl.load(p_block_map + start_n // BLOCK_N) != 0
+            start_n = tl.load(p_block_list + it) * BLOCK_N
         else:
-            run = True
-        if run:
-            r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
-            b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-            b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
-            if SOFTCAP or HAS_ALIBI or BIAS == 1:
-                b_s, _ = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, p_bias, stride_bias_m, stride_bias_n,
-                                    seqlen_q, seqlen_k, diag_offset, SOFTCAP, HAS_ALIBI, BIAS)
-                b_s = b_s * LOG2E  # log2 units from here on
-            if MASKED or BIAS == 2:
-                if MASKED:
-                    m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
-                                         MASK_LEFT, MASK_RIGHT)
-                    if BIAS == 2:
-                        m_visible = m_visible & _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n,
-                                                           seqlen_q, seqlen_k)
-                else:
-                    m_visible = _mask_keep(p_bias, r_m, r_n, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k)
-                b_s = tl.where(m_visible, b_s, float("-inf"))
-            if SOFTCAP or HAS_ALIBI or BIAS == 1:
-                m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            start_n = it
+        r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
+        b_k = _load_tile(k_view, start_n, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
+        bias = 0.0
+        if BIAS:
+            bias = _load_bias(p_bias, start_m, start_n, seqlen_q, seqlen_k, stride_bias_m, stride_bias_n, BIAS,
+                              BLOCK_M, BLOCK_N, False)
+        if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
+            b_s, _ = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, bias, diag_offset, SOFTCAP, HAS_ALIBI,
+                                BIAS)  # log2 units
+        if MASKED or (BIAS and BIAS % 2 == 0):
+            if MASKED:
+                m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
+                                     MASK_LEFT, MASK_RIGHT)
+                if BIAS and BIAS % 2 == 0:
+                    m_visible = m_visible & (bias != 0)
             else:
-                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-            if MASKED or BIAS != 0:
-                # A mask can hide all of a row's keys so far (m = -inf); subtracting it would give
-                # -inf - (-inf) = NaN, so such rows subtract 0 instead (their p and alpha are then exp2(-inf) = 0,
-                # and l stays 0).
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_sub = m_new
-            if SOFTCAP or HAS_ALIBI or BIAS == 1:
-                b_p = tl.exp2(b_s - m_sub[:, None])
-            else:
-                b_p = tl.exp2(b_s * qk_scale - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
-            alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M], rescales what was accumulated under the old max
-            l_i = l_i * alpha + tl.sum(b_p, 1)
-            if DROPOUT:
-                # l sums every probability; only the kept ones reach the output (1 / (1 - p) is applied at the end).
-                b_p = tl.where(_dropout_keep(seed, i_bh, r_m, r_n, dropout_threshold), b_p, 0.0)
-            b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
-            acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_DV]
-            m_i = m_new
+                m_visible = bias != 0
+            b_s = tl.where(m_visible, b_s, float("-inf"))
+        if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        if MASKED or BIAS != 0:
+            # A mask can hide all of a row's keys so far (m = -inf); subtracting it would give
+            # -inf - (-inf) = NaN, so such rows subtract 0 instead (their p and alpha are then exp2(-inf) = 0,
+            # and l stays 0).
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
+            b_p = tl.exp2(b_s - m_sub[:, None])
+        else:
+            b_p = tl.exp2(b_s * qk_scale - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M], rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        if DROPOUT:
+            # l sums every probability; only the kept ones reach the output (1 / (1 - p) is applied at the end).
+            b_p = tl.where(_dropout_keep(seed, i_bh, start_m, start_n, dropout_threshold, BLOCK_M, BLOCK_N, False),
+                           b_p, 0.0)
+        b_v = _load_tile(v_view, start_n, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+        acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_DV]
+        m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockMap, Sinks, Seed, CuSeqQ, CuSeqK,
+def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockCount, BlockList, Sinks, Seed, CuSeqQ, CuSeqK,
                      stride_qb, stride_qs, stride_qh,
                      stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh,
                      stride_ob, stride_os, stride_oh,
                      stride_lb, stride_lh,
                      stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-                     stride_map_b, stride_map_h, stride_map_m,
+                     stride_map_b, stride_map_h, map_cols,
                      seqlen_q, seqlen_k, diag_offset, sm_scale, qk_scale, num_heads, group_size,
                      window_left, window_right, softcap, dropout_threshold, dropout_scale,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASK_LEFT: tl.constexpr,
@@ -137,8 +140,8 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockMap, Sinks, Seed, CuSe
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
-        p_bias = Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h
-        p_block_map = BlockMap + i_b.to(tl.int64) * stride_map_b + i_h * stride_map_h + i_m * stride_map_m
+        p_bias = _bias_view(Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h, seqlen_q,
+                            seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
         seed = 0
         if DROPOUT:
             seed = tl.load(Seed)
@@ -148,33 +151,45 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockMap, Sinks, Seed, CuSe
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-        lo, full_lo, full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-                                              MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
-        if MASK_LEFT:
-            # Stage 0: the band's left edge, masked.
+        if BLOCK_SKIP:
+            # One masked loop over the listed key blocks (a bool attn_mask comes without a band).
+            map_row = i_b * stride_map_b + i_h * stride_map_h + i_m
+            p_block_list = BlockList + map_row.to(tl.int64) * map_cols
             acc, l_i, m_i = _attn_fwd_inner(
-                acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
+                acc, l_i, m_i, b_q, k_view, v_view, start_m, 0, tl.load(BlockCount + map_row), seqlen_q, seqlen_k,
                 stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
-                p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
+                p_bias, stride_bias_m, stride_bias_n, p_block_list, seed, i_bh, dropout_threshold,
                 True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, False)
-        # Stage 1: key blocks every row sees, no mask.
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, b_q, k_view, v_view, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
-            stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
-            p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
-            False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, WARP_SPECIALIZE)
-        # Stage 2: the diagonal (or the band's right edge) and the ragged last block, masked. EVEN_N (no band, Sk a
-        # multiple of BLOCK_N) compiles it out; one loop is also what warp specialization needs (two crash
-        # Triton 3.6's compiler).
-        if not EVEN_N:
+        else:
+            p_block_list = BlockList
+            lo, full_lo, full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                                                  MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
+            if MASK_LEFT:
+                # Stage 0: the band's left edge, masked.
+                acc, l_i, m_i = _attn_fwd_inner(
+                    acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, tl.minimum(full_lo, hi), seqlen_q, seqlen_k,
+                    stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
+                    p_bias, stride_bias_m, stride_bias_n, p_block_list, seed, i_bh, dropout_threshold,
+                    True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
+                    BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, False)
+            # Stage 1: key blocks every row sees, no mask.
             acc, l_i, m_i = _attn_fwd_inner(
-                acc, l_i, m_i, b_q, k_view, v_view, start_m, tl.maximum(full_lo, full_hi), hi, seqlen_q, seqlen_k,
+                acc, l_i, m_i, b_q, k_view, v_view, start_m, full_lo, full_hi, seqlen_q, seqlen_k,
                 stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
-                p_bias, stride_bias_m, stride_bias_n, p_block_map, seed, i_bh, dropout_threshold,
-                True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, False)
+                p_bias, stride_bias_m, stride_bias_n, p_block_list, seed, i_bh, dropout_threshold,
+                False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, WARP_SPECIALIZE)
+            # Stage 2: the diagonal (or the band's right edge) and the ragged last block, masked. EVEN_N (no band, Sk a
+            # multiple of BLOCK_N) compiles it out; one loop is also what warp specialization needs (two crash
+            # Triton 3.6's compiler).
+            if not EVEN_N:
+                acc, l_i, m_i = _attn_fwd_inner(
+                    acc, l_i, m_i, b_q, k_view, v_view, start_m, tl.maximum(full_lo, full_hi), hi, seqlen_q, seqlen_k,
+                    stride_ks, stride_vs, diag_offset, sm_scale, qk_scale, window_left, window_right, softcap, slope,
+                    p_bias, stride_bias_m, stride_bias_n, p_block_list, seed, i_bh, dropout_threshold,
+                    True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, BLOCK_SKIP, DROPOUT, HEAD_DIM, HEAD_DIM_V,
+                    BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, PRECISION, DOT_UPCAST, False)
 
         if HAS_SINKS:
             # The head's sink logit joins the denominator (docs/derivation.md#8): one more term exp(sink - m).
@@ -227,7 +242,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         lse_strides = (lse.stride(0), lse.stride(1))
     spec = configs.launch_spec(q, (q, k, v, out))
     candidates = configs.forward_candidates(max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec)
-    fargs = feats.kernel_args(q)
+    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k)
 
     def launch(cfg):
         grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
@@ -235,18 +250,19 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         # wrong results inside it on Triton 3.6 while the two-stage form is right (tests/test_gpu.py).
         even_n = (not feats.banded and not feats.varlen and seqlen_k % cfg.block_n == 0
                   and not (q.dtype == torch.float32 and spec.precision == "tf32"))
-        block_map, map_strides = feats.block_map(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
+        lists = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
+        counts, indices, map_strides, map_cols = lists if lists is not None else (fargs.cu_q, fargs.cu_q, (0, 0), 0)
         return _attn_fwd_kernel[grid](
-            q, k, v, out, lse, fargs.alibi, fargs.bias, fargs.alibi if block_map is None else block_map, fargs.sinks,
-            fargs.seed, fargs.cu_q, fargs.cu_k,
+            q, k, v, out, lse, fargs.alibi, fargs.bias, counts, indices, fargs.sinks, fargs.seed, fargs.cu_q,
+            fargs.cu_k,
             *strides[0], *strides[1], *strides[2], *strides[3], *lse_strides,
-            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides,
+            fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, map_cols,
             seqlen_q, seqlen_k, diagonal_offset, softmax_scale, softmax_scale * LOG2E.value, num_heads,
             num_heads // num_kv_heads, feats.window_left, feats.window_right, feats.softcap,
             fargs.dropout_threshold, 1.0 - feats.dropout_p,
             HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, MASK_LEFT=feats.mask_left, MASK_RIGHT=feats.mask_right,
-            EVEN_N=even_n, SOFTCAP=feats.softcap > 0, HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind,
-            BLOCK_SKIP=block_map is not None, HAS_SINKS=fargs.has_sinks, DROPOUT=feats.dropout_p > 0,
+            EVEN_N=even_n, SOFTCAP=feats.softcap_mode(q.dtype), HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind,
+            BLOCK_SKIP=lists is not None, HAS_SINKS=fargs.has_sinks, DROPOUT=feats.dropout_p > 0,
             VARLEN=feats.varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=spec.block_d(head_dim),
             BLOCK_DV=spec.block_d(head_dim_v), USE_TMA=spec.use_tma, PRECISION=spec.precision,
             DOT_UPCAST=spec.dot_upcast, WARP_SPECIALIZE=cfg.warp_specialize and even_n,
@@ -254,5 +270,5 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         )
 
     configs.launch_first_that_compiles(("fwd", max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
-                                        feats.variant()), candidates, launch)
+                                        feats.variant(), fargs.bias_kind), candidates, launch)
     return out, lse

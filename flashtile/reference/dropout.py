@@ -1,7 +1,7 @@
 """Dropout's keep-mask in pure PyTorch: the same Philox-4x32-10 bits the kernels draw (docs/derivation.md#8).
 
-Element (b, h, i, j) is kept iff the top 31 bits of the first Philox output at counter (j, i, b * H + h, 0) under
-the 64-bit key `seed` are >= round(p * 2^31). This is an independent implementation (integer arithmetic in int64
+Element (b, h, i, j) is kept iff the top 31 bits of output j % 4 of Philox at counter (j // 4, i, b * H + h, 0)
+under the 64-bit key `seed` are >= round(p * 2^31) (one Philox call covers four keys). This is an independent implementation (integer arithmetic in int64
 tensors) of what flashtile/kernels/_common._dropout_keep computes with Triton's Philox, so a test that feeds it
 to the reference checks the kernels' random numbers too. It is also the CPU fallback's mask and what
 `return_attn_probs=True` encodes in S_dmask.
@@ -51,6 +51,7 @@ def dropout_mask(seed, batch, heads, seqlen_q, seqlen_k, p, *, device="cpu", bat
     bh = ((torch.arange(batch, device=device, dtype=torch.int64).view(-1, 1) + batch_offset) * heads
           + torch.arange(heads, device=device, dtype=torch.int64).view(1, -1)).view(batch, heads, 1, 1)
     shape = (batch, heads, seqlen_q, seqlen_k)
-    c0, c1, c2 = j.expand(shape), i.expand(shape), (bh & _MASK32).expand(shape)
-    r0, _, _, _ = philox_4x32(seed, c0, c1, c2, torch.zeros(shape, dtype=torch.int64, device=device))
-    return (r0 >> 1) >= dropout_threshold(p)
+    c0, c1, c2 = (j // 4).expand(shape), i.expand(shape), (bh & _MASK32).expand(shape)
+    outputs = philox_4x32(seed, c0, c1, c2, torch.zeros(shape, dtype=torch.int64, device=device))
+    bits = torch.stack(outputs, dim=-1).gather(-1, (j % 4).expand(shape).unsqueeze(-1)).squeeze(-1)
+    return (bits >> 1) >= dropout_threshold(p)
