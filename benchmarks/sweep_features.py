@@ -49,6 +49,7 @@ def main(argv=None):
     parser.add_argument("--out", default=".")
     parser.add_argument("--bwd", action="store_true", help="also sweep the backward kernels' tiles")
     parser.add_argument("--only", default=None, help="comma-separated feature names")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file's name")
     args = parser.parse_args(argv)
     s, h, d = 16384, 16, 128
     gen = torch.Generator(DEVICE).manual_seed(0)
@@ -84,7 +85,7 @@ def main(argv=None):
     configs.TILE_OVERRIDE = None
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), shape=dict(batch=1, heads=h, seqlen=s, head_dim=d))
-    path = Path(args.out) / f"{meta['date']}-{meta['gpu'].split()[-1].lower()}-sweep-features.json"
+    path = Path(args.out) / f"{meta['date']}-{meta['gpu'].split()[-1].lower()}-sweep-features{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"wrote {path}")
 
