@@ -48,7 +48,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--bwd", action="store_true", help="also sweep the backward kernels' tiles")
-    parser.add_argument("--only", default=None, help="comma-separated feature names")
+    parser.add_argument("--only", default=None, help="feature names separated by semicolons")
     parser.add_argument("--tag", default="", help="suffix of the JSON file's name")
     args = parser.parse_args(argv)
     s, h, d = 16384, 16, 128
@@ -57,7 +57,7 @@ def main(argv=None):
                for _ in range(3))
     feats = _features(q, k, v, s, h)
     if args.only:
-        feats = {name: fn for name, fn in feats.items() if name in args.only.split(",")}
+        feats = {name: fn for name, fn in feats.items() if name in args.only.split(";")}
     rows = []
 
     def record(name, kind, tiles, fn):

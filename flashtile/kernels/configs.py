@@ -111,11 +111,26 @@ _INTERPRETER_TILES = [TileConfig(64, 64, 4, 1)]
 _SAFE_TILES = [TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 1), TileConfig(32, 32, 4, 1)]
 
 
-def forward_candidates(head_dim, causal, dtype, spec) -> list[TileConfig]:
+# Feature variants whose best forward tiles differ from the plain kernel's: H200, bf16, d128, 16 heads, seqlen 16k
+# (benchmarks/results/2026-11-21-h200-sweep-features-*.json; against the plain table entries in the same run).
+# Keyed by (bias kind: 0 none / 1 float / 2 bool, softcap on, causal).
+_H200_D128_FEATURE_TILES = {
+    (1, False, False): TileConfig(128, 64, 8, 3),   # float bias: 5.62 ms (plain-table tiles 5.92)
+    (2, False, False): TileConfig(128, 128, 8, 2),  # bool mask: 4.41 ms (4.85)
+    (0, True, True): TileConfig(64, 64, 4, 3),      # causal softcap: 2.32 ms (2.60)
+}
+
+
+def forward_candidates(head_dim, causal, dtype, spec, bias_kind=0, softcap=False) -> list[TileConfig]:
+    """Tiles to try, best first. bias_kind (0 none, 1 float, 2 bool; TMA or not) and softcap select the feature
+    variants measured separately."""
     if _override("fwd") is not None:
         return list(_override("fwd"))
     if spec.arch == 0:
         return _INTERPRETER_TILES
+    feature_tiles = _H200_D128_FEATURE_TILES.get((0 if bias_kind == 0 else 2 - bias_kind % 2, softcap, causal))
+    if spec.arch == 9 and dtype != torch.float32 and 64 < head_dim <= 128 and feature_tiles is not None:
+        return [feature_tiles] + _SAFE_TILES
     if head_dim > 256:
         return _WIDE_HEAD_TILES
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory and registers

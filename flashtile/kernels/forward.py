@@ -241,8 +241,9 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         strides = [tuple(t.stride()[:3]) for t in (q, k, v, out)]
         lse_strides = (lse.stride(0), lse.stride(1))
     spec = configs.launch_spec(q, (q, k, v, out))
-    candidates = configs.forward_candidates(max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec)
     fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k)
+    candidates = configs.forward_candidates(max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
+                                            fargs.bias_kind, feats.softcap > 0)
 
     def launch(cfg):
         grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
