@@ -3,6 +3,8 @@
     python benchmarks/bench_decode.py --out benchmarks/results            # the standard table
     python benchmarks/bench_decode.py --out benchmarks/results --sweep    # + tile and num_splits sweep for decode.py
     python benchmarks/bench_decode.py --batch 8 --kv 16k                  # one shape
+    python benchmarks/bench_decode.py --sweep-only --sweep-shapes 8x16k,8x16kp16,8x16kp256   # sweep some shapes
+    TRITON_INTERPRET=1 python benchmarks/bench_decode.py --host-cpu       # host overhead per call, no GPU
 
 bf16, headdim 128, Hq = 32 query heads over Hkv = 8 kv heads (GQA 4), q_len 1, every sequence at the full cache
 length, batch 1/8/64 x kv 4k/16k/64k (shapes that do not fit the GPU's free memory are skipped). Providers:
@@ -13,8 +15,15 @@ step must read, B x kv x Hkv x D x 2 (K and V) x 2 bytes, whatever a provider ac
 GQA support reads 4x that from expanded heads, and is still credited with the real bytes only). The device's copy
 bandwidth is the median time of a 1 GiB device-to-device copy_, counting read + write.
 
-Prints a table (KV TB/s, fraction of copy bandwidth, speed relative to cuDNN, paged / contiguous) and the issue's
-bars, and writes <date>-<gpu>-decode.json to --out with every number and the run's metadata.
+Prints a table (KV TB/s, fraction of copy bandwidth, speed relative to cuDNN, paged / contiguous, host time per
+call) and the issue's bars, and writes <date>-<gpu>-decode.json to --out with every number and the run's metadata.
+
+Host time: do_bench clears the L2 cache (a 256 MB memset, ~60-80 us of GPU time) before every call, so a call
+whose host side (Python, checks, launches) takes longer than that plus its kernels shows its host time instead of
+its GPU time. "host us" is the wall time per call of 200 back-to-back calls without synchronising, the host cost
+alone. --host-cpu measures the same on a machine without a GPU: the launches are stubbed out (TRITON_INTERPRET=1
+turns the kernels into Python objects that are never run), so it counts flashtile's Python only: no Triton
+launcher, no CUDA allocations.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: import flashtile from the repo root
@@ -72,6 +82,22 @@ def fits(nbytes):
 def bench(fn):
     import triton.testing
     return triton.testing.do_bench(fn, return_mode="median")  # ms
+
+
+HOST_CALLS = 200
+
+
+def host_us(fn, calls=HOST_CALLS):
+    """Host microseconds per call: `calls` back-to-back calls, no synchronisation in between (the GPU runs
+    behind; a few hundred launches stay well inside the launch queue)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def copy_bandwidth():
@@ -195,6 +221,7 @@ class Result:
     kv_tbps: float | None = None
     copy_fraction: float | None = None
     max_err: float | None = None
+    host_us: float | None = None
     note: str = ""
 
 
@@ -229,6 +256,7 @@ def run_shape(batch, kv_len, providers, copy_bps, progress=log):
             err = (out[:ref.shape[0]].float() - ref).abs().max().item()
             res.max_err = err
             res.ms = bench(fn)
+            res.host_us = host_us(fn)
             res.kv_tbps = nbytes / (res.ms * 1e-3) / 1e12
             res.copy_fraction = nbytes / (res.ms * 1e-3) / copy_bps
             res.status = "ok" if err <= ATOL else "wrong"
@@ -239,8 +267,8 @@ def run_shape(batch, kv_len, providers, copy_bps, progress=log):
             res.note = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         torch.cuda.empty_cache()
         progress(f"  B={batch:<3} kv={kv_len // 1024:>3}k {name:<20} {res.status:<11} "
-                 + (f"{res.ms * 1e3:9.1f} us {res.kv_tbps:6.2f} TB/s ({res.copy_fraction:5.1%} of copy)"
-                    if res.ms is not None else res.note))
+                 + (f"{res.ms * 1e3:9.1f} us {res.kv_tbps:6.2f} TB/s ({res.copy_fraction:5.1%} of copy), host "
+                    f"{res.host_us:.1f} us" if res.ms is not None else res.note))
         results.append(res)
     del q, k, v
     torch.cuda.empty_cache()
@@ -255,37 +283,54 @@ def sweep_tiles():
     return [TileConfig(64, bn, w, s) for bn in (64, 128, 256) for w in (4, 8) for s in (2, 3, 4)]
 
 
+SWEEP_SHAPES = "1x4k,1x64k,8x16k,8x16kp16,8x16kp256,64x4k"
+
+
+def parse_sweep_shapes(text):
+    """"8x16kp16" -> (8, 16384, 16): batch x kv, optionally p<page size>."""
+    shapes = []
+    for item in text.split(","):
+        batch, rest = item.strip().lower().split("x")
+        kv, _, page = rest.partition("p")
+        shapes.append((int(batch), parse_size(kv), int(page) if page else None))
+    return shapes
+
+
 def sweep(shapes, progress=log):
-    """Split kernel tiles at num_splits=0, then num_splits for the best tile, per shape (contiguous and paged 16):
-    what decode.py's tile table and split heuristic (SPLIT_TOLERANCE) should come from."""
+    """Split kernel tiles at num_splits=0, then num_splits for the best tile, per shape (batch, kv, page size or
+    None), and for paged shapes the best tile with per-row addressing (decode.PAGE_SLABS off): what decode.py's
+    tile table, split heuristic (SPLIT_TOLERANCE) and paged addressing should come from."""
     from flashtile.kernels import decode
     rows = []
-    saved = decode.TILE_OVERRIDE
+    saved = decode.TILE_OVERRIDE, decode.PAGE_SLABS
     try:
-        for batch, kv_len, paged in shapes:
+        for batch, kv_len, page_size in shapes:
             if not fits(3 * kv_bytes(batch, kv_len)):
                 progress(f"sweep: B={batch} kv={kv_len} does not fit; skipped")
                 continue
-            rows += _sweep_shape(batch, kv_len, paged, progress)
+            rows += _sweep_shape(batch, kv_len, page_size, progress)
             torch.cuda.empty_cache()
     finally:
-        decode.TILE_OVERRIDE = saved
+        decode.TILE_OVERRIDE, decode.PAGE_SLABS = saved
     return rows
 
 
-def _sweep_shape(batch, kv_len, paged, progress):
+def _sweep_shape(batch, kv_len, page_size, progress):
     from flashtile.kernels import configs, decode
     from flashtile.kernels.configs import TileConfig
     gen = torch.Generator(device=DEVICE).manual_seed(batch + kv_len)
     q = torch.randn((batch, 1, HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
     k = torch.randn((batch, kv_len, KV_HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
     v = torch.randn((batch, kv_len, KV_HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
-    make = flashtile_paged(16) if paged else flashtile_contiguous
+    make = flashtile_paged(page_size) if page_size else flashtile_contiguous
     nbytes = kv_bytes(batch, kv_len)
+    label = f"B={batch} kv={kv_len} page={page_size}"
 
-    def measure(tile, n_splits):
+    def measure(tile, n_splits, slabs=True):
         decode.TILE_OVERRIDE = [tile]
-        row = dict(batch=batch, kv=kv_len, paged16=paged, tile=dataclasses.asdict(tile), num_splits=n_splits)
+        decode.PAGE_SLABS = slabs
+        row = dict(batch=batch, kv=kv_len, page_size=page_size, page_slabs=slabs, tile=dataclasses.asdict(tile),
+                   num_splits=n_splits)
         try:
             ms = bench(make(q, k, v, num_splits=n_splits))
         except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result of the sweep
@@ -304,15 +349,71 @@ def _sweep_shape(batch, kv_len, paged, progress):
         return rows
     best = min(ok, key=lambda r: r["ms"])
     best_tile = TileConfig(**best["tile"])
-    progress(f"sweep B={batch} kv={kv_len} paged16={paged}: best tile {best_tile} {best['kv_tbps']:.2f} TB/s at "
-             f"auto splits")
+    progress(f"sweep {label}: best tile {best_tile} {best['kv_tbps']:.2f} TB/s at auto splits")
     split_rows = [measure(best_tile, n) for n in SWEEP_SPLITS]
     ok = [r for r in split_rows if r["status"] == "ok"]
     if ok:
         b = min(ok, key=lambda r: r["ms"])
-        progress(f"sweep B={batch} kv={kv_len} paged16={paged}: best num_splits {b['num_splits']} "
-                 f"{b['kv_tbps']:.2f} TB/s")
+        progress(f"sweep {label}: best num_splits {b['num_splits']} {b['kv_tbps']:.2f} TB/s")
+    if page_size:
+        row = measure(best_tile, 0, slabs=False)
+        split_rows.append(row)
+        if row["status"] == "ok":
+            progress(f"sweep {label}: per-row addressing {row['kv_tbps']:.2f} TB/s (slabs {best['kv_tbps']:.2f})")
     return rows + split_rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host overhead without a GPU
+
+
+def host_overhead_cpu(calls=3000, progress=log):
+    """Microseconds of flashtile's Python per decode call on the CPU, kernel launches stubbed out (needs
+    TRITON_INTERPRET=1). Returns {case: us}."""
+    from flashtile.kernels import configs, decode
+    from flashtile.kvcache import flash_attn_with_kvcache
+    if not configs.INTERPRETING:
+        raise SystemExit("--host-cpu needs TRITON_INTERPRET=1 (it stubs the interpreted kernels out)")
+
+    class Stub:  # stands in for a kernel: same parameters, launching does nothing
+        def __init__(self, kernel):
+            self.arg_names = kernel.arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for name in ("_kvcache_split_kernel", "_kvcache_combine_kernel", "_kvcache_append_kernel"):
+        setattr(decode, name, Stub(getattr(decode, name)))
+    batch, kv_len = 1, 4096
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, dtype=DTYPE)
+    k = torch.randn(batch, kv_len, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), kv_len, dtype=torch.int32)
+    pool = k.view(batch * kv_len // 16, 16, KV_HEADS, HEAD_DIM)
+    table = torch.arange(batch * kv_len // 16, dtype=torch.int32).view(batch, -1)
+    k_new = torch.randn(batch, 1, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    cos = torch.randn(kv_len, HEAD_DIM // 2, dtype=DTYPE)
+    cases = {
+        "decode, contiguous (2 launches)": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens),
+        "decode, paged 16": lambda: flash_attn_with_kvcache(q, pool, pool, cache_seqlens=seqlens, block_table=table),
+        "decode, num_splits=1 (1 launch)": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens,
+                                                                           num_splits=1),
+        "append + rotary + causal, int seqlens (3 launches)": lambda: flash_attn_with_kvcache(
+            q, k, v, k_new, k_new, cos, cos, cache_seqlens=kv_len - 1, causal=True),
+    }
+    result = {}
+    for name, fn in cases.items():
+        for _ in range(200):
+            fn()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        result[name] = best
+        progress(f"  {name:<52} {best:6.1f} us per call")
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,9 +427,10 @@ def _index(results):
 def format_table(results, providers, copy_bps):
     by = _index(results)
     lines = [f"device copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write); KV TB/s counts K and V bytes; "
-             f"x cuDNN = cuDNN time / provider time; paged/contig = paged time / contiguous time",
+             f"x cuDNN = cuDNN time / provider time; paged/contig = paged time / contiguous time; host us = host "
+             f"time per call",
              f"{'batch':>5} {'kv':>5}  {'provider':<20} {'us':>9} {'KV TB/s':>8} {'x copy':>7} {'x cuDNN':>8} "
-             f"{'paged/contig':>12}"]
+             f"{'paged/contig':>12} {'host us':>8}"]
     shapes = sorted({(r.batch, r.kv) for r in results})
     for batch, kv_len in shapes:
         cudnn = by.get((batch, kv_len, "sdpa-cudnn"))
@@ -344,8 +446,9 @@ def format_table(results, providers, copy_bps):
             pc = f"{r.ms / contig.ms:12.3f}" if name.startswith("flashtile-paged") and contig and contig.ms \
                 else f"{'':>12}"
             flag = "" if r.status == "ok" else f"  ({r.status}: max err {r.max_err:.2e})"
+            host = f"{r.host_us:8.1f}" if r.host_us is not None else f"{'-':>8}"
             lines.append(f"{batch:>5} {kv_len // 1024:>4}k  {name:<20} {r.ms * 1e3:9.1f} {r.kv_tbps:8.2f} "
-                         f"{r.copy_fraction:7.1%} {vs} {pc}{flag}")
+                         f"{r.copy_fraction:7.1%} {vs} {pc} {host}{flag}")
     return "\n".join(lines)
 
 
@@ -424,7 +527,13 @@ def main(argv=None):
     p.add_argument("--kv", default="4k,16k,64k", help="comma-separated cache lengths, e.g. 4k,16k")
     p.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
     p.add_argument("--sweep", action="store_true", help="also sweep the split kernel's tiles and num_splits")
+    p.add_argument("--sweep-only", action="store_true", help="only the sweep (no table)")
+    p.add_argument("--sweep-shapes", default=SWEEP_SHAPES, help="batch x kv [p page size], comma-separated")
+    p.add_argument("--host-cpu", action="store_true", help="host microseconds per call on the CPU (see above)")
     args = p.parse_args(argv)
+    if args.host_cpu:
+        host_overhead_cpu()
+        return 0
     if not torch.cuda.is_available():
         log("bench_decode needs a CUDA GPU.")
         return 2
@@ -442,13 +551,13 @@ def main(argv=None):
     copy_bps, copy_ms = copy_bandwidth()
     log(f"{meta['gpu']}: device copy {copy_bps / 1e12:.2f} TB/s ({copy_ms * 1e3:.0f} us per 1 GiB copy_)")
     results = []
-    for batch in batches:
-        for kv_len in kvs:
-            results += run_shape(batch, kv_len, providers, copy_bps)
+    if not args.sweep_only:
+        for batch in batches:
+            for kv_len in kvs:
+                results += run_shape(batch, kv_len, providers, copy_bps)
     sweep_rows = []
-    if args.sweep:
-        sweep_rows = sweep([(1, 4096, False), (1, 65536, False), (8, 16384, False), (8, 16384, True),
-                            (64, 4096, False)])
+    if args.sweep or args.sweep_only:
+        sweep_rows = sweep(parse_sweep_shapes(args.sweep_shapes))
     bars = check_bars(results)
     payload = {"metadata": meta, "copy_bandwidth_bytes_per_s": copy_bps,
                "results": [dataclasses.asdict(r) for r in results],

@@ -24,6 +24,7 @@ from typing import Optional
 import pytest
 import torch
 
+from flashtile import kvcache
 from flashtile.kernels import configs, decode
 from flashtile.kernels.configs import TileConfig
 from flashtile.kvcache import flash_attn_with_kvcache
@@ -292,11 +293,16 @@ def run_case(case, seed, **call_kwargs):
     if case.seqlen_new:
         k_after, v_after = layout.gather(k_store), layout.gather(v_store)
         if case.fp8:
-            # Rounding to e4m3 may go either way where fp32 and float64 disagree: at most one e4m3 step (2^-3
-            # relative) apart.
-            for name, got, want in (("k", k_after, k_pt), ("v", v_after, v_pt)):
-                got, want = got[written].float(), want[written].float()
-                assert ((got - want).abs() <= want.abs() / 8 + 2.0 ** -9).all(), f"{name}_cache appended rows"
+            # value / descale in fp32, rounded to nearest even e4m3: the bits torch stores for the same fp32 values.
+            exact = [("v", v_after, v_pt)] + ([] if case.rotary_dim else [("k", k_after, k_pt)])
+            for name, got, want in exact:
+                assert torch.equal(_bits(got[written]), _bits(want[written])), f"{name}_cache appended rows"
+            if case.rotary_dim:
+                # The kernel rotates in fp32; the reference in the input dtype rounds the rotated key first, which
+                # can flip the sign of a value near 0. Against float64: where the two roundings to e4m3 disagree,
+                # at most one e4m3 step (2^-3 relative, 2^-9 among the subnormals) apart.
+                got, want = k_after[written].float(), k64[written].float()
+                assert ((got - want).abs() <= want.abs() / 8 + 2.0 ** -9).all(), "k_cache appended rows"
         else:
             assert_close("k_cache appended rows", k_after[written], k64[written], k_pt[written], case.dtype)
             assert torch.equal(_bits(v_after[written]), _bits(v_pt[written])), "v_cache appended rows"
@@ -369,7 +375,31 @@ PAGED_CASES = [
     Case(page_size=24, num_splits=2, capacity=100),
     Case(page_size=8, num_splits=1, capacity=60, dtype=torch.float32),
     Case(page_size=16, leftpad=True, num_splits=2, capacity=90),
+    # Pages holding whole key blocks (32 keys in the interpreter): one table entry per block. Leftpad and a window
+    # start the keys inside a block; splits end inside pages.
+    Case(page_size=64, leftpad=True, num_splits=3, capacity=300, lengths=(0, 37, 300)),
+    Case(page_size=96, window=(40, 0), seqlen_q=3, causal=True, num_splits=2, capacity=290, seqlen_new=3),
 ]
+
+
+@pytest.mark.parametrize("page_size", (32, 64))
+def test_page_slabs_match_rows(request, monkeypatch, page_size):
+    """Page-granular addressing (one table entry per key block) gives the same bits as per-row addressing."""
+    case = Case(page_size=page_size, leftpad=True, num_splits=2, capacity=200, heads=8, kv_heads=2)
+    inp = make_inputs(case, _seed(request))
+    k_store = inp.layout.place(inp.k_logical, float("nan"))
+    v_store = inp.layout.place(inp.v_logical, float("nan"))
+    results = []
+    for slabs in (True, False):
+        monkeypatch.setattr(decode, "PAGE_SLABS", slabs)
+        monkeypatch.setattr(decode, "_PLANS", {})
+        results.append(flash_attn_with_kvcache(inp.q, k_store, v_store, cache_seqlens=inp.cache_seqlens,
+                                               cache_leftpad=inp.leftpad, block_table=inp.layout.block_table,
+                                               num_splits=2, return_softmax_lse=True))
+        (plan,) = decode._PLANS.values()
+        assert plan.split.constexprs["PAGE_SLAB"] == slabs
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("case", [_param(c) for c in PAGED_CASES])
@@ -458,8 +488,14 @@ def _split_counts(poison, batch, seqlen_q, heads, head_dim):
 
 
 def test_auto_splits_fill_the_programs(poison, request):
-    """num_splits=0 splits when batch x kv heads leaves programs idle: the combine's partial buffers appear."""
-    case = Case(batch=1, heads=4, kv_heads=1, capacity=200, lengths=(190,), num_splits=0)
+    """num_splits=0 splits when batch x kv heads leaves programs idle (one program here): the combine's partial
+    buffers appear. The cache holds 2 x MIN_BLOCKS_PER_SPLIT key blocks of the tile the launch uses (32 keys in the
+    interpreter, 128 on Hopper), so at least 2 splits are allowed; a shorter cache is rightly not split (each split
+    must have MIN_BLOCKS_PER_SPLIT blocks: 200 keys are two 128-key blocks, one split's worth)."""
+    spec = decode._spec(torch.empty(1, dtype=torch.bfloat16, device=DEVICE))
+    block_n = decode.split_candidates(32, torch.bfloat16, spec)[0].block_n
+    capacity = 2 * decode.MIN_BLOCKS_PER_SPLIT * block_n
+    case = Case(batch=1, heads=4, kv_heads=1, capacity=capacity, lengths=(capacity - 9,), num_splits=0)
     run_case(case, _seed(request))
     splits = _split_counts(poison, 1, 1, 4, 32)
     assert splits and splits[0] > 1, poison
@@ -532,12 +568,51 @@ FP8_CASES = [
     Case(fp8=True, num_splits=2),
     Case(fp8=True, seqlen_q=3, causal=True, page_size=16, num_splits=1, dtype=torch.float16),
     Case(fp8=True, heads=8, kv_heads=2, alibi="heads", softcap=5.0, num_splits=3),
+    # Appends: rounded in the kernel, so the interpreter stores torch's bits too.
+    Case(fp8=True, seqlen_new=3, seqlen_q=3, causal=True, num_splits=2),
+    Case(fp8=True, seqlen_new=5, seqlen_q=5, causal=True, page_size=32, rotary_dim=32, num_splits=1),
+    Case(fp8=True, seqlen_new=2, rotary_dim=16, interleaved=False, batch_idx=True, num_splits=2,
+         dtype=torch.float16),
 ]
 
 
 @pytest.mark.parametrize("case", [_param(c) for c in FP8_CASES])
 def test_fp8_cache(poison, request, case):
     run_case(case, _seed(request))
+
+
+def _e4m3_probe_values():
+    """Values that exercise every case of rounding to e4m3: each finite e4m3 value, the midpoints between
+    neighbours (ties go to the even one), values just above and below those, the carries into the next binade
+    (1.9375 -> 2), the subnormals and the gap under the smallest one, -0, and values past 448 (saturate). All are
+    exact in float16 (5 significant bits, nudged by 2^-6)."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # 0, 2^-9, ..., 448
+    mid = (grid[1:] + grid[:-1]) / 2
+    nudged = torch.cat((mid * (1 + 2.0 ** -6), mid * (1 - 2.0 ** -6), grid * (1 + 2.0 ** -6)))
+    values = torch.cat((grid, mid, nudged, torch.tensor([2.0 ** -11, 3 * 2.0 ** -11, 449.0, 464.0, 1e4])))
+    return torch.cat((values, -values, torch.tensor([-0.0])))
+
+
+def test_fp8_append_rounds_like_torch():
+    """Appending into an fp8 cache stores exactly torch's .to(float8_e4m3fn) of value / descale (nearest even,
+    saturated at 448). Triton's interpreter casts fp32 -> fp8 rounding ties away from zero and dropping the carry
+    into the next binade (1.97 -> 1.0 instead of 2.0), so the kernel rounds before it casts."""
+    values = _e4m3_probe_values()
+    hk, d = 2, 64
+    rows = math.ceil(values.numel() / (hk * d))
+    k = torch.zeros(rows * hk * d)
+    k[:values.numel()] = values
+    k = k.view(1, rows, hk, d).to(torch.float16).to(DEVICE)
+    v = torch.flip(k, dims=(1,)).contiguous()
+    descale = torch.tensor([[1.0, 0.5]], device=DEVICE)  # kv head 1 doubles every value first
+    k_cache = torch.zeros(1, rows + 3, hk, d, device=DEVICE).to(torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.zeros(1, 1, 4, d, dtype=torch.float16, device=DEVICE)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=2, k_descale=descale, v_descale=descale)
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        want = (new.float() / descale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(_bits(cache[:, 2:2 + rows]), _bits(want)), f"{name}_cache"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -677,7 +752,10 @@ BAD_ARGS = [
 
 @pytest.mark.parametrize("name,change,exc,message", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
 def test_invalid_arguments(name, change, exc, message):
+    """Each bad argument raises, also right after a valid call with the same tensors: the repeated-call path
+    (flashtile.kvcache._CALLS) must not skip a check."""
     args = _valid_args()
+    flash_attn_with_kvcache(**args)
     args.update(change(args))
     with pytest.raises(exc, match=message):
         flash_attn_with_kvcache(**args)
@@ -871,7 +949,108 @@ def test_gpu_paged_equals_contiguous(request, page_size):
 
 @pytest.mark.gpu
 def test_gpu_fp8_append_rounding(request):
-    """Appending into an fp8 cache rounds to nearest e4m3 as torch does (checked here: the interpreter's fp32 ->
-    fp8 cast mis-rounds values that carry into the next exponent, so the CPU suite cannot check this)."""
+    """Appending into an fp8 cache with rotary on the compiled path: v bit-exact with torch's rounding, the rotated
+    k within one e4m3 step of the float64 oracle (run_case)."""
     run_case(Case(batch=4, heads=8, kv_heads=2, head_dim=64, capacity=512, seqlen_new=16, seqlen_q=16, causal=True,
                   fp8=True, num_splits=0, rotary_dim=64), _seed(request))
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Empty plan and validated-call caches for the test, so that its first call builds them."""
+    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(kvcache, "_CALLS", {})
+
+
+def _decode_step(inp, layout, k_store, v_store, **kw):
+    return flash_attn_with_kvcache(inp.q, k_store, v_store, inp.k, inp.v, inp.cos, inp.sin,
+                                   cache_seqlens=inp.cache_seqlens, block_table=layout.block_table, causal=True,
+                                   return_softmax_lse=True, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch(request, fresh_plans):
+    """From the second call of a shape on, the launches go straight to the compiled kernels (decode._Launch) and
+    give the same bits as the first call's launches through Triton's JITFunction; a misaligned q gets a plan of its
+    own (Triton specializes on 16-byte alignment) and the same bits again."""
+    case = Case(batch=2, heads=32, kv_heads=8, head_dim=128, capacity=4096, page_size=16, seqlen_new=1,
+                rotary_dim=128, causal=True, num_splits=0)
+    inp = make_inputs(case, _seed(request))
+    layout = inp.layout
+    results = []
+    for step in range(3):
+        if step == 2:
+            buffer = torch.empty(inp.q.numel() + 1, dtype=inp.q.dtype, device=DEVICE)
+            inp.q = buffer[1:].view(inp.q.shape).copy_(inp.q)
+            assert inp.q.data_ptr() % 16
+        k_store, v_store = layout.place(inp.k_logical, float("nan")), layout.place(inp.v_logical, float("nan"))
+        out, lse = _decode_step(inp, layout, k_store, v_store)
+        results.append((out, lse, k_store, v_store))
+    calls = list(kvcache._CALLS.values())
+    assert len(calls) == 2  # aligned q, misaligned q
+    assert all(c.attn.split.compiled is not None and c.append.launch.compiled is not None for c in calls)
+    assert decode.fast_stream(torch.cuda.current_device()) is not None
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.gpu
+def test_gpu_launch_hooks_see_every_launch(request, fresh_plans):
+    """With a Triton launch hook registered (a profiler), launches take the JITFunction path, which calls it."""
+    runtime = getattr(getattr(__import__("triton"), "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime.launch_enter_hook, "add"):
+        pytest.skip("this Triton has no launch hook chain")
+    names = []
+    hook = lambda metadata: names.append(metadata.get()["name"])  # noqa: E731
+    inp = make_inputs(Case(batch=2, heads=8, kv_heads=2, head_dim=64, capacity=512, num_splits=2), _seed(request))
+    k_store, v_store = inp.layout.place(inp.k_logical, 0.0), inp.layout.place(inp.v_logical, 0.0)
+    call = lambda: flash_attn_with_kvcache(inp.q, k_store, v_store, cache_seqlens=inp.cache_seqlens,  # noqa: E731
+                                           num_splits=2)
+    call()
+    runtime.launch_enter_hook.add(hook)
+    try:
+        call()
+    finally:
+        runtime.launch_enter_hook.remove(hook)
+    assert names == ["_kvcache_split_kernel", "_kvcache_combine_kernel"], names
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Repeated calls (CPU too): flashtile.kvcache._CALLS and the launch plans of flashtile.kernels.decode
+
+
+def test_decode_loop_skips_the_checks(request, monkeypatch, fresh_plans):
+    """Steps with the same shapes, strides and options as a validated one skip the checks (made to fail here) and
+    still compute the right result and cache; an int cache_seqlens may change between them."""
+    case = Case(seqlen_new=1, rotary_dim=16, causal=True, page_size=16, num_splits=2, int_seqlens=True)
+    seed = _seed(request)
+    run_case(case, seed)
+    assert len(kvcache._CALLS) == 1
+
+    def fail(*args, **kwargs):
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(kvcache, "_validate", fail)
+    for step in (1, 2):
+        run_case(case, seed + step)
+    assert len(kvcache._CALLS) == 1
+
+
+def test_repeated_call_checks_int_seqlens(fresh_plans):
+    args = _valid_args()
+    flash_attn_with_kvcache(**dict(args, cache_seqlens=3))
+    with pytest.raises(ValueError, match="does not fit a cache of 32 rows"):
+        flash_attn_with_kvcache(**dict(args, cache_seqlens=33))
+
+
+def test_copied_arguments_are_not_remembered(request, fresh_plans):
+    """A q whose headdim is strided is copied before the kernels run; such calls are not remembered (the copy
+    would be skipped) and stay right when repeated."""
+    args = _valid_args()
+    wide = torch.randn(2, 1, 16, 4, device=DEVICE).transpose(2, 3)  # (2, 1, 4, 16), headdim stride 4
+    want = flash_attn_with_kvcache(**dict(args, q=wide.contiguous()))
+    for _ in range(2):
+        got = flash_attn_with_kvcache(**dict(args, q=wide))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(kvcache._CALLS) == 1  # the contiguous call only

@@ -6,8 +6,8 @@
                                                      pages in order: cache row p of sequence b is row p % PAGE_SIZE
                                                      of page block_table[b, p // PAGE_SIZE]
     k_new, v_new: [B, S_new, Hk, D]                  appended at cache rows cache_seqlens[b] + i
-    o_part: [B, Sq, Hq, NUM_SPLITS, D] fp32          each split's normalised output
-    lse_part: [B, Sq, Hq, NUM_SPLITS] fp32           each split's LSE in base 2 (lse_log2)
+    part: o_part [B, Sq, Hq, NUM_SPLITS, D] fp32,    each split's normalised output, then (from lse_part_offset)
+          lse_part [B, Sq, Hq, NUM_SPLITS] fp32      each split's LSE in base 2 (lse_log2)
 
 Sequence b attends to its cache rows [leftpad_b, seqlen_b + S_new), seqlen_b = cache_seqlens[b] being its length
 before the append. Inside the kernels keys are numbered from leftpad_b, so there are n_k = seqlen_b + S_new -
@@ -23,8 +23,15 @@ Three kernels, explained in docs/kvcache.md:
    writes the final output directly.
 3. _kvcache_combine_kernel merges the splits: LSE = logsumexp_s lse_s, O = sum_s exp(lse_s - LSE) O_s
    (docs/derivation.md#7-merging-partial-results).
-Paged addressing is a constexpr variant (PAGED) of the same row addressing in all of them.
+Paged addressing is a constexpr variant (PAGED) of the same row addressing in all of them; when a page holds whole
+key blocks (PAGE_SLABS) the split kernel reads one table entry per block and the block as one contiguous slab.
+
+A decode step is a few microseconds of GPU time, so the host side matters as much: everything a launch derives
+from shapes, strides, dtypes and flags (tiles, split count, grid, scalar arguments, the compiled kernel) is built
+once per such key (_AttnPlan, _AppendPlan) and each call only allocates its outputs and hands its tensors to the
+compiled kernel (docs/kvcache.md#the-host-side-of-a-decode-step).
 """
+import contextlib
 import functools
 
 import torch
@@ -63,6 +70,20 @@ INTERPRETER_SM_COUNT = 4
 COMBINE_BLOCK_S = 16
 # Appended rows per program of the append kernel.
 APPEND_BLOCK_R = 16
+# Smallest normal float8 e4m3 value: below it the e4m3 grid is uniform, multiples of 2^-9.
+FP8_E4M3_MIN_NORMAL = tl.constexpr(2.0 ** -6)
+# Adding and subtracting 1.5 * 2^14 rounds an fp32 |x| < 2^-6 to a multiple of 2^-9 (fp32's unit in that binade),
+# to nearest even: the e4m3 subnormal grid.
+FP8_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0 ** 14)
+
+# Paged caches whose page size is a multiple of the key block: one block-table entry per block and the block as one
+# contiguous slab of rows (False: one entry per row, as for any other page size; the sweep compares them).
+PAGE_SLABS = True
+# Launch the compiled kernels directly once a plan has compiled them (see _Launch); False: always through Triton's
+# JITFunction, which re-derives the specialization of every argument on each call.
+FAST_LAUNCH = True
+# Plans kept (one per distinct shape / dtype / flag combination); past this many the cache starts over.
+MAX_PLANS = 1024
 
 # Tests and the sweep (benchmarks/bench_decode.py --sweep) may replace the split kernel's candidate tiles.
 TILE_OVERRIDE = None
@@ -154,14 +175,46 @@ def choose_num_splits(requested, programs, max_keys, block_n, slots):
 @triton.jit
 def _cache_slots(BlockTableRow, cache_b, pos, mask, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Where cache rows `pos` of one sequence live, as (major, minor) indices of the cache's first two dims:
-    (page, row in page) for a paged cache, (cache batch row, pos) for a contiguous one. int64, so that
-    major * stride passes 2^31 elements safely. `pos` is never negative (// and % would round differently)."""
+    (page, row in page) for a paged cache, (cache batch row, pos) for a contiguous one (major then a scalar). int64,
+    so that major * stride passes 2^31 elements safely. `pos` is never negative (// and % would round differently)."""
     if PAGED:
         major = tl.load(BlockTableRow + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
         minor = (pos % PAGE_SIZE).to(tl.int64)
     else:
-        major = tl.zeros_like(pos).to(tl.int64) + cache_b
+        major = cache_b
         minor = pos.to(tl.int64)
+    return major, minor
+
+
+@triton.jit
+def _block_pages(BlockTableRow, r0, end, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 PAGE_SLAB: tl.constexpr):
+    """Block-table entries of the key block of cache rows r0 + [0, BLOCK_N) (r0 a multiple of BLOCK_N; rows from
+    `end` on are not read): one scalar when PAGE_SLAB (PAGE_SIZE a multiple of BLOCK_N, so the block lies inside
+    one page), else one entry per row. 0 for a contiguous cache."""
+    if PAGE_SLAB:
+        pages = tl.load(BlockTableRow + r0 // PAGE_SIZE, mask=r0 < end, other=0)
+    elif PAGED:
+        rows = r0 + tl.arange(0, BLOCK_N)
+        pages = tl.load(BlockTableRow + rows // PAGE_SIZE, mask=rows < end, other=0)
+    else:
+        pages = 0
+    return pages
+
+
+@triton.jit
+def _block_slots(pages, cache_b, r0, rows, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_SLAB: tl.constexpr):
+    """_cache_slots of the key block rows = r0 + [0, BLOCK_N) from its _block_pages. With PAGE_SLAB one page
+    addresses the whole block and its rows are one contiguous slab, as in a contiguous cache."""
+    if PAGE_SLAB:
+        major = pages.to(tl.int64)
+        minor = (rows - (r0 // PAGE_SIZE) * PAGE_SIZE).to(tl.int64)
+    elif PAGED:
+        major = pages.to(tl.int64)
+        minor = (rows % PAGE_SIZE).to(tl.int64)
+    else:
+        major = cache_b
+        minor = rows.to(tl.int64)
     return major, minor
 
 
@@ -214,13 +267,37 @@ def _rotary_rows(X, p_rows, m_r, pos, Cos, Sin, stride_cos, stride_sin, seqlen_r
 
 
 @triton.jit
+def _quantize_e4m3(x, descale):
+    """x / descale (fp32, IEEE-rounded division as torch divides) saturated to +-448 and rounded to the nearest
+    float8 e4m3 value, ties to even, returned as an exactly representable fp32 value.
+
+    Rounding here instead of in the cast makes the cast exact, so the GPU (cvt.rn.satfinite) and Triton's
+    interpreter store the same bits as torch's .to(torch.float8_e4m3fn): the interpreter's fp32 -> fp8 cast
+    rounds ties away from zero and loses the carry when rounding up crosses into the next binade (the value halves).
+    """
+    x = tl.math.div_rn(x, descale + tl.zeros_like(x))
+    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    mag_bits = bits & 0x7FFFFFFF
+    sign = bits ^ mag_bits  # kept apart, so that a negative value rounding to 0 stays -0 as in torch
+    # Normal range: keep 3 of fp32's 23 mantissa bits; adding 2^19 - 1 plus the lowest kept bit to the bit pattern
+    # rounds to nearest even, and a carry out of the mantissa bumps the exponent as it should.
+    normal = ((mag_bits + ((1 << 19) - 1) + ((mag_bits >> 20) & 1)) & -(1 << 20)).to(tl.float32, bitcast=True)
+    mag = mag_bits.to(tl.float32, bitcast=True)
+    subnormal = (mag + FP8_E4M3_SUBNORMAL_ROUNDER) - FP8_E4M3_SUBNORMAL_ROUNDER
+    rounded = tl.where(mag >= FP8_E4M3_MIN_NORMAL, normal, subnormal)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["cache_seqlen"])
 def _kvcache_append_kernel(KNew, VNew, KCache, VCache, Seqlens, BatchIdx, BlockTable, Cos, Sin, KDescale, VDescale,
+                           cache_seqlen,
                            stride_knb, stride_kns, stride_knh,
                            stride_vnb, stride_vns, stride_vnh,
                            stride_kcb, stride_kcs, stride_kch,
                            stride_vcb, stride_vcs, stride_vch,
                            stride_btb, stride_cos, stride_sin, stride_dsb,
-                           seqlen_new, cache_seqlen, capacity, num_kv_heads, seqlen_ro,
+                           seqlen_new, capacity, num_kv_heads, seqlen_ro,
                            HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                            HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
                            PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -258,10 +335,8 @@ def _kvcache_append_kernel(KNew, VNew, KCache, VCache, Seqlens, BatchIdx, BlockT
     b_v = tl.load(VNew + p_vn[:, None] + o_d[None, :], mask=mask, other=0.0)
     if QUANTIZE:
         # fp8 cache with per-(batch, kv head) descale factors: the cache holds value / descale.
-        k_descale = tl.load(KDescale + i_b * stride_dsb + i_hk)
-        v_descale = tl.load(VDescale + i_b * stride_dsb + i_hk)
-        b_k = tl.minimum(tl.maximum(b_k / k_descale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
-        b_v = tl.minimum(tl.maximum(b_v.to(tl.float32) / v_descale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+        b_k = _quantize_e4m3(b_k, tl.load(KDescale + i_b * stride_dsb + i_hk))
+        b_v = _quantize_e4m3(b_v.to(tl.float32), tl.load(VDescale + i_b * stride_dsb + i_hk))
 
     p_kc = major * stride_kcb + minor * stride_kcs + i_hk * stride_kch  # [BLOCK_R]
     p_vc = major * stride_vcb + minor * stride_vcs + i_hk * stride_vch
@@ -279,20 +354,21 @@ def _softcap_log2(s, cap_scale, cap_log2):
     return cap_log2 * _tanh(s * cap_scale)
 
 
-@triton.jit
-def _kvcache_split_kernel(Q, K, V, Out, Lse, OPart, LsePart,
+@triton.jit(do_not_specialize=["cache_seqlen"])
+def _kvcache_split_kernel(Q, K, V, Out, Lse, Part,
                           Seqlens, BatchIdx, Leftpad, BlockTable, Cos, Sin, Alibi, KDescale, VDescale,
+                          cache_seqlen,
                           stride_qb, stride_qs, stride_qh,
                           stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh,
                           stride_ob, stride_os, stride_oh,
                           stride_btb, stride_cos, stride_sin, stride_ab, stride_dsb,
-                          seqlen_q, seqlen_new, cache_seqlen, capacity, num_kv_heads, group_size, num_splits,
+                          lse_part_offset, seqlen_q, seqlen_new, capacity, num_kv_heads, group_size, num_splits,
                           seqlen_ro, qk_scale, cap_scale, cap_log2, window_left, window_right,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr,
                           HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                          PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                          PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_SLAB: tl.constexpr,
                           ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
                           ROTARY_PER_ROW: tl.constexpr,
                           MASK_DIAG: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -359,10 +435,15 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, OPart, LsePart,
         lo = tl.maximum(first_i + diag - window_left, 0)
         hi = tl.minimum(last_i + diag + window_right + 1, n_k)
         hi = tl.maximum(hi, lo)
-    # ... split evenly, in whole blocks, across the num_splits programs of this (batch, kv head, row block).
-    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
-    start = lo + i_s * blocks_per_split * BLOCK_N
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, hi)
+    # ... as cache rows [row_lo, row_hi), visited in BLOCK_N-row blocks aligned to cache rows (so that a block
+    # never straddles pages when the page size is a multiple of BLOCK_N), split evenly in whole blocks across the
+    # num_splits programs of this (batch, kv head, row block).
+    row_lo = kv_start + lo
+    row_hi = kv_start + hi
+    blk_lo = row_lo // BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(row_hi, BLOCK_N) - blk_lo, num_splits)
+    start = (blk_lo + i_s * blocks_per_split) * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, row_hi)
 
     BlockTableRow = BlockTable + i_b.to(tl.int64) * stride_btb
     k_head = K + i_hk.to(tl.int64) * stride_kh
@@ -370,10 +451,17 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, OPart, LsePart,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in tl.range(start, end, BLOCK_N):
-        o_n = start_n + tl.arange(0, BLOCK_N)  # key numbers j
-        m_n = o_n < end
-        major, minor = _cache_slots(BlockTableRow, cache_b, kv_start + o_n, m_n, PAGED, PAGE_SIZE)
+    # A paged cache's table entries for the next block are loaded one iteration ahead (carried through the loop).
+    # Loaded in the iteration that uses them, they would make the K/V loads indirect ones, which Triton 3.6
+    # pipelines a stage later with a single buffer and a wait for all copies each iteration (sm90 TTGIR): no
+    # overlap of loads and compute, which a lone program per SM (decode at batch 1-8) cannot hide.
+    pages = _block_pages(BlockTableRow, start, end, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
+    for r0 in tl.range(start, end, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)  # cache rows
+        m_n = (rows >= row_lo) & (rows < row_hi)
+        o_n = rows - kv_start  # key numbers j
+        major, minor = _block_slots(pages, cache_b, r0, rows, PAGED, PAGE_SIZE, PAGE_SLAB)
+        pages = _block_pages(BlockTableRow, r0 + BLOCK_N, end, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
         m_kv = _row_mask(m_n, HEAD_DIM, BLOCK_D)
         p_k = k_head + (major * stride_kb + minor * stride_ks)[:, None] + o_d[None, :]
         b_k = tl.load(p_k, mask=m_kv, other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
@@ -412,9 +500,10 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, OPart, LsePart,
     lse_log2 = tl.where(m_empty, float("-inf"), m_i + tl.log2(tl.where(m_empty, 1.0, l_i)))
     m_o = _row_mask(m_r, HEAD_DIM, BLOCK_D)
     if SPLIT:
+        # Part holds o_part [B, Sq, Hq, S, D], then lse_part [B, Sq, Hq, S] from lse_part_offset on.
         row = (i_b.to(tl.int64) * seqlen_q + o_i) * (num_kv_heads * group_size) + o_h  # [BLOCK_M]
-        tl.store(LsePart + row * num_splits + i_s, lse_log2, mask=m_r)
-        tl.store(OPart + ((row * num_splits + i_s) * HEAD_DIM)[:, None] + o_d[None, :], b_o, mask=m_o)
+        tl.store(Part + lse_part_offset + row * num_splits + i_s, lse_log2, mask=m_r)
+        tl.store(Part + ((row * num_splits + i_s) * HEAD_DIM)[:, None] + o_d[None, :], b_o, mask=m_o)
     else:
         p_o = i_b.to(tl.int64) * stride_ob + o_i.to(tl.int64) * stride_os + o_h.to(tl.int64) * stride_oh
         tl.store(Out + p_o[:, None] + o_d[None, :], b_o.to(Out.dtype.element_ty), mask=m_o)
@@ -427,7 +516,7 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, OPart, LsePart,
 
 
 @triton.jit
-def _kvcache_combine_kernel(OPart, LsePart, Out, Lse, num_splits, seqlen_q, num_heads,
+def _kvcache_combine_kernel(Part, Out, Lse, lse_part_offset, num_splits, seqlen_q, num_heads,
                             HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One output row (b, i, h): the online softmax of docs/derivation.md ch. 4 with the splits as blocks, each
     carrying its weight exp2(lse_s) instead of a block of scores."""
@@ -440,14 +529,15 @@ def _kvcache_combine_kernel(OPart, LsePart, Out, Lse, num_splits, seqlen_q, num_
     for s0 in range(0, num_splits, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m_s = o_s < num_splits
-        b_lse = tl.load(LsePart + row * num_splits + o_s, mask=m_s, other=float("-inf"))  # [BLOCK_S], base 2
+        # [BLOCK_S], base 2
+        b_lse = tl.load(Part + lse_part_offset + row * num_splits + o_s, mask=m_s, other=float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_lse, 0))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp2(b_lse - m_sub)  # 0 for a split that saw no key
         alpha = tl.exp2(m_i - m_sub)
         # An empty split's output is never read: 0 * garbage could be NaN.
         m_o = (m_s & (b_lse > float("-inf")))[:, None] & m_d[None, :]
-        b_o = tl.load(OPart + (row * num_splits + o_s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_o, other=0.0)
+        b_o = tl.load(Part + (row * num_splits + o_s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_o, other=0.0)
         acc = acc * alpha + tl.sum(w[:, None] * b_o, 0)  # [BLOCK_D]
         l_i = l_i * alpha + tl.sum(w, 0)
         m_i = m_new
@@ -482,63 +572,233 @@ def _dummy(device):
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
-def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
-                   rotary_cos, rotary_sin, rotary_interleaved, k_descale=None, v_descale=None):
-    """Write k_new (rotated when rotary_cos is given) and v_new into the cache at rows cache_seqlens[b] + i, in
-    place. cache_seqlens None means every sequence has length cache_seqlen. An fp8 cache stores value / descale
-    (descales [B, Hk] fp32). Inputs are assumed validated (flashtile.kvcache)."""
+@functools.lru_cache(maxsize=None)
+def _arch(device_index):
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _spec(q):
+    """The LaunchSpec of a decode launch (the kernels use pointers, never TMA descriptors)."""
+    arch = 0
+    if q.is_cuda and not configs.INTERPRETING:
+        arch = _arch(q.get_device())
+    if q.dtype == torch.float32 and (configs.INTERPRETING or not torch.backends.cuda.matmul.allow_tf32):
+        precision = "ieee"
+    else:
+        precision = "tf32"
+    return configs.LaunchSpec(use_tma=False, precision=precision,
+                              dot_upcast=configs.INTERPRETING and q.dtype != torch.float32, arch=arch)
+
+
+def _tensor_key(t):
+    """What a launch's compiled kernel and scalar arguments depend on in a tensor: dtype, shape, strides and
+    whether its address is 16-byte aligned (Triton specializes pointers on that)."""
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % configs.TMA_ALIGN_BYTES == 0)
+
+
+def _settings_key(q):
+    """Module and torch settings a plan depends on."""
+    tile_override = None if TILE_OVERRIDE is None else tuple(TILE_OVERRIDE)
+    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return tile_override, PAGE_SLABS, tf32
+
+
+def _hook_set(hook):
+    # Triton >= 3.5 keeps launch hooks in a HookChain (never None; empty while nobody listens).
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def fast_stream(device_index):
+    """The current stream's handle when launches may go straight to the compiled kernels: FAST_LAUNCH, a CUDA
+    tensor on the current device, and no launch hooks (profilers get the full JITFunction path). Else None."""
+    if not FAST_LAUNCH or device_index < 0 or not hasattr(triton, "knobs"):
+        return None
+    runtime = triton.knobs.runtime
+    if _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook):
+        return None
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def off_device(device_index):
+    """True when q's GPU is not the current device: Triton launches on the current one, so switch first."""
+    return device_index >= 0 and torch.cuda.current_device() != device_index
+
+
+class _Launch:
+    """One kernel launch whose grid, scalar arguments and constexprs are fixed by its plan's key; a call passes the
+    tensors (and the per-step cache length).
+
+    The first call goes through Triton's JITFunction, which derives the specialization of every argument (dtype,
+    16-byte alignment, value 1, divisibility by 16), finds or compiles the kernel for it and launches. Later calls
+    hand the same arguments straight to that compiled kernel's launcher, skipping the ~50 per-argument checks and
+    the cache-key hashing that JITFunction.run repeats on every call (most of a decode step's host time). That is
+    only valid because the plan's key fixes everything the specialization depends on: dtypes, the value of every
+    integer argument but cache_seqlen (do_not_specialize), each tensor's alignment."""
+    __slots__ = ("kernel", "grid", "static", "constexprs", "options", "tail", "compiled")
+
+    def __init__(self, kernel, grid, static, constexprs, options):
+        names = list(kernel.arg_names)
+        # The launcher takes every parameter in order, constexprs included (it skips them).
+        assert names[len(names) - len(constexprs):] == list(constexprs), "constexprs must be the last parameters"
+        self.kernel = kernel
+        self.grid = grid
+        self.static = tuple(static)
+        self.constexprs = constexprs
+        self.options = options
+        self.tail = self.static + tuple(constexprs.values())
+        self.compiled = None
+
+    def __call__(self, stream, *dynamic):
+        compiled = self.compiled
+        if compiled is not None and stream is not None:
+            grid = self.grid
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                         None, *dynamic, *self.tail)
+            return compiled
+        compiled = self.kernel[self.grid](*dynamic, *self.static, **self.constexprs, **self.options)
+        # The interpreter returns no compiled kernel; an asynchronously compiling one (a future) is not used either.
+        if FAST_LAUNCH and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) \
+                and not hasattr(compiled, "result"):
+            self.compiled = compiled
+        return compiled
+
+
+# key -> plan: everything a call with that key's metadata launches (see the module docstring).
+_PLANS: dict = {}
+
+
+def _store_plan(key, plan):
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def plan(key):
+    """The plan built for key (append_key / attention_key), or None."""
+    return _PLANS.get(key)
+
+
+def append_key(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+               rotary_interleaved, k_descale, v_descale):
+    return ("append", k_new.get_device(), _tensor_key(k_cache), _tensor_key(v_cache), _tensor_key(k_new),
+            _tensor_key(v_new), _tensor_key(cache_seqlens), _tensor_key(cache_batch_idx), _tensor_key(block_table),
+            _tensor_key(rotary_cos), _tensor_key(rotary_sin), rotary_interleaved, _tensor_key(k_descale),
+            _tensor_key(v_descale))
+
+
+def attention_key(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table,
+                  rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal, window_left,
+                  window_right, softcap, num_splits, k_descale, v_descale):
+    return ("attn", q.get_device(), _tensor_key(q), _tensor_key(k_cache), _tensor_key(v_cache),
+            _tensor_key(cache_seqlens), _tensor_key(cache_batch_idx), _tensor_key(cache_leftpad),
+            _tensor_key(block_table), _tensor_key(rotary_cos), _tensor_key(rotary_sin), rotary_interleaved,
+            _tensor_key(alibi_slopes), softmax_scale, causal, window_left, window_right, softcap, num_splits,
+            seqlen_new, _tensor_key(k_descale), _tensor_key(v_descale), _settings_key(q))
+
+
+class _AppendPlan:
+    __slots__ = ("launch", "dummy")
+
+    def run(self, stream, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
+            rotary_cos, rotary_sin, k_descale, v_descale):
+        dummy = self.dummy
+        self.launch(stream, k_new, v_new, k_cache, v_cache,
+                    dummy if cache_seqlens is None else cache_seqlens,
+                    dummy if cache_batch_idx is None else cache_batch_idx,
+                    dummy if block_table is None else block_table,
+                    dummy if rotary_cos is None else rotary_cos, dummy if rotary_sin is None else rotary_sin,
+                    dummy if k_descale is None else k_descale, dummy if v_descale is None else v_descale,
+                    cache_seqlen)
+
+
+def _append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+                 rotary_sin, rotary_interleaved, k_descale):
     batch, seqlen_new, num_kv_heads, head_dim = k_new.shape
-    if seqlen_new == 0:
-        return
-    dummy = _dummy(k_new.device)
     paged = block_table is not None
     rotary = rotary_cos is not None
     quantize = k_descale is not None
     block_r = min(APPEND_BLOCK_R, _next_pow2(seqlen_new))
-    grid = (_cdiv(seqlen_new, block_r), batch * num_kv_heads)
-    _kvcache_append_kernel[grid](
-        k_new, v_new, k_cache, v_cache,
-        cache_seqlens if cache_seqlens is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        block_table if paged else dummy,
-        rotary_cos if rotary else dummy, rotary_sin if rotary else dummy,
-        k_descale if quantize else dummy, v_descale if quantize else dummy,
-        k_new.stride(0), k_new.stride(1), k_new.stride(2),
-        v_new.stride(0), v_new.stride(1), v_new.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+    static = (
+        *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0) if paged else 0,
         rotary_cos.stride(0) if rotary else 0, rotary_sin.stride(0) if rotary else 0,
         k_descale.stride(0) if quantize else 0,
-        seqlen_new, cache_seqlen, _capacity(k_cache, block_table), num_kv_heads,
-        rotary_cos.shape[0] if rotary else 0,
+        seqlen_new, _capacity(k_cache, block_table), num_kv_heads, rotary_cos.shape[0] if rotary else 0,
+    )
+    constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=_block_d(head_dim),
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         PAGED=paged, PAGE_SIZE=_page_size(k_cache, block_table),
         ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0, INTERLEAVED=bool(rotary_interleaved),
         QUANTIZE=quantize,
-        num_warps=4,
     )
+    plan = _AppendPlan()
+    plan.dummy = _dummy(k_new.device)
+    plan.launch = _Launch(_kvcache_append_kernel, (_cdiv(seqlen_new, block_r), batch * num_kv_heads, 1), static,
+                          constexprs, dict(num_warps=4))
+    return plan
 
 
-def kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad,
-                      block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal,
-                      window_left, window_right, softcap, num_splits, k_descale=None, v_descale=None):
-    """Attention of q over each sequence's cache rows [leftpad, seqlen + seqlen_new). Returns (out [B, Sq, Hq, D]
-    in q's dtype, lse [B, Hq, Sq] fp32 natural log).
+def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
+                   rotary_cos, rotary_sin, rotary_interleaved, k_descale=None, v_descale=None):
+    """Write k_new (rotated when rotary_cos is given) and v_new into the cache at rows cache_seqlens[b] + i, in
+    place. cache_seqlens None means every sequence has length cache_seqlen. An fp8 cache stores value / descale
+    (descales [B, Hk] fp32), rounded to nearest even. Inputs are assumed validated (flashtile.kvcache)."""
+    if k_new.shape[1] == 0:
+        return
+    device_index = k_new.get_device()
+    key = append_key(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+                     rotary_sin, rotary_interleaved, k_descale, v_descale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+                            rotary_sin, rotary_interleaved, k_descale)
+        _store_plan(key, plan)
+    args = (k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table, rotary_cos,
+            rotary_sin, k_descale, v_descale)
+    if off_device(device_index):
+        with torch.cuda.device(device_index):
+            plan.run(None, *args)
+        return
+    plan.run(fast_stream(device_index), *args)
 
-    window_left / window_right: -1 unbounded (flash-attn's convention); causal sets the right bound to 0. Rotary
-    (cos/sin given) rotates q on load. num_splits 0 chooses the split count (choose_num_splits). Inputs are
-    assumed validated (flashtile.kvcache).
-    """
+
+class _AttnPlan:
+    __slots__ = ("split", "combine", "out_shape", "lse_shape", "part_shape", "device", "dummy", "cfg")
+
+    def run(self, stream, q, k_cache, v_cache, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
+            block_table, rotary_cos, rotary_sin, alibi_slopes, k_descale, v_descale):
+        device, dummy = self.device, self.dummy
+        out = _common.empty(self.out_shape, q.dtype, device)
+        lse = _common.empty(self.lse_shape, torch.float32, device)
+        # One fp32 buffer for the splits' partial results: o_part [B, Sq, Hq, S, D], then lse_part [B, Sq, Hq, S].
+        part = dummy if self.combine is None else _common.empty(self.part_shape, torch.float32, device)
+        compiled = self.split(stream, q, k_cache, v_cache, out, lse, part,
+                              dummy if cache_seqlens is None else cache_seqlens,
+                              dummy if cache_batch_idx is None else cache_batch_idx,
+                              dummy if cache_leftpad is None else cache_leftpad,
+                              dummy if block_table is None else block_table,
+                              dummy if rotary_cos is None else rotary_cos,
+                              dummy if rotary_sin is None else rotary_sin,
+                              dummy if alibi_slopes is None else alibi_slopes,
+                              dummy if k_descale is None else k_descale,
+                              dummy if v_descale is None else v_descale,
+                              cache_seqlen)
+        if self.combine is not None:
+            self.combine(stream, part, out, lse)
+        return out, lse, compiled
+
+
+def _attn_plan(cfg, spec, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+               rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal, window_left,
+               window_right, softcap, num_splits, seqlen_new, k_descale):
+    """The launches of kvcache_attention with tile cfg."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
-    out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, device)
-    lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, device)
-    dummy = _dummy(device)
     paged = block_table is not None
+    page_size = _page_size(k_cache, block_table)
     rotary = rotary_cos is not None
     local = window_left >= 0 or window_right >= 0
     mask_diag = bool(causal) or local
@@ -551,65 +811,105 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_n
         max_keys = min(max_keys, window_left + seqlen_q + (right if right != UNBOUNDED else 0) + 1)
     has_softcap = softcap > 0.0
     has_descale = k_descale is not None
-    spec = configs.launch_spec(q, (q, k_cache, v_cache))
     block_d = _block_d(head_dim)
     rows = seqlen_q * group
-    candidates = split_candidates(head_dim, k_cache.dtype, spec)
+    block_m = min(cfg.block_m, max(MIN_BLOCK_M, _next_pow2(rows)))
+    m_blocks = _cdiv(rows, block_m)
+    splits = choose_num_splits(num_splits, batch * num_kv_heads * m_blocks, max_keys, cfg.block_n,
+                               split_slots(device, cfg, head_dim, k_cache.element_size()))
+    n_rows = batch * seqlen_q * num_heads * splits
+
+    plan = _AttnPlan()
+    plan.cfg = cfg
+    plan.device = device
+    plan.dummy = _dummy(device)
+    plan.out_shape = (batch, seqlen_q, num_heads, head_dim)
+    plan.lse_shape = (batch, num_heads, seqlen_q)
+    plan.part_shape = (n_rows * (head_dim + 1),)
+    lse_part_offset = n_rows * head_dim
+    static = (
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        # out is allocated contiguous: its strides follow from its shape.
+        seqlen_q * num_heads * head_dim, num_heads * head_dim, head_dim,
+        block_table.stride(0) if paged else 0,
+        rotary_cos.stride(0) if rotary else 0, rotary_sin.stride(0) if rotary else 0,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        k_descale.stride(0) if has_descale else 0,
+        lse_part_offset, seqlen_q, seqlen_new, capacity, num_kv_heads, group, splits,
+        rotary_cos.shape[0] if rotary else 0,
+        softmax_scale * LOG2E.value,
+        softmax_scale / softcap if has_softcap else 0.0, softcap * LOG2E.value,
+        left, right,
+    )
+    constexprs = dict(
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_LEFTPAD=cache_leftpad is not None,
+        PAGED=paged, PAGE_SIZE=page_size, PAGE_SLAB=paged and PAGE_SLABS and page_size % cfg.block_n == 0,
+        ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0,
+        INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_ROW=mask_diag,
+        MASK_DIAG=mask_diag, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi_slopes is not None,
+        HAS_DESCALE=has_descale, SPLIT=splits > 1,
+        PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
+    )
+    plan.split = _Launch(_kvcache_split_kernel, (batch * num_kv_heads, splits, m_blocks), static, constexprs,
+                         dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    plan.combine = None
+    if splits > 1:
+        plan.combine = _Launch(_kvcache_combine_kernel, (batch * seqlen_q * num_heads, 1, 1),
+                               (lse_part_offset, splits, seqlen_q, num_heads),
+                               dict(HEAD_DIM=head_dim, BLOCK_S=min(COMBINE_BLOCK_S, _next_pow2(splits)),
+                                    BLOCK_D=block_d), dict(num_warps=4))
+    return plan
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad,
+                      block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal,
+                      window_left, window_right, softcap, num_splits, k_descale=None, v_descale=None):
+    """Attention of q over each sequence's cache rows [leftpad, seqlen + seqlen_new). Returns (out [B, Sq, Hq, D]
+    in q's dtype, lse [B, Hq, Sq] fp32 natural log).
+
+    window_left / window_right: -1 unbounded (flash-attn's convention); causal sets the right bound to 0. Rotary
+    (cos/sin given) rotates q on load. num_splits 0 chooses the split count (choose_num_splits). Inputs are
+    assumed validated (flashtile.kvcache).
+    """
+    device_index = q.get_device()
+    key = attention_key(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table,
+                        rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal, window_left,
+                        window_right, softcap, num_splits, k_descale, v_descale)
+    args = (q, k_cache, v_cache, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
+            rotary_cos, rotary_sin, alibi_slopes, k_descale, v_descale)
+    plan = _PLANS.get(key)
+    if plan is None or off_device(device_index):
+        with torch.cuda.device(device_index) if device_index >= 0 else contextlib.nullcontext():
+            if plan is None:
+                plan, out, lse = _first_attn_launch(key, args, rotary_interleaved, softmax_scale, causal,
+                                                    window_left, window_right, softcap, num_splits, seqlen_new)
+                return out, lse
+            return plan.run(None, *args)[:2]
+    return plan.run(fast_stream(device_index), *args)[:2]
+
+
+def _first_attn_launch(key, args, rotary_interleaved, softmax_scale, causal, window_left, window_right, softcap,
+                       num_splits, seqlen_new):
+    """Build the plan for key with the first candidate tile that compiles, launching it; store and return it with
+    the call's (out, lse)."""
+    (q, k_cache, v_cache, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+     rotary_sin, alibi_slopes, k_descale, v_descale) = args
+    spec = _spec(q)
+    head_dim = q.shape[3]
+    result = {}
 
     def launch(cfg):
-        block_m = min(cfg.block_m, max(MIN_BLOCK_M, _next_pow2(rows)))
-        m_blocks = _cdiv(rows, block_m)
-        splits = choose_num_splits(num_splits, batch * num_kv_heads * m_blocks, max_keys, cfg.block_n,
-                                   split_slots(device, cfg, head_dim, k_cache.element_size()))
-        if splits > 1:
-            # One allocation for both: o_part [B, Sq, Hq, S, D], then lse_part [B, Sq, Hq, S].
-            n_rows = batch * seqlen_q * num_heads * splits
-            part = _common.empty((n_rows * (head_dim + 1),), torch.float32, device)
-            o_part = part[:n_rows * head_dim].view(batch, seqlen_q, num_heads, splits, head_dim)
-            lse_part = part[n_rows * head_dim:].view(batch, seqlen_q, num_heads, splits)
-        else:
-            o_part, lse_part = dummy, dummy
-        compiled = _kvcache_split_kernel[(batch * num_kv_heads, splits, m_blocks)](
-            q, k_cache, v_cache, out, lse, o_part, lse_part,
-            cache_seqlens if cache_seqlens is not None else dummy,
-            cache_batch_idx if cache_batch_idx is not None else dummy,
-            cache_leftpad if cache_leftpad is not None else dummy,
-            block_table if paged else dummy,
-            rotary_cos if rotary else dummy, rotary_sin if rotary else dummy,
-            alibi_slopes if alibi_slopes is not None else dummy,
-            k_descale if has_descale else dummy, v_descale if has_descale else dummy,
-            q.stride(0), q.stride(1), q.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            block_table.stride(0) if paged else 0,
-            rotary_cos.stride(0) if rotary else 0, rotary_sin.stride(0) if rotary else 0,
-            alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-            k_descale.stride(0) if has_descale else 0,
-            seqlen_q, seqlen_new, cache_seqlen, capacity, num_kv_heads, group, splits,
-            rotary_cos.shape[0] if rotary else 0,
-            softmax_scale * LOG2E.value,
-            softmax_scale / softcap if has_softcap else 0.0, softcap * LOG2E.value,
-            left, right,
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-            HAS_LEFTPAD=cache_leftpad is not None,
-            PAGED=paged, PAGE_SIZE=_page_size(k_cache, block_table),
-            ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0,
-            INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_ROW=mask_diag,
-            MASK_DIAG=mask_diag, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi_slopes is not None,
-            HAS_DESCALE=has_descale, SPLIT=splits > 1,
-            PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        if splits > 1:
-            block_s = min(COMBINE_BLOCK_S, _next_pow2(splits))
-            _kvcache_combine_kernel[(batch * seqlen_q * num_heads,)](
-                o_part, lse_part, out, lse, splits, seqlen_q, num_heads,
-                HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
-            )
+        plan = _attn_plan(cfg, spec, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                          block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale,
+                          causal, window_left, window_right, softcap, num_splits, seqlen_new, k_descale)
+        out, lse, compiled = plan.run(None, *args)
+        result.update(plan=plan, out=out, lse=lse)
         return compiled
 
-    key = ("decode", head_dim, bool(causal), q.dtype, k_cache.dtype, paged, spec)
-    configs.launch_first_that_compiles(key, candidates, launch)
-    return out, lse
+    candidates = split_candidates(head_dim, k_cache.dtype, spec)
+    configs.launch_first_that_compiles(("decode", head_dim, bool(causal), q.dtype, k_cache.dtype,
+                                        block_table is not None, spec), candidates, launch)
+    _store_plan(key, result["plan"])
+    return result["plan"], result["out"], result["lse"]
