@@ -546,7 +546,8 @@ def main(argv=None):
     kvs = [parse_size(s) for s in args.kv.split(",")]
     meta = metadata(sys.argv[1:] if argv is None else list(argv))
     gpu_slug = "".join(c if c.isalnum() else "-" for c in meta["gpu"].lower()).strip("-")
-    out_path = Path(args.out) / f"{meta['date'][:10]}-{gpu_slug}-decode.json"
+    suffix = "decode-sweep" if args.sweep_only else "decode"
+    out_path = Path(args.out) / f"{meta['date'][:10]}-{gpu_slug}-{suffix}.json"
 
     copy_bps, copy_ms = copy_bandwidth()
     log(f"{meta['gpu']}: device copy {copy_bps / 1e12:.2f} TB/s ({copy_ms * 1e3:.0f} us per 1 GiB copy_)")
