@@ -148,14 +148,22 @@ def _query_range(start_n, seqlen_q, diag_offset, window_left, window_right,
 
 @triton.jit
 def _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
-             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
-    """Which (query r_m, key r_n) pairs are inside the sequence and the band. r_m and r_n are index tensors that
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr):
+    """Which (query r_m, key r_n) pairs are inside the band (and, with KEY_BOUND, inside the sequence: the dK/dV
+    kernel leaves keys past Sk unmasked, since their rows are never stored). r_m and r_n are index tensors that
     broadcast to the tile ([M, 1] and [1, N], or transposed for the dK/dV kernel)."""
-    vis = r_n < seqlen_k
     if MASK_RIGHT:
-        vis = vis & (r_n <= r_m + diag_offset + window_right)
-    if MASK_LEFT:
-        vis = vis & (r_n >= r_m + diag_offset - window_left)
+        vis = r_n <= r_m + diag_offset + window_right
+        if MASK_LEFT:
+            vis = vis & (r_n >= r_m + diag_offset - window_left)
+        if KEY_BOUND:
+            vis = vis & (r_n < seqlen_k)
+    elif MASK_LEFT:
+        vis = r_n >= r_m + diag_offset - window_left
+        if KEY_BOUND:
+            vis = vis & (r_n < seqlen_k)
+    else:
+        vis = r_n < seqlen_k
     return vis
 
 

@@ -78,7 +78,7 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, LseLog2, CuSeqQ,
 @triton.jit
 def _recompute_p(b_s, b_lse, r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale, window_left, window_right,
                  softcap, slope, bias, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
+                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, KEY_BOUND: tl.constexpr):
     """P = exp2(S - LSE) from the raw products b_s, in either orientation (r_m, r_n and the attn_mask tile `bias`
     broadcast to b_s's shape); masked pairs get P = 0. Also returns tanh(s / softcap) for the softcap backward
     (b_s when unused)."""
@@ -91,7 +91,8 @@ def _recompute_p(b_s, b_lse, r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale
         b_p = tl.exp2(b_s * qk_scale - b_lse)
     if MASKED or (BIAS and BIAS % 2 == 0):
         if MASKED:
-            m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+            m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right, MASK_LEFT, MASK_RIGHT,
+                                 KEY_BOUND)
             if BIAS and BIAS % 2 == 0:
                 m_visible = m_visible & (bias != 0)
         else:
@@ -132,7 +133,7 @@ def _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_view, do_view, p_lse, p_delta, start
                               BLOCK_M, BLOCK_N, True)
         b_pt, b_tt = _recompute_p(b_st, b_lse[None, :], r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale,
                                   window_left, window_right, softcap, slope, bias, MASKED, MASK_LEFT, MASK_RIGHT,
-                                  SOFTCAP, HAS_ALIBI, BIAS)
+                                  SOFTCAP, HAS_ALIBI, BIAS, False)
         b_do = _load_tile(do_view, start_m, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
         b_dpt = _mma(b_v, tl.trans(b_do), None, PRECISION, DOT_UPCAST)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
@@ -267,7 +268,7 @@ def _bwd_dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k_view, v_view, start_m, lo, 
                               BLOCK_M, BLOCK_N, False)
         b_p, b_t = _recompute_p(b_s, b_lse[:, None], r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale,
                                 window_left, window_right, softcap, slope, bias, MASKED, MASK_LEFT, MASK_RIGHT,
-                                SOFTCAP, HAS_ALIBI, BIAS)
+                                SOFTCAP, HAS_ALIBI, BIAS, True)
         b_dp = _mma(b_do, tl.trans(b_v), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             keep = _dropout_keep(seed, i_bh, start_m, start_n, dropout_threshold, BLOCK_M, BLOCK_N, False)

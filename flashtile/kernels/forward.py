@@ -56,7 +56,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_
         if MASKED or (BIAS and BIAS % 2 == 0):
             if MASKED:
                 m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
-                                     MASK_LEFT, MASK_RIGHT)
+                                     MASK_LEFT, MASK_RIGHT, True)
                 if BIAS and BIAS % 2 == 0:
                     m_visible = m_visible & (bias != 0)
             else:
