@@ -544,3 +544,18 @@ def test_mask_tma_path(poison, monkeypatch, kind):
         out, grads = _sdpa(q, k, v, dout, mask)
         check_against_reference((out, None, *grads), q.detach(), k.detach(), v.detach(), dout, d ** -0.5, False, 0,
                                 attn_mask=mask)
+
+
+def test_combination_with_dropout(poison):
+    """causal + window + ALiBi + softcap + dropout at once (the issue's combination), GQA, Sq != Sk, against the
+    reference given the same Philox mask."""
+    b, sq, sk, h, hk, d, p = 1, 45, 70, 4, 2, 32, 0.2
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, device=DEVICE, seed=131)
+    dout = _dout(q, 132)
+    slopes = torch.rand(h, generator=_gen(133), device=DEVICE)
+    kw = dict(causal=True, window_size=(20, 0), softcap=5.0, alibi_slopes=slopes, dropout_p=p)
+    torch.manual_seed(17)
+    got = _flash(q, k, v, dout, **kw)
+    mask = dropout_mask(_seed_drawn_after(17), b, h, sq, sk, p, device=DEVICE)
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, True, sk - sq,
+                            window_size=(20, 0), softcap=5.0, alibi_slopes=slopes, dropout_p=p, dropout_mask=mask)

@@ -153,13 +153,13 @@ def _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
     kernel leaves keys past Sk unmasked, since their rows are never stored). r_m and r_n are index tensors that
     broadcast to the tile ([M, 1] and [1, N], or transposed for the dK/dV kernel)."""
     if MASK_RIGHT:
-        vis = r_n <= r_m + diag_offset + window_right
+        vis = r_n <= r_m + (diag_offset + window_right)  # one add on the index vector
         if MASK_LEFT:
-            vis = vis & (r_n >= r_m + diag_offset - window_left)
+            vis = vis & (r_n >= r_m + (diag_offset - window_left))
         if KEY_BOUND:
             vis = vis & (r_n < seqlen_k)
     elif MASK_LEFT:
-        vis = r_n >= r_m + diag_offset - window_left
+        vis = r_n >= r_m + (diag_offset - window_left)
         if KEY_BOUND:
             vis = vis & (r_n < seqlen_k)
     else:
