@@ -382,13 +382,21 @@ PAGED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("page_size", (32, 64))
-def test_page_slabs_match_rows(request, monkeypatch, page_size):
-    """Page-granular addressing (one table entry per key block) gives the same bits as per-row addressing."""
+@pytest.mark.parametrize("page_size, block_n, nest", [
+    pytest.param(16, 64, True, id="page16-block64"),  # a block is 4 whole pages
+    pytest.param(32, 32, True, id="page32-block32"),
+    pytest.param(64, 32, True, id="page64-block32"),  # a block is half a page
+    pytest.param(24, 32, False, id="page24-block32"),  # no nesting: per-row addressing either way
+])
+def test_page_slabs_match_rows(request, monkeypatch, page_size, block_n, nest):
+    """Page-granular addressing (PAGE_SLAB: blocks inside one page or covering whole pages) gives the same bits as
+    per-row addressing. The tile is forced: whether pages and blocks nest depends on BLOCK_N, which differs between
+    the interpreter and a GPU."""
     case = Case(page_size=page_size, leftpad=True, num_splits=2, capacity=200, heads=8, kv_heads=2)
     inp = make_inputs(case, _seed(request))
     k_store = inp.layout.place(inp.k_logical, float("nan"))
     v_store = inp.layout.place(inp.v_logical, float("nan"))
+    monkeypatch.setattr(decode, "TILE_OVERRIDE", [TileConfig(64, block_n, 4, 2)])
     results = []
     for slabs in (True, False):
         monkeypatch.setattr(decode, "PAGE_SLABS", slabs)
@@ -397,7 +405,8 @@ def test_page_slabs_match_rows(request, monkeypatch, page_size):
                                                cache_leftpad=inp.leftpad, block_table=inp.layout.block_table,
                                                num_splits=2, return_softmax_lse=True))
         (plan,) = decode._PLANS.values()
-        assert plan.split.constexprs["PAGE_SLAB"] == slabs
+        assert plan.split.constexprs["BLOCK_N"] == block_n
+        assert plan.split.constexprs["PAGE_SLAB"] == (slabs and nest)
     for got, want in zip(*results):
         assert torch.equal(got, want)
 

@@ -23,8 +23,9 @@ Three kernels, explained in docs/kvcache.md:
    writes the final output directly.
 3. _kvcache_combine_kernel merges the splits: LSE = logsumexp_s lse_s, O = sum_s exp(lse_s - LSE) O_s
    (docs/derivation.md#7-merging-partial-results).
-Paged addressing is a constexpr variant (PAGED) of the same row addressing in all of them; when a page holds whole
-key blocks (PAGE_SLABS) the split kernel reads one table entry per block and the block as one contiguous slab.
+Paged addressing is a constexpr variant (PAGED) of the same row addressing in all of them; when pages and key
+blocks nest (PAGE_SLAB: a block lies inside one page, or covers whole pages) the split kernel adds a page's offset
+to row offsets that are the same for every block, as it does for a contiguous cache.
 
 A decode step is a few microseconds of GPU time, so the host side matters as much: everything a launch derives
 from shapes, strides, dtypes and flags (tiles, split count, grid, scalar arguments, the compiled kernel) is built
@@ -76,8 +77,11 @@ FP8_E4M3_MIN_NORMAL = tl.constexpr(2.0 ** -6)
 # to nearest even: the e4m3 subnormal grid.
 FP8_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0 ** 14)
 
-# Paged caches whose page size is a multiple of the key block: one block-table entry per block and the block as one
-# contiguous slab of rows (False: one entry per row, as for any other page size; the sweep compares them).
+# Paged caches whose pages and key blocks nest (page size a multiple or a divisor of BLOCK_N): a block is one slab
+# of a page (one table entry per block) or BLOCK_N / page size whole pages, and its row offsets are a page offset
+# plus loop-invariant row-in-page offsets. False: the general per-row form (row % page size and a 64-bit multiply per
+# row; 1030 instead of 700 SASS instructions per loop iteration at pages of 16, sm90), kept for page sizes that do
+# not nest and for the sweep's comparison.
 PAGE_SLABS = True
 # Launch the compiled kernels directly once a plan has compiled them (see _Launch); False: always through Triton's
 # JITFunction, which re-derives the specialization of every argument on each call.
@@ -190,10 +194,17 @@ def _cache_slots(BlockTableRow, cache_b, pos, mask, PAGED: tl.constexpr, PAGE_SI
 def _block_pages(BlockTableRow, r0, end, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  PAGE_SLAB: tl.constexpr):
     """Block-table entries of the key block of cache rows r0 + [0, BLOCK_N) (r0 a multiple of BLOCK_N; rows from
-    `end` on are not read): one scalar when PAGE_SLAB (PAGE_SIZE a multiple of BLOCK_N, so the block lies inside
-    one page), else one entry per row. 0 for a contiguous cache."""
-    if PAGE_SLAB:
+    `end` on are not read), one per row, or with PAGE_SLAB and pages of at least BLOCK_N rows one scalar (the block
+    lies inside one page). 0 for a contiguous cache."""
+    if PAGE_SLAB and PAGE_SIZE >= BLOCK_N:
         pages = tl.load(BlockTableRow + r0 // PAGE_SIZE, mask=r0 < end, other=0)
+    elif PAGE_SLAB:
+        # Whole pages: row o of the block is in page r0 / PAGE_SIZE + o / PAGE_SIZE (PAGE_SIZE divides r0). One entry
+        # per row, not a [BLOCK_N / PAGE_SIZE] vector broadcast to the rows by tl.reshape: Triton 3.6's alignment
+        # analysis does not see through the reshape, and the K/V loads lose their 16-byte vectors and their
+        # pipelining (sm90: plain LDG, no shared-memory buffers). It is one load per thread either way.
+        o_n = tl.arange(0, BLOCK_N)
+        pages = tl.load(BlockTableRow + r0 // PAGE_SIZE + o_n // PAGE_SIZE, mask=r0 + o_n < end, other=0)
     elif PAGED:
         rows = r0 + tl.arange(0, BLOCK_N)
         pages = tl.load(BlockTableRow + rows // PAGE_SIZE, mask=rows < end, other=0)
@@ -203,19 +214,27 @@ def _block_pages(BlockTableRow, r0, end, BLOCK_N: tl.constexpr, PAGED: tl.conste
 
 
 @triton.jit
-def _block_slots(pages, cache_b, r0, rows, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_SLAB: tl.constexpr):
-    """_cache_slots of the key block rows = r0 + [0, BLOCK_N) from its _block_pages. With PAGE_SLAB one page
-    addresses the whole block and its rows are one contiguous slab, as in a contiguous cache."""
-    if PAGE_SLAB:
-        major = pages.to(tl.int64)
-        minor = (rows - (r0 // PAGE_SIZE) * PAGE_SIZE).to(tl.int64)
+def _block_offsets(pages, cache_b, r0, stride_b, stride_s, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, PAGE_SLAB: tl.constexpr):
+    """Element offsets (int64, so that they pass 2^31 safely) of the key block's rows r0 + [0, BLOCK_N) in a cache
+    tensor with strides stride_b, stride_s for its first two dims, from the block's _block_pages.
+
+    With PAGE_SLAB the block is one slab of a page or a run of whole pages: the row-in-page offsets are the same
+    for every block (they are hoisted out of the loop) and each row adds its page's offset; otherwise row r is
+    row r % PAGE_SIZE of its page."""
+    o_n = tl.arange(0, BLOCK_N)
+    # r0 is a Python int in the interpreter, hence tl.cast rather than .to.
+    if PAGE_SLAB and PAGE_SIZE >= BLOCK_N:
+        first_row = pages.to(tl.int64) * stride_b + tl.cast(r0 % PAGE_SIZE, tl.int64) * stride_s  # scalar
+        offsets = first_row + o_n.to(tl.int64) * stride_s
+    elif PAGE_SLAB:
+        offsets = pages.to(tl.int64) * stride_b + (o_n % PAGE_SIZE).to(tl.int64) * stride_s
     elif PAGED:
-        major = pages.to(tl.int64)
-        minor = (rows % PAGE_SIZE).to(tl.int64)
+        offsets = pages.to(tl.int64) * stride_b + ((r0 + o_n) % PAGE_SIZE).to(tl.int64) * stride_s
     else:
-        major = cache_b
-        minor = rows.to(tl.int64)
-    return major, minor
+        first_row = cache_b * stride_b + tl.cast(r0, tl.int64) * stride_s  # scalar
+        offsets = first_row + o_n.to(tl.int64) * stride_s
+    return offsets
 
 
 @triton.jit
@@ -460,10 +479,11 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, Part,
         rows = r0 + tl.arange(0, BLOCK_N)  # cache rows
         m_n = (rows >= row_lo) & (rows < row_hi)
         o_n = rows - kv_start  # key numbers j
-        major, minor = _block_slots(pages, cache_b, r0, rows, PAGED, PAGE_SIZE, PAGE_SLAB)
+        off_k = _block_offsets(pages, cache_b, r0, stride_kb, stride_ks, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
+        off_v = _block_offsets(pages, cache_b, r0, stride_vb, stride_vs, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
         pages = _block_pages(BlockTableRow, r0 + BLOCK_N, end, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
         m_kv = _row_mask(m_n, HEAD_DIM, BLOCK_D)
-        p_k = k_head + (major * stride_kb + minor * stride_ks)[:, None] + o_d[None, :]
+        p_k = k_head + off_k[:, None] + o_d[None, :]
         b_k = tl.load(p_k, mask=m_kv, other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
         b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
         # Scores in log2 units: exp2(b_s - m) = exp(S - m') (docs/derivation.md#5-kernel-tricks).
@@ -486,7 +506,7 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, Part,
         b_p = tl.exp2(b_s - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(b_p, 1)
-        p_v = v_head + (major * stride_vb + minor * stride_vs)[:, None] + o_d[None, :]
+        p_v = v_head + off_v[:, None] + o_d[None, :]
         b_v = tl.load(p_v, mask=m_kv, other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
         acc = _mma(b_p.to(Q.dtype.element_ty), b_v, acc * alpha[:, None], PRECISION, DOT_UPCAST)
         m_i = m_new
@@ -557,6 +577,11 @@ def _kvcache_combine_kernel(Part, Out, Lse, lse_part_offset, num_splits, seqlen_
 
 def _page_size(k_cache, block_table):
     return k_cache.shape[1] if block_table is not None else 1
+
+
+def _pages_nest(page_size, block_n):
+    """Whether key blocks of block_n rows, aligned to cache rows, each lie inside one page or cover whole pages."""
+    return page_size % block_n == 0 or block_n % page_size == 0
 
 
 def _capacity(k_cache, block_table):
@@ -845,7 +870,7 @@ def _attn_plan(cfg, spec, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None,
-        PAGED=paged, PAGE_SIZE=page_size, PAGE_SLAB=paged and PAGE_SLABS and page_size % cfg.block_n == 0,
+        PAGED=paged, PAGE_SIZE=page_size, PAGE_SLAB=paged and PAGE_SLABS and _pages_nest(page_size, cfg.block_n),
         ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0,
         INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_ROW=mask_diag,
         MASK_DIAG=mask_diag, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi_slopes is not None,
