@@ -454,9 +454,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
                                                                  q.dtype, spec)
     common = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, MASK_LEFT=feats.mask_left, MASK_RIGHT=feats.mask_right,
-        SOFTCAP=feats.softcap_mode(q.dtype), HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind, DROPOUT=feats.dropout_p > 0,
-        VARLEN=varlen, BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=spec.use_tma, PRECISION=spec.precision,
-        DOT_UPCAST=spec.dot_upcast,
+        SOFTCAP=feats.softcap_mode(q.dtype), HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind,
+        DROPOUT=feats.dropout_p > 0, VARLEN=varlen, BLOCK_D=block_d, BLOCK_DV=block_dv, USE_TMA=spec.use_tma,
+        PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
     )
     scalars = (seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale, qk_scale)
     feature_scalars = (feats.window_left, feats.window_right, feats.softcap, fargs.dropout_threshold,
