@@ -1,7 +1,9 @@
 """Command line: `python -m flashtile check` and `python -m flashtile bench [bench options]`.
 
 check: runs the kernels forward and backward against the float64 reference on the device present (a CUDA GPU, or
-    Triton's interpreter on the CPU with small shapes) and prints a pass/fail table; exit status 1 on any failure.
+    Triton's interpreter on the CPU with small shapes), plain attention over a set of shapes and then each feature
+    (window, softcap, ALiBi, sinks, dropout, bias, bool mask) on one shape, and prints a pass/fail table; exit
+    status 1 on any failure.
 bench: the benchmark of benchmarks/bench.py (needs a flashtile checkout and a CUDA GPU); `bench --help` lists its
     options.
 """
@@ -61,8 +63,83 @@ def check():
         failures += not ok
         name = f"B{b} Sq{sq} Sk{sk} H{h}/{hk} D{d} {'causal' if causal else 'full'} {_DTYPE[dtype]}"
         print(f"{name:44s} " + " ".join(f"{r:6.2f}" for r in ratios) + f"  {'PASS' if ok else 'FAIL'}")
+    failures += _check_features(on_gpu, device)
     print(f"\n{'all passed' if not failures else f'{failures} case(s) FAILED'}")
     return 1 if failures else 0
+
+
+def _check_features(on_gpu, device):
+    """Each feature on one shape (GQA, Sq != Sk), judged like the plain cases; returns the number of failures."""
+    import flashtile
+    from flashtile.reference.dropout import dropout_mask
+    from flashtile.testing import judge_all, make_qkv
+
+    b, sq, sk, h, hk, d, dtype = (1, 1500, 2000, 8, 2, 128, torch.bfloat16) if on_gpu else \
+        (1, 33, 47, 4, 2, 32, torch.float16)
+    gen = torch.Generator(device).manual_seed(7)
+    slopes = torch.rand(h, device=device, generator=gen) * 0.2
+    sinks = torch.randn(h, device=device, generator=gen)
+    bias = torch.randn((1, h, sq, sk), device=device, generator=gen).to(dtype)
+    keep = torch.rand((b, 1, sq, sk), device=device, generator=gen) > 0.3
+    window = (256, 0) if on_gpu else (8, 0)
+    cases = [
+        ("causal + window", dict(causal=True, window_size=window), dict(window_size=window)),
+        ("softcap", dict(softcap=20.0), dict(softcap=20.0)),
+        ("causal + ALiBi", dict(causal=True, alibi_slopes=slopes), dict(alibi_slopes=slopes)),
+        ("causal + sinks", dict(causal=True, sinks=sinks), dict(sinks=sinks)),
+        ("dropout 0.2", dict(dropout_p=0.2), None),
+        ("float bias (SDPA)", None, dict(attn_bias=bias)),
+        ("bool mask (SDPA)", None, dict(attn_mask=keep)),
+    ]
+    print(f"\nfeatures on B{b} Sq{sq} Sk{sk} H{h}/{hk} D{d} {_DTYPE[dtype]}")
+    header = f"{'feature':44s} {'out':>6s} {'lse':>6s} {'dq':>6s} {'dk':>6s} {'dv':>6s}  result"
+    print(header)
+    print("-" * len(header))
+    failures = 0
+    for i, (name, flash_kw, ref_kw) in enumerate(cases):
+        q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=device, seed=200 + i)
+        dout = torch.randn(q.shape, device=device, generator=gen).to(dtype)
+        causal = bool(flash_kw and flash_kw.get("causal"))
+        extra = []
+        if flash_kw is not None:
+            kw = dict(flash_kw)
+            if "sinks" in kw:
+                kw["sinks"] = kw["sinks"].clone().requires_grad_()
+                extra = [kw["sinks"]]
+            torch.manual_seed(300 + i)
+            out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+            offset = sk - sq
+        else:
+            mask = ref_kw.get("attn_bias", ref_kw.get("attn_mask"))
+            if mask.is_floating_point():
+                mask = mask.clone().requires_grad_()
+                extra = [mask]
+            out = flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         attn_mask=mask, enable_gqa=True).transpose(1, 2)
+            lse, offset = None, 0
+        grads = torch.autograd.grad((out * dout).sum(), [q, k, v] + extra)
+        got = [out.detach(), None if lse is None else lse.detach(), *grads[:3], None, None]
+        if ref_kw is None:  # dropout: the reference takes the kernel's mask, regenerated from the same seed
+            torch.manual_seed(300 + i)
+            seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device).item())
+            ref_kw = dict(dropout_p=0.2, dropout_mask=dropout_mask(seed, b, h, sq, sk, 0.2, device=device))
+        ref_kw = dict(ref_kw)
+        if "sinks" in ref_kw:
+            got[6] = grads[3]
+        if "attn_bias" in ref_kw:
+            got[5] = grads[3]
+            ref_kw["attn_bias"] = extra[0]
+        results = judge_all(tuple(got), q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, offset,
+                            **ref_kw)
+        ratios = {key: err / bound if bound else (0.0 if err == 0 else float("inf"))
+                  for key, (err, bound) in results.items()}
+        ok = all(err <= bound for err, bound in results.values())
+        failures += not ok
+        extra_names = [key for key in results if key in ("dbias", "dsinks")]
+        label = name + (f" (+{', '.join(extra_names)})" if extra_names else "")
+        cells = [f"{ratios[key]:6.2f}" if key in ratios else f"{'-':>6s}" for key in ("out", "lse", "dq", "dk", "dv")]
+        print(f"{label:44s} " + " ".join(cells) + f"  {'PASS' if ok else 'FAIL'}")
+    return failures
 
 
 def bench(argv):
