@@ -183,25 +183,42 @@ def _tanh_approx(x):
 @triton.jit
 def _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, bias, diag_offset, SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
-    """Scores in log2 units from the raw products q.k, in flash-attn's order (docs/derivation.md#8): scale, then
+    """Modified scores from the raw products q.k, in flash-attn's order (docs/derivation.md#8): scale, then
     softcap * tanh(s / softcap), then the ALiBi bias -slope * |i + diag_offset - j|, then an additive float bias
-    (the tile `bias`, from _load_bias, when BIAS is a float kind); every term is multiplied by log2(e) once, folded
-    into its constant. SOFTCAP: 0 off, 1 exact tanh, 2 the hardware approximation. Returns (s, t) with
-    t = tanh(s / softcap), which the backward needs for d softcap(x) / dx = 1 - t^2 (t is s without softcap)."""
+    (the tile `bias`, from _load_bias, when BIAS is a float kind). SOFTCAP: 0 off, 1 exact tanh, 2 the hardware
+    approximation.
+
+    Returns (s, t): s in the units of _mod_unit (multiply by it for log2 units; the callers fold that into the
+    exp2's fused multiply-add, as the plain path does with scale * log2(e)), and t = tanh(scale q.k / softcap),
+    which the backward needs for d softcap(x) / dx = 1 - t^2 (t is s without softcap). With softcap alone s is
+    t itself: one multiply per score fewer."""
     if SOFTCAP:
         if SOFTCAP == 2:
             t = _tanh_approx(b_s * (sm_scale / softcap))
         else:
             t = _tanh(b_s * (sm_scale / softcap))
-        s = t * (softcap * LOG2E)
+        if HAS_ALIBI or BIAS % 2 == 1:
+            s = t * softcap
+        else:
+            s = t
     else:
-        s = b_s * (sm_scale * LOG2E)
+        s = b_s * sm_scale
         t = s
     if HAS_ALIBI:
-        s = s - (slope * LOG2E) * tl.abs(r_m + diag_offset - r_n).to(tl.float32)
+        s = s - slope * tl.abs(r_m + diag_offset - r_n).to(tl.float32)
     if BIAS % 2 == 1:
-        s = s + bias.to(tl.float32) * LOG2E
+        s = s + bias.to(tl.float32)
     return s, t
+
+
+@triton.jit
+def _mod_unit(sm_scale, softcap, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
+    """log2 units per unit of _score_mod's scores (> 0, so a row max can be taken before scaling)."""
+    if SOFTCAP and not (HAS_ALIBI or BIAS % 2 == 1):
+        unit = softcap * LOG2E
+    else:
+        unit = LOG2E + 0.0 * sm_scale
+    return unit
 
 
 # BIAS constexpr of the kernels: what attn_mask holds and how its tiles are read.

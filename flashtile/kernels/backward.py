@@ -13,9 +13,8 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import (LOG2E, _dropout_keep, _bias_view, _key_range, _load_bias, _load_tile, _mma, _query_range,
-                      _score_mod,
-                      _slice_base, _store_tile, _tile_view, _visible)
+from ._common import (LOG2E, _bias_view, _dropout_keep, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
+                      _query_range, _score_mod, _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
 
 # Delta and the log2 LSE are stored per (batch, head) padded to a multiple of this many rows (the largest query
@@ -84,8 +83,8 @@ def _recompute_p(b_s, b_lse, r_m, r_n, seqlen_k, diag_offset, sm_scale, qk_scale
     (b_s when unused)."""
     if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
         b_s, b_t = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, bias, diag_offset, SOFTCAP, HAS_ALIBI,
-                              BIAS)  # log2 units
-        b_p = tl.exp2(b_s - b_lse)
+                              BIAS)
+        b_p = tl.exp2(b_s * _mod_unit(sm_scale, softcap, SOFTCAP, HAS_ALIBI, BIAS) - b_lse)
     else:
         b_t = b_s
         b_p = tl.exp2(b_s * qk_scale - b_lse)

@@ -13,8 +13,8 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import (LN2, LOG2E, _dropout_keep, _bias_view, _key_range, _load_bias, _load_tile, _mma, _score_mod,
-                      _slice_base, _store_tile, _tile_view, _visible)
+from ._common import (LN2, LOG2E, _bias_view, _dropout_keep, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
+                      _score_mod, _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
 
 
@@ -36,6 +36,11 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_
     are built by _score_mod, already in log2 units."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     r_m = o_m[:, None]
+    # log2 units per unit of score: scale * log2(e) on the raw products, or _score_mod's unit.
+    if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
+        unit = _mod_unit(sm_scale, softcap, SOFTCAP, HAS_ALIBI, BIAS)
+    else:
+        unit = qk_scale
     # BLOCK_SKIP: [lo, hi) indexes the list of key blocks a bool attn_mask lets this query block see
     # (Features.block_lists); fully masked tiles are not in it.
     for it in tl.range(lo, hi, 1 if BLOCK_SKIP else BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -52,7 +57,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_
                               BLOCK_M, BLOCK_N, False)
         if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
             b_s, _ = _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, bias, diag_offset, SOFTCAP, HAS_ALIBI,
-                                BIAS)  # log2 units
+                                BIAS)  # units of `unit` below
         if MASKED or (BIAS and BIAS % 2 == 0):
             if MASKED:
                 m_visible = _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
@@ -62,10 +67,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_
             else:
                 m_visible = bias != 0
             b_s = tl.where(m_visible, b_s, float("-inf"))
-        if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        else:
-            m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * unit)
         if MASKED or BIAS != 0:
             # A mask can hide all of a row's keys so far (m = -inf); subtracting it would give
             # -inf - (-inf) = NaN, so such rows subtract 0 instead (their p and alpha are then exp2(-inf) = 0,
@@ -73,10 +75,7 @@ def _attn_fwd_inner(acc, l_i, m_i, b_q, k_view, v_view, start_m, lo, hi, seqlen_
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
-        if SOFTCAP or HAS_ALIBI or BIAS % 2 == 1:
-            b_p = tl.exp2(b_s - m_sub[:, None])
-        else:
-            b_p = tl.exp2(b_s * qk_scale - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+        b_p = tl.exp2(b_s * unit - m_sub[:, None])  # [BLOCK_M, BLOCK_N], one fused multiply-add per score
         alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M], rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(b_p, 1)
         if DROPOUT:
