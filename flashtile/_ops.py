@@ -105,8 +105,23 @@ def _reference_forward(q, k, v, scale, offset, feats: Features):
     return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=-1).float()
 
 
-@torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_fwd(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], softmax_scale: float,
+# The ops are defined through torch.library.Library with explicit schemas rather than torch.library.custom_op:
+# custom_op wraps each implementation in torch._disable_dynamo, whose first call imports torch._dynamo (2-3 s per
+# process on the GPU machine, benchmarks/NOTES.md). Fakes and autograd are registered the same way either way.
+_LIB = torch.library.Library("flashtile", "DEF")  # noqa: TOR901 - the library lives as long as the module
+_LIB.define("attn_fwd(Tensor q, Tensor? k, Tensor? v, float softmax_scale, bool causal, SymInt diagonal_offset, "
+            "int window_left=-1, int window_right=-1, float softcap=0., Tensor? alibi_slopes=None, "
+            "Tensor? attn_bias=None, Tensor? sinks=None, float dropout_p=0., Tensor? seed=None, "
+            "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) "
+            "-> (Tensor, Tensor)")
+_LIB.define("attn_bwd(Tensor dout, Tensor q, Tensor? k, Tensor? v, Tensor out, Tensor lse, Tensor? dlse, "
+            "float softmax_scale, bool causal, SymInt diagonal_offset, int window_left=-1, int window_right=-1, "
+            "float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_bias=None, bool bias_requires_grad=False, "
+            "Tensor? sinks=None, float dropout_p=0., Tensor? seed=None, Tensor? cu_seqlens_q=None, "
+            "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) -> Tensor[]")
+
+
+def _attn_fwd_impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], softmax_scale: float,
              causal: bool, diagonal_offset: int, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
              alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
              sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
@@ -124,7 +139,7 @@ def attn_fwd(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tenso
         return _reference_forward(q, k, v, softmax_scale, diagonal_offset, feats)
 
 
-@attn_fwd.register_fake
+@torch.library.register_fake("flashtile::attn_fwd")
 def _attn_fwd_fake(q, k, v, softmax_scale, causal, diagonal_offset, window_left=-1, window_right=-1, softcap=0.0,
                    alibi_slopes=None, attn_bias=None, sinks=None, dropout_p=0.0, seed=None, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
@@ -137,8 +152,7 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, diagonal_offset, window_left=
     return out, lse
 
 
-@torch.library.custom_op("flashtile::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+def _attn_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
              out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,
              diagonal_offset: int, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
              alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
@@ -224,7 +238,7 @@ def _reference_backward(dout, packed_q, packed_k, v_in, out, lse, dlse, scale, o
     return grads, dbias, dsinks
 
 
-@attn_bwd.register_fake
+@torch.library.register_fake("flashtile::attn_bwd")
 def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset, window_left=-1,
                    window_right=-1, softcap=0.0, alibi_slopes=None, attn_bias=None, bias_requires_grad=False,
                    sinks=None, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
@@ -277,4 +291,9 @@ def _attn_fwd_backward(ctx, dout, dlse):
     return tuple(result)
 
 
-attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
+for _device in ("CPU", "CUDA"):
+    _LIB.impl("attn_fwd", _attn_fwd_impl, _device)
+    _LIB.impl("attn_bwd", _attn_bwd_impl, _device)
+attn_fwd = torch.ops.flashtile.attn_fwd.default
+attn_bwd = torch.ops.flashtile.attn_bwd.default
+torch.library.register_autograd("flashtile::attn_fwd", _attn_fwd_backward, setup_context=_attn_fwd_setup_context)
