@@ -60,6 +60,8 @@ def poisoned_allocations(poison):
 
 def test_cpu_tensors_run_the_kernels(poisoned_allocations, gen):
     """In-process CPU tests must exercise the Triton kernels (interpreted), not the reference fallback."""
+    if torch.cuda.is_available():
+        pytest.skip("a check of the CPU suite: on a CUDA machine conftest.py leaves the interpreter off")
     assert flashtile.kernels.configs.INTERPRETING, "TRITON_INTERPRET=1 was not set before triton was imported"
     q = _randn((1, 5, 2, 16), gen, requires_grad=True)
     flashtile.flash_attn_func(q, q, q).sum().backward()
