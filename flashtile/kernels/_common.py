@@ -33,6 +33,23 @@ def _slice_base(ptr, i_b, row0, i_h, stride_b, stride_s, stride_h):
 
 
 @triton.jit
+def _seq_bounds(CuSeqQ, CuSeqK, i_b, seqlen_q, seqlen_k, diag_offset, VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k, diag_offset) of batch entry i_b: a varlen sequence's rows in the
+    packed tensors (sequence b is rows [cu[b], cu[b + 1])) and its own bottom-right offset, or the fixed-length
+    launch's values."""
+    if VARLEN:
+        q_start = tl.load(CuSeqQ + i_b)
+        seqlen_q = tl.load(CuSeqQ + i_b + 1) - q_start
+        k_start = tl.load(CuSeqK + i_b)
+        seqlen_k = tl.load(CuSeqK + i_b + 1) - k_start
+        diag_offset = seqlen_k - seqlen_q
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, k_start, seqlen_q, seqlen_k, diag_offset
+
+
+@triton.jit
 def _tile_view(base, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                USE_TMA: tl.constexpr):
     """The handle tiles of one (batch, head) slice are read through: a descriptor, or the base pointer itself."""
@@ -235,6 +252,20 @@ def _bias_view(p_bias, seqlen_q, seqlen_k, stride_bias_m, BIAS: tl.constexpr, BL
     else:
         view = p_bias
     return view
+
+
+@triton.jit
+def _head_features(Alibi, Bias, i_b, i_h, stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, seqlen_q,
+                   seqlen_k, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """What the score modifications need for query head i_h of batch entry i_b: its ALiBi slope (0 without) and
+    the view its attn_mask tiles are read through."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
+    p_bias = _bias_view(Bias + tl.cast(i_b, tl.int64) * stride_bias_b + tl.cast(i_h, tl.int64) * stride_bias_h,
+                        seqlen_q, seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
+    return slope, p_bias
 
 
 @triton.jit

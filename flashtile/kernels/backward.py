@@ -13,30 +13,14 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import (LOG2E, _bias_view, _dropout_keep, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
-                      _query_range, _score_mod, _slice_base, _store_tile, _tile_view, _visible)
+from ._common import (LOG2E, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
+                      _query_range, _score_mod, _seq_bounds, _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
 
 # Delta and the log2 LSE are stored per (batch, head) padded to a multiple of this many rows (the largest query
 # tile the backward uses), with LSE = +inf and delta = 0 in the padding: a streamed query tile that runs past Sq
 # then needs no mask, since its P = exp2(s - inf) = 0. Varlen batches pad every sequence to the longest.
 ROW_PAD = 128
-
-
-@triton.jit
-def _seq_bounds(CuSeqQ, CuSeqK, i_b, seqlen_q, seqlen_k, diag_offset, VARLEN: tl.constexpr):
-    """(q_start, k_start, seqlen_q, seqlen_k, diag_offset) of batch entry i_b: a varlen sequence's rows in the
-    packed tensors and its own bottom-right offset, or the fixed-length launch's values."""
-    if VARLEN:
-        q_start = tl.load(CuSeqQ + i_b)
-        seqlen_q = tl.load(CuSeqQ + i_b + 1) - q_start
-        k_start = tl.load(CuSeqK + i_b)
-        seqlen_k = tl.load(CuSeqK + i_b + 1) - k_start
-        diag_offset = seqlen_k - seqlen_q
-    else:
-        q_start = 0
-        k_start = 0
-    return q_start, k_start, seqlen_q, seqlen_k, diag_offset
 
 
 @triton.jit
@@ -201,11 +185,8 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, Alibi, Bias, BlockCo
             q_view = _tile_view(q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
             do_view = _tile_view(do_base, seqlen_q, stride_dos, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
             row0 = i_bh.to(tl.int64) * seqlen_q_pad
-            slope = 0.0
-            if HAS_ALIBI:
-                slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
-            p_bias = _bias_view(Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h,
-                                seqlen_q, seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
+            slope, p_bias = _head_features(Alibi, Bias, i_b, i_h, stride_alibi_b, stride_bias_b, stride_bias_h,
+                                           stride_bias_m, seqlen_q, seqlen_k, HAS_ALIBI, BIAS, BLOCK_M, BLOCK_N)
             if BLOCK_SKIP:
                 map_row = i_b * stride_map_b + i_h * stride_map_h + i_n
                 p_block_list = BlockList + map_row.to(tl.int64) * map_cols
@@ -327,11 +308,8 @@ def _bwd_dq_kernel(Q, K, V, dOut, dQ, LseLog2, Delta, Alibi, Bias, BlockCount, B
         b_lse = tl.load(LseLog2 + i_bh.to(tl.int64) * seqlen_q_pad + o_m)  # [BLOCK_M]
         b_delta = tl.load(Delta + i_bh.to(tl.int64) * seqlen_q_pad + o_m)  # [BLOCK_M]
         b_dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
-        p_bias = _bias_view(Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h, seqlen_q,
-                            seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
+        slope, p_bias = _head_features(Alibi, Bias, i_b, i_h, stride_alibi_b, stride_bias_b, stride_bias_h,
+                                       stride_bias_m, seqlen_q, seqlen_k, HAS_ALIBI, BIAS, BLOCK_M, BLOCK_N)
         p_dbias = DBias + i_b.to(tl.int64) * stride_dbias_b + i_h.to(tl.int64) * stride_dbias_h
         seed = 0
         if DROPOUT:

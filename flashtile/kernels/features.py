@@ -10,9 +10,8 @@ from typing import Optional
 import torch
 
 from . import configs
+from ..reference.dropout import dropout_threshold  # the bits _common._dropout_keep compares
 
-# Dropout keeps element (b, h, i, j) iff 31 random bits >= round(p * 2^31) (_common._dropout_keep).
-_DROPOUT_BITS = 31
 
 # The kernels' BIAS constexpr (_common._bias_view): + BIAS_TMA when the tiles are read by TMA descriptors.
 BIAS_NONE, BIAS_FLOAT, BIAS_BOOL, BIAS_TMA = 0, 1, 2, 2
@@ -114,14 +113,13 @@ class Features:
             bias = self.attn_bias.view(torch.uint8) if self.attn_bias.dtype == torch.bool else self.attn_bias
             bias_strides = tuple(st if n > 1 else 0 for st, n in zip(bias.stride(), bias.shape))
         seed = self.seed if self.dropout_p > 0 else q.new_zeros((1,), dtype=torch.int64)
-        threshold = min(round(self.dropout_p * 2 ** _DROPOUT_BITS), 2 ** _DROPOUT_BITS - 1)
         cu_placeholder = q.new_zeros((1,), dtype=torch.int32)
         return KernelArgs(
             alibi=alibi, stride_alibi_b=stride_alibi_b, has_alibi=self.alibi_slopes is not None,
             bias=bias, bias_strides=bias_strides,
             bias_kind=self.bias_kind + (BIAS_TMA if self._bias_tma_ok(use_tma, seqlen_q, seqlen_k) else 0),
             sinks=self.sinks if self.sinks is not None else placeholder, has_sinks=self.sinks is not None,
-            seed=seed, dropout_threshold=threshold,
+            seed=seed, dropout_threshold=dropout_threshold(self.dropout_p),
             cu_q=self.cu_seqlens_q if self.varlen else cu_placeholder,
             cu_k=self.cu_seqlens_k if self.varlen else cu_placeholder,
         )

@@ -13,8 +13,8 @@ import triton.language as tl
 
 from . import configs
 from . import _common
-from ._common import (LN2, LOG2E, _bias_view, _dropout_keep, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
-                      _score_mod, _slice_base, _store_tile, _tile_view, _visible)
+from ._common import (LN2, LOG2E, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
+                      _score_mod, _seq_bounds, _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
 
 
@@ -116,16 +116,8 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockCount, BlockList, Sink
     i_h = i_bh % num_heads
     i_hk = i_h // group_size  # grouped-query attention: query heads share kv head h // group_size
     start_m = i_m * BLOCK_M
-    if VARLEN:
-        # Sequence i_b is rows [cu[i_b], cu[i_b + 1]) of the packed tensors; masks align to its own bottom-right.
-        q_start = tl.load(CuSeqQ + i_b)
-        seqlen_q = tl.load(CuSeqQ + i_b + 1) - q_start
-        k_start = tl.load(CuSeqK + i_b)
-        seqlen_k = tl.load(CuSeqK + i_b + 1) - k_start
-        diag_offset = seqlen_k - seqlen_q
-    else:
-        q_start = 0
-        k_start = 0
+    q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(CuSeqQ, CuSeqK, i_b, seqlen_q, seqlen_k,
+                                                                    diag_offset, VARLEN)
     if start_m < seqlen_q:  # a varlen grid covers the longest sequence; shorter ones have nothing here
         q_base = _slice_base(Q, i_b, q_start, i_h, stride_qb, stride_qs, stride_qh)
         k_base = _slice_base(K, i_b, k_start, i_hk, stride_kb, stride_ks, stride_kh)
@@ -136,11 +128,8 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockCount, BlockList, Sink
         v_view = _tile_view(v_base, seqlen_k, stride_vs, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
         o_view = _tile_view(o_base, seqlen_q, stride_os, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
 
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
-        p_bias = _bias_view(Bias + i_b.to(tl.int64) * stride_bias_b + i_h.to(tl.int64) * stride_bias_h, seqlen_q,
-                            seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
+        slope, p_bias = _head_features(Alibi, Bias, i_b, i_h, stride_alibi_b, stride_bias_b, stride_bias_h,
+                                       stride_bias_m, seqlen_q, seqlen_k, HAS_ALIBI, BIAS, BLOCK_M, BLOCK_N)
         seed = 0
         if DROPOUT:
             seed = tl.load(Seed)
