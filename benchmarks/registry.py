@@ -146,6 +146,22 @@ def _flashtile_prepare(q, k, v, causal, scale) -> Prepared:
     return Prepared(lambda: flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal), (q, k, v))
 
 
+def _flashtile_portable_prepare(q, k, v, causal, scale) -> Prepared:
+    """flashtile with the Hopper Gluon forward switched off: the portable Triton kernels only."""
+    import flashtile
+    from flashtile.kernels import hopper_fwd
+
+    q, k, v = _leaf(q), _leaf(k), _leaf(v)
+
+    def fwd():
+        hopper_fwd.ENABLED = False
+        try:
+            return flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        finally:
+            hopper_fwd.ENABLED = True
+    return Prepared(fwd, (q, k, v))
+
+
 # torch SDPA (cuDNN and FlashAttention-2 backends) ---------------------------------------------------------------
 
 def _sdpa_available(backend_name: str) -> Callable[[], str | None]:
@@ -304,6 +320,8 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in [
     Provider("flashtile", "flashtile.flash_attn_func (Triton), [B, S, H, D]", _flashtile_available,
              _flashtile_prepare, lambda: _dist_version("flashtile") or getattr(importlib.import_module("flashtile"),
                                                                                "__version__", None)),
+    Provider("flashtile-triton", "flashtile with its Gluon kernels off (the portable Triton path)",
+             _flashtile_available, _flashtile_portable_prepare, lambda: None),
     Provider("sdpa-cudnn", "torch SDPA, SDPBackend.CUDNN_ATTENTION, [B, H, S, D]", _sdpa_available("CUDNN_ATTENTION"),
              _sdpa_prepare("CUDNN_ATTENTION"),
              lambda: str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None),

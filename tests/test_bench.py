@@ -98,7 +98,7 @@ def test_cli_parsing():
 
 
 def test_registry_has_every_provider():
-    assert list(PROVIDERS) == ["flashtile", "sdpa-cudnn", "sdpa-flash", "flex", "fa2", "fa4"]
+    assert list(PROVIDERS) == ["flashtile", "flashtile-triton", "sdpa-cudnn", "sdpa-flash", "flex", "fa2", "fa4"]
     for p in PROVIDERS.values():
         reason = p.available()
         assert reason is None or isinstance(reason, str) and reason

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from . import configs
 from . import _common
+from . import hopper_fwd
 from ._common import (LN2, LOG2E, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
                       _score_mod, _seq_bounds, _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
@@ -213,6 +214,9 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     sequence's offset as Sk - Sq itself.
     """
     assert softmax_scale > 0, "the kernel takes the row max before scaling: the scale must be positive"
+    if hopper_fwd.supports(q, k, v, feats, softmax_scale):
+        # Hopper, 16-bit, d 64/128, plain or causal: the warp-specialized Gluon kernel (kernels/hopper_fwd.py).
+        return hopper_fwd.attention_forward(q, k, v, softmax_scale, diagonal_offset, feats.mask_right)
     seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
     seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
     if feats.varlen:

@@ -1,0 +1,129 @@
+"""The Hopper Gluon forward (kernels/hopper_fwd.py) on the GPU: which calls it takes, its results against the
+float64 oracle with every buffer NaN-poisoned, and against the portable Triton kernel on the same inputs.
+
+Gluon kernels do not run in Triton's interpreter, so these tests need a Hopper GPU (`pytest -m gpu`).
+"""
+import pytest
+import torch
+
+import flashtile
+from flashtile.kernels import hopper_fwd
+from flashtile.testing import check_against_reference, make_qkv
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon forward is compiled for Hopper (sm_90) only")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Count the calls that reach the Gluon kernel."""
+    calls = []
+    launch = hopper_fwd.attention_forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_fwd, "attention_forward", counted)
+    return calls
+
+
+def _fwd_bwd(q, k, v, dout, causal, **kw):
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **kw)
+    dq, dk, dv = torch.autograd.grad((out * dout).sum(), (q, k, v))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+SHAPES = [
+    # b, sq, sk, h, hk, d, causal, dtype
+    (1, 128, 128, 2, 2, 64, False, torch.bfloat16),
+    (2, 1000, 1100, 4, 2, 128, True, torch.bfloat16),   # Sk > Sq: the diagonal crosses block edges
+    (2, 1100, 1000, 4, 2, 64, True, torch.float16),     # Sq > Sk: the first 100 rows see no key
+    (1, 1, 777, 2, 1, 128, False, torch.bfloat16),      # one query row
+    (1, 1, 777, 2, 1, 128, True, torch.float16),
+    (1, 333, 1, 2, 2, 64, True, torch.float16),         # one key
+    (1, 300, 50, 2, 2, 128, False, torch.bfloat16),     # fewer keys than one block
+    (3, 257, 513, 3, 1, 128, False, torch.float16),
+    (2, 64, 4096, 2, 2, 128, True, torch.bfloat16),
+    (1, 2048, 2048, 8, 2, 64, False, torch.bfloat16),
+    (1, 4096, 4096, 4, 4, 128, True, torch.bfloat16),
+    (1, 4096, 4096, 4, 4, 64, True, torch.float16),
+]
+
+
+def _sid(b, sq, sk, h, hk, d, causal, dtype):
+    return f"B{b}-Sq{sq}-Sk{sk}-H{h}-Hk{hk}-D{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
+
+
+@needs_hopper
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype", [pytest.param(*s, id=_sid(*s)) for s in SHAPES])
+def test_against_reference(poison, spy, b, sq, sk, h, hk, d, causal, dtype):
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=sq * 7 + sk + d)
+    dout = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sq)).to(dtype)
+    got = _fwd_bwd(q, k, v, dout, causal)
+    assert len(spy) == 1, "the call did not take the Gluon forward"
+    # The backward (portable kernels) reads the Gluon LSE, so its gradients check that too.
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("d", (64, 128))
+def test_matches_portable_kernel(monkeypatch, causal, d):
+    q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    out_p, lse_p, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    # Same math, different accumulation order: bf16 rounding of the output, fp32 rounding of the LSE.
+    assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7
+    finite = torch.isfinite(lse_p)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - lse_p[finite]).abs().max().item() <= 1e-4
+
+
+@needs_hopper
+def test_strided_inputs(spy):
+    # (B, H, S, D) tensors seen as (B, S, H, D): no copy, the descriptors take the strides.
+    b, s, h, d = 2, 700, 4, 128
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    q, k, v = (torch.randn(b, h, s, d, device=DEVICE, generator=gen).to(torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert len(spy) == 1
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2).double() for t in (q, k, v)), is_causal=True).transpose(1, 2)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+@needs_hopper
+def test_repeatable(spy):
+    q, k, v = make_qkv(1, 3000, 3000, 8, 8, 128, torch.bfloat16, device=DEVICE, seed=5, grad=False)
+    first = flashtile.flash_attn_func(q, k, v, causal=True)
+    for _ in range(5):
+        assert torch.equal(flashtile.flash_attn_func(q, k, v, causal=True), first)
+    assert len(spy) == 6
+
+
+@needs_hopper
+@pytest.mark.parametrize("kw,d,dtype", [
+    (dict(softcap=30.0), 128, torch.bfloat16),
+    (dict(window_size=(256, 0)), 128, torch.bfloat16),
+    (dict(alibi_slopes=True), 64, torch.bfloat16),
+    ({}, 96, torch.bfloat16),
+    ({}, 256, torch.bfloat16),
+    ({}, 128, torch.float32),
+])
+def test_other_calls_take_the_portable_kernel(spy, kw, d, dtype):
+    q, k, v = make_qkv(1, 300, 300, 2, 2, d, dtype, device=DEVICE, seed=1, grad=False)
+    if kw.get("alibi_slopes"):
+        kw = dict(alibi_slopes=torch.rand(2, device=DEVICE))
+    out = flashtile.flash_attn_func(q, k, v, causal=True, **kw)
+    assert out.isfinite().all()
+    assert spy == []
