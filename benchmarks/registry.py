@@ -147,7 +147,9 @@ def _flashtile_prepare(q, k, v, causal, scale) -> Prepared:
 
 
 def _flashtile_portable_prepare(q, k, v, causal, scale) -> Prepared:
-    """flashtile with the Hopper Gluon forward switched off: the portable Triton kernels only."""
+    """flashtile with the Hopper Gluon kernels switched off: the portable Triton kernels only. The forward's switch
+    is flipped around the call; deterministic=True keeps the backward (run later by autograd) off the Gluon
+    kernel, whose dQ reduction is not deterministic."""
     import flashtile
     from flashtile.kernels import hopper_fwd
 
@@ -156,7 +158,7 @@ def _flashtile_portable_prepare(q, k, v, causal, scale) -> Prepared:
     def fwd():
         hopper_fwd.ENABLED = False
         try:
-            return flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+            return flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=True)
         finally:
             hopper_fwd.ENABLED = True
     return Prepared(fwd, (q, k, v))

@@ -112,13 +112,13 @@ _LIB = torch.library.Library("flashtile", "DEF")  # noqa: TOR901 - the library l
 _LIB.define("attn_fwd(Tensor q, Tensor? k, Tensor? v, float softmax_scale, bool causal, SymInt diagonal_offset, "
             "int window_left=-1, int window_right=-1, float softcap=0., Tensor? alibi_slopes=None, "
             "Tensor? attn_bias=None, Tensor? sinks=None, float dropout_p=0., Tensor? seed=None, "
-            "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) "
-            "-> (Tensor, Tensor)")
+            "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
+            "bool deterministic=False) -> (Tensor, Tensor)")
 _LIB.define("attn_bwd(Tensor dout, Tensor q, Tensor? k, Tensor? v, Tensor out, Tensor lse, Tensor? dlse, "
             "float softmax_scale, bool causal, SymInt diagonal_offset, int window_left=-1, int window_right=-1, "
             "float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_bias=None, bool bias_requires_grad=False, "
             "Tensor? sinks=None, float dropout_p=0., Tensor? seed=None, Tensor? cu_seqlens_q=None, "
-            "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) -> Tensor[]")
+            "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, bool deterministic=False) -> Tensor[]")
 
 
 def _attn_fwd_impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], softmax_scale: float,
@@ -126,8 +126,9 @@ def _attn_fwd_impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch
              alibi_slopes: Optional[torch.Tensor] = None, attn_bias: Optional[torch.Tensor] = None,
              sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
              cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-             max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse fp32). Query i sees key j iff j <= i + diagonal_offset when causal, and inside the window
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse fp32). deterministic only matters to the backward (saved for it). Query i sees key j iff j <= i + diagonal_offset when causal, and inside the window
     (left/right bounds relative to the same diagonal, -1 unbounded). Shapes: flashtile.kernels.forward."""
     q, k, v = _unpack(q, k, v)
     feats = _features(causal, window_left, window_right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, seed,
@@ -142,7 +143,7 @@ def _attn_fwd_impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch
 @torch.library.register_fake("flashtile::attn_fwd")
 def _attn_fwd_fake(q, k, v, softmax_scale, causal, diagonal_offset, window_left=-1, window_right=-1, softcap=0.0,
                    alibi_slopes=None, attn_bias=None, sinks=None, dropout_p=0.0, seed=None, cu_seqlens_q=None,
-                   cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                   cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=False):
     q, k, v = _unpack(q, k, v)
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     if cu_seqlens_q is not None:
@@ -159,7 +160,7 @@ def _attn_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor
              bias_requires_grad: bool = False, sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
              seed: Optional[torch.Tensor] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
              cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-             max_seqlen_k: int = 0) -> list[torch.Tensor]:
+             max_seqlen_k: int = 0, deterministic: bool = False) -> list[torch.Tensor]:
     """Gradients for attn_fwd: [dq, dk, dv] (packed inputs: [dqkv] or [dq, dkv]), then dbias if
     bias_requires_grad, then dsinks if sinks are given. dlse is the gradient reaching the returned LSE (None
     when the LSE is unused)."""
@@ -179,7 +180,7 @@ def _attn_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor
             dq, (dk, dv) = grads[0], grads[1].unbind(-3)
         dq, dk, dv, dbias, dsinks = _bwd_kernels.attention_backward(
             dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_offset, feats, dq=dq, dk=dk, dv=dv,
-            bias_grad=bias_requires_grad)
+            bias_grad=bias_requires_grad, deterministic=deterministic)
         if packed_k is not None and v_in is not None:
             grads = [dq, dk, dv]
     else:
@@ -242,7 +243,7 @@ def _reference_backward(dout, packed_q, packed_k, v_in, out, lse, dlse, scale, o
 def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset, window_left=-1,
                    window_right=-1, softcap=0.0, alibi_slopes=None, attn_bias=None, bias_requires_grad=False,
                    sinks=None, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                   max_seqlen_k=0):
+                   max_seqlen_k=0, deterministic=False):
     # The kernels allocate contiguous gradients whatever the input strides.
     grads = [t.new_empty(t.shape) for t in (q, k, v) if t is not None]
     if bias_requires_grad:
@@ -254,17 +255,18 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagona
 
 # Positions of attn_fwd's tensor inputs that can take a gradient.
 _BIAS_INPUT, _SINKS_INPUT = 10, 11
-_NUM_INPUTS = 18
+_NUM_INPUTS = 19
 
 
 def _attn_fwd_setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, diagonal_offset, window_left, window_right, softcap, alibi_slopes, attn_bias,
-     sinks, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = inputs
+     sinks, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_bias, sinks, seed, cu_seqlens_q, cu_seqlens_k)
     ctx.scalars = (softmax_scale, causal, diagonal_offset, window_left, window_right, softcap)
     ctx.dropout_p = dropout_p
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.deterministic = deterministic
     # Unused outputs get None rather than a materialised zero tensor (the LSE usually is unused).
     ctx.set_materialize_grads(False)
 
@@ -279,7 +281,7 @@ def _attn_fwd_backward(ctx, dout, dlse):
     bias_requires_grad = attn_bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
     grads = attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset, window_left,
                      window_right, softcap, alibi_slopes, attn_bias, bias_requires_grad, sinks, ctx.dropout_p, seed,
-                     cu_q, cu_k, *ctx.max_seqlens)
+                     cu_q, cu_k, *ctx.max_seqlens, ctx.deterministic)
     result = [None] * _NUM_INPUTS
     n_main = sum(t is not None for t in (q, k, v))
     result[:n_main] = grads[:n_main]

@@ -35,8 +35,9 @@ _ARGS_DOC = """
             (Gemma 2, Grok), with its backward.
         alibi_slopes: float32 (nheads,) or (batch, nheads), default None. Adds -slope * |i + seqlen_k - seqlen_q
             - j| to the scores (after the softcap).
-        deterministic: bool, default False. Accepted for compatibility: the backward is always deterministic
-            (no atomics; bit-identical gradients from run to run).
+        deterministic: bool, default False. True guarantees bit-identical gradients from run to run. The
+            default kernels have no atomics and are deterministic anyway; the opt-in Hopper Gluon backward
+            (FLASHTILE_GLUON_BWD=1) adds dQ by bulk reductions in a varying order, and True keeps to the former.
         return_attn_probs: bool, default False. If True, also return the log-sum-exp and S_dmask: None without
             dropout; with dropout, a debugging tensor (batch, nheads, seqlen_q, seqlen_k) of the attention
             probabilities with the dropped ones negated (computed densely, O(seqlen^2) memory).
@@ -68,7 +69,7 @@ def _draw_seed(q, dropout_p):
 
 
 def _attention(q, k, v, scale, causal, diagonal_offset, *, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-               attn_bias=None, sinks=None, dropout_p=0.0, varlen=None):
+               attn_bias=None, sinks=None, dropout_p=0.0, varlen=None, deterministic=False):
     """The op call every API shares. -> (out, lse, seed). The kernels need scale > 0 (they take the row max
     before scaling); a negative scale is the same function of -q with |scale|, and negating is exact (autograd
     flips dq back). q may be a packed qkv (k None) or k a packed kv (v None)."""
@@ -87,7 +88,8 @@ def _attention(q, k, v, scale, causal, diagonal_offset, *, window=(-1, -1), soft
     seed = _draw_seed(q, dropout_p)
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     out, lse = _ops.attn_fwd(q, k, v, scale, causal, diagonal_offset, window[0], window[1], softcap,
-                             alibi_slopes, attn_bias, sinks, dropout_p, seed, cu_q, cu_k, max_q, max_k)
+                             alibi_slopes, attn_bias, sinks, dropout_p, seed, cu_q, cu_k, max_q, max_k,
+                             bool(deterministic))
     return out, lse, seed
 
 
@@ -111,7 +113,7 @@ def _dropout_debug_mask(q, k, scale, causal, window, softcap, alibi_slopes, sink
 
 
 def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks,
-           head_dim):
+           head_dim, deterministic=False):
     """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed)."""
     qq, kk, vv = _ops._unpack(q, k, v)
     check_qkv(qq, kk, vv, layout="bshd")
@@ -123,7 +125,8 @@ def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     scale = resolve_scale(softmax_scale, head_dim)
     diagonal_offset = kk.shape[1] - qq.shape[1]  # bottom-right alignment
     out, lse, seed = _attention(q, k, v, scale, bool(causal), diagonal_offset, window=window, softcap=softcap,
-                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p)
+                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                                deterministic=deterministic)
     if return_attn_probs:
         s_dmask = None
         if dropout_p > 0:
@@ -150,7 +153,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     check_qkv(q, k, v, layout="bshd")  # before _flash, which would read k = None as packed inputs
     return _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                  sinks, q.shape[-1])
+                  sinks, q.shape[-1], deterministic)
 
 
 def _check_packed(name, t, count, rank):
@@ -175,7 +178,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """
     _check_packed("qkv", qkv, 3, 5)
     return _flash(qkv, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  return_attn_probs, sinks, qkv.shape[-1])
+                  return_attn_probs, sinks, qkv.shape[-1], deterministic)
 
 
 @_with_docs("(batch, seqlen_q, nheads, headdim)", "(batch, nheads, seqlen_q)")
@@ -192,7 +195,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """
     _check_packed("kv", kv, 2, 5)
     return _flash(q, kv, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  return_attn_probs, sinks, kv.shape[-1])
+                  return_attn_probs, sinks, kv.shape[-1], deterministic)
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,

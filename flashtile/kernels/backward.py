@@ -13,6 +13,7 @@ import triton.language as tl
 
 from . import configs
 from . import _common
+from . import hopper_bwd
 from ._common import (LOG2E, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
                       _query_range, _score_mod, _seq_bounds, _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
@@ -370,13 +371,14 @@ def _batch_strides(t, varlen):
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_offset, feats: Features,
-                       dq=None, dk=None, dv=None, bias_grad=False):
+                       dq=None, dk=None, dv=None, bias_grad=False, deterministic=False):
     """Launch the three backward kernels. Returns (dq, dk, dv, dbias, dsinks).
 
     dlse (optional, lse's shape) is the gradient reaching the returned LSE. dq, dk, dv may be given: buffers (views
     of one packed gradient, for the packed APIs) that the kernels write in full. bias_grad: also return the
     gradient of feats.attn_bias (a float bias), summed over its broadcast dimensions; dsinks is returned when
-    feats.sinks is set. Inputs are assumed validated.
+    feats.sinks is set. deterministic: bit-identical gradients from run to run (the portable kernels; the Hopper
+    kernel adds dQ with atomics). Inputs are assumed validated.
     """
     varlen = feats.varlen
     # The preprocess reads lse and dlse as rows of unit stride; they are small, so copy any other layout (autograd
@@ -415,6 +417,12 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
         seqlen_q, seqlen_q_pad, num_heads,
         HEAD_DIM_V=head_dim_v, HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M, BLOCK_DV=block_dv,
     )
+
+    if not bias_grad and hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic):
+        # Hopper, 16-bit, d 64/128, plain or causal: the warp-specialized Gluon kernel (kernels/hopper_bwd.py).
+        hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset,
+                                      feats.mask_right)
+        return dq, dk, dv, None, None
 
     # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
     # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.

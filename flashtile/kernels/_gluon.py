@@ -1,0 +1,33 @@
+"""Gluon imports shared by the Hopper kernels, under names that hold from Triton 3.6 (the GPU machines') on.
+
+Triton renamed 3.6's ``tma.async_copy_global_to_shared`` / ``async_copy_shared_to_global`` to ``async_load`` /
+``async_store`` and later wrapped the bulk TMA reduction (``cp.reduce.async.bulk.tensor``) as
+``async_atomic_add``; 3.6 has the reduction only as a builder call, wrapped here. ``AVAILABLE`` is False where
+Triton has no Gluon; the kernels are then never defined, and dispatch never picks them.
+"""
+try:
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin as _builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                    warpgroup_mma, warpgroup_mma_wait)
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+if AVAILABLE:
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @_builtin
+    def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
+        """Add a shared-memory tile into global memory with one bulk TMA reduction (Triton 3.6)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+
+__all__ = ["AVAILABLE", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "tma_load", "tma_reduce_add",
+           "tma_store", "warpgroup_mma", "warpgroup_mma_wait"]

@@ -1,0 +1,273 @@
+"""Hopper backward written in Gluon: one warp-specialized kernel with the five products of docs/derivation.md ch. 6.
+
+The portable backward (kernels/backward.py) runs two kernels, dK/dV and dQ, and recomputes S and dP in both:
+seven products for five. This kernel computes each product once:
+
+* a producer warp (``_bwd_load_partition``) loads the key block's K and V once, then streams the query blocks'
+  Q and dO tiles by TMA into a ``STAGES``-deep ring (full/empty mbarriers);
+* two consumer warpgroups (``_bwd_partition``), each owning 64 of the block's 128 keys, compute
+  S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T - LSE), dS^T = P^T (dP^T - delta), then
+  dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands, and dQ_i += dS K through a shared-memory
+  copy of dS^T, added into an fp32 buffer by bulk TMA reductions (the one reduction a key-block-parallel
+  backward needs).
+
+Atomics make dQ's rounding order vary from run to run, so ``deterministic=True`` takes the portable kernels.
+Coverage as for kernels/hopper_fwd.py: fp16/bf16, head dims 64 and 128, plain or causal (bottom-right), GQA; the
+key block loops over the query heads of its group, so dK and dV are written once, without atomics.
+"""
+import os
+
+import torch
+import triton
+
+from . import configs
+from ._gluon import AVAILABLE
+from .features import Features
+
+if AVAILABLE:
+    from ._gluon import (fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_reduce_add, warpgroup_mma,
+                         warpgroup_mma_wait)
+
+BLOCK_M = 64   # query rows per streamed tile
+BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
+HEAD_DIMS = (64, 128)
+STAGES = 2
+# Opt-in (FLASHTILE_GLUON_BWD=1) until it outruns the portable backward: measured on an H200 it reaches 0.67-1.03x
+# of it (benchmarks/NOTES.md, "Gluon backward"); the bulk dQ reductions are the suspect.
+ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "0") == "1"
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full,
+                            q_empty, start_n, i_hk, group_size, m_lo, n_q, shift, HEAD_DIM: gl.constexpr,
+                            BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [start_n, i_hk * HEAD_DIM], kv_bar, k_smem)
+        tma_load(v_desc, [start_n, i_hk * HEAD_DIM], kv_bar, v_smem)
+        for t in range(group_size * n_q):
+            i_h = i_hk * group_size + t // n_q
+            m = m_lo + ((t % n_q + shift) % n_q) * BLOCK_M
+            slot = t % STAGES
+            mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma_load(q_desc, [m, i_h * HEAD_DIM], q_full.index(slot), q_smem.index(slot))
+            tma_load(do_desc, [m, i_h * HEAD_DIM], q_full.index(slot), do_smem.index(slot))
+
+    @gluon.jit
+    def _bwd_step(t, m, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, lse_row, delta_row,
+                  dq_row, dk, dv, key, seqlen_k, diag_offset, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        dtype: gl.constexpr = ds_smem.dtype
+        slot = t % STAGES
+        mbarrier.wait(q_full.index(slot), (t // STAGES) & 1)
+        q = q_smem.index(slot)
+        do = do_smem.index(slot)
+        zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
+        st_tok = warpgroup_mma(k_w, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_w, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        cols = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask.
+        lse = gl.load(lse_row + cols)
+        delta = gl.load(delta_row + cols)
+        st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+        if MASK:
+            keep = gl.expand_dims(key, 1) < seqlen_k
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(key, 1) <= gl.expand_dims(cols, 0) + diag_offset)
+            pt = gl.where(keep, pt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), dot_a), do, dv, is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(dst, dot_a), q, dk, is_async=True)
+        # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed. It goes out
+        # 64 columns at a time, which keeps its accumulator at 32 registers beside dK and dV's 128.
+        ds_smem.store(dst)
+        fence_async_shared()
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 64, 16])
+        dq_zero = gl.zeros([BLOCK_M, 64], gl.float32, layout=dq_layout)
+        for c in gl.static_range(HEAD_DIM // 64):
+            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False,
+                                   is_async=True)
+            if c == HEAD_DIM // 64 - 1:
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                mbarrier.arrive(q_empty.index(slot), count=1)
+            else:
+                dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+            # The partial dQ goes out by one bulk TMA reduction per chunk, through this warpgroup's staging tile;
+            # the previous reduction must have read the tile first.
+            tma.store_wait(pendings=0)
+            dq_smem.store(dq)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [dq_row + m, c * 64], dq_smem)
+        return dk, dv
+
+    @gluon.jit
+    def _bwd_partition(half: gl.constexpr, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                       dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift, group_size,
+                       num_heads,
+                       seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
+                       stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        key0 = start_n + half * 64
+        key = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        k_w = k_smem.slice(half * 64, 64)
+        v_w = v_smem.slice(half * 64, 64)
+        ds_w = ds_smem.index(half)
+        dq_w = dq_smem.index(half)
+        dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
+        dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
+        mbarrier.wait(kv_bar, 0)
+        t = 0
+        for g in range(group_size):
+            i_h = i_hk * group_size + g
+            row0 = (i_b * num_heads + i_h).to(gl.int64) * seqlen_q_pad
+            lse_row = LseLog2 + row0
+            delta_row = Delta + row0
+            dq_row = (i_b * num_heads + i_h) * seqlen_q_pad
+            # Query blocks that cross the diagonal (or a key block past Sk) first, masked; then the rest.
+            for i in range(0, i_full):
+                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, q_smem, do_smem, ds_w, dq_w,
+                                   dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk, dv, key, seqlen_k,
+                                   diag_offset, qk_scale,
+                                   HEAD_DIM, BLOCK_M, STAGES, True, CAUSAL)
+                t += 1
+            for i in range(i_full, n_q):
+                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, q_smem, do_smem, ds_w, dq_w,
+                                   dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk, dv, key, seqlen_k,
+                                   diag_offset, qk_scale,
+                                   HEAD_DIM, BLOCK_M, STAGES, False, CAUSAL)
+                t += 1
+        tma.store_wait(pendings=0)  # the last dQ reduction has read the staging tile
+        dtype: gl.constexpr = ds_smem.dtype
+        rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
+        dcol = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
+        keep = gl.expand_dims(rows < seqlen_k, 1)
+        p_dk = (dK + i_b.to(gl.int64) * stride_dkb + i_hk.to(gl.int64) * stride_dkh
+                + gl.expand_dims(rows.to(gl.int64) * stride_dks, 1) + dcol)
+        p_dv = (dV + i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
+                + gl.expand_dims(rows.to(gl.int64) * stride_dvs, 1) + dcol)
+        gl.store(p_dk, (dk * sm_scale).to(dtype), mask=keep)
+        gl.store(p_dv, dv.to(dtype), mask=keep)
+
+    @gluon.jit
+    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc,
+                    stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
+                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, num_heads, num_kv_heads,
+                    group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        dtype: gl.constexpr = Q.dtype.element_ty
+        i_n = gl.program_id(0)
+        i_bh = gl.program_id(1)
+        i_b = i_bh // num_kv_heads
+        i_hk = i_bh % num_kv_heads
+        start_n = i_n * BLOCK_N
+
+        # Queries that see this key block: from the first row whose diagonal reaches it (causal) to Sq.
+        m_lo = 0
+        if CAUSAL:
+            m_lo = (gl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
+        n_q = gl.maximum(gl.cdiv(seqlen_q - m_lo, BLOCK_M), 0)
+        # Query blocks from i_full on see every key of the block: no mask there.
+        i_full = 0
+        if CAUSAL:
+            i_full = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag_offset - m_lo, 0), BLOCK_M)
+        if start_n + BLOCK_N > seqlen_k:
+            i_full = n_q
+        i_full = gl.minimum(i_full, n_q)
+        # Without a mask every key block streams all query blocks: start each at a different one, so that the
+        # programs' dQ reductions do not all land on the same rows at once.
+        shift = 0
+        if not CAUSAL:
+            shift = i_n % gl.maximum(n_q, 1)
+
+        # One descriptor per tensor: rows are sequence positions, columns (head, dim), so every head of the batch
+        # entry is a column offset. supports() checks that the heads of a row are contiguous.
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_desc = tma.make_tensor_descriptor(Q + i_b.to(gl.int64) * stride_qb, [seqlen_q, num_heads * HEAD_DIM],
+                                            [stride_qs, 1], [BLOCK_M, HEAD_DIM], layout)
+        do_desc = tma.make_tensor_descriptor(dOut + i_b.to(gl.int64) * stride_dob,
+                                             [seqlen_q, num_heads * HEAD_DIM], [stride_dos, 1],
+                                             [BLOCK_M, HEAD_DIM], layout)
+        k_desc = tma.make_tensor_descriptor(K + i_b.to(gl.int64) * stride_kb, [seqlen_k, num_kv_heads * HEAD_DIM],
+                                            [stride_ks, 1], [BLOCK_N, HEAD_DIM], layout)
+        v_desc = tma.make_tensor_descriptor(V + i_b.to(gl.int64) * stride_vb, [seqlen_k, num_kv_heads * HEAD_DIM],
+                                            [stride_vs, 1], [BLOCK_N, HEAD_DIM], layout)
+
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        # dQ accumulates in fp32 rows (batch, head, padded query): [B * H * Sq_pad, D].
+        dq_rows = (gl.num_programs(1) // num_kv_heads) * num_heads * seqlen_q_pad
+        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, 64], dq_layout)
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M], layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], dq_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a slot
+
+        gl.warp_specialize([
+            (_bwd_partition, (0, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                              dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
+                              group_size, num_heads,
+                              seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
+                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+            (_bwd_partition, (1, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                              dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
+                              group_size, num_heads,
+                              seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
+                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+            (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full,
+                                   q_empty, start_n, i_hk, group_size, m_lo, n_q, shift, HEAD_DIM, BLOCK_M,
+                                   STAGES)),
+        ], [4, 1], [232, 24])
+
+
+def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
+    """Whether this kernel computes the request: the forward's conditions (kernels/hopper_fwd.supports), not
+    deterministic, and every tensor's heads contiguous within a sequence row (one descriptor spans them)."""
+    from . import hopper_fwd
+    if not (ENABLED and not deterministic and hopper_fwd.supports(q, k, v, feats, softmax_scale)):
+        return False
+    if dout.dtype != q.dtype or not configs._tma_ok((dout,)):
+        return False
+    return all(t.stride(2) == t.shape[-1] and t.stride(3) == 1 for t in (q, k, v, dout))
+
+
+def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, causal):
+    """dq, dk, dv: output buffers ([B, S, H, D], any strides); lse_log2, delta: [B, H, Sq_pad] from the portable
+    backward's preprocess (kernels/backward.py)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    seqlen_q_pad = lse_log2.shape[-1]
+    dq_acc = torch.zeros((batch, num_heads, seqlen_q_pad, head_dim), dtype=torch.float32, device=q.device)
+    configs._set_tma_allocator(q.device)
+    grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
+    _bwd_kernel[grid](
+        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
+        *dk.stride()[:3], *dv.stride()[:3],
+        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale * 1.4426950408889634, softmax_scale,
+        num_heads, num_kv_heads, num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, num_warps=4)
+    dq.copy_((dq_acc[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
+    return dq, dk, dv
