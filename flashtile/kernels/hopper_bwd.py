@@ -55,9 +55,10 @@ if AVAILABLE:
             tma_load(do_desc, [m, i_h * HEAD_DIM], q_full.index(slot), do_smem.index(slot))
 
     @gluon.jit
-    def _bwd_step(t, m, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, dq_desc, q_full, q_empty, lse_row, delta_row,
-                  dq_row, dk, dv, key, seqlen_k, diag_offset, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_desc, q_full, q_empty,
+                  lse_row, delta_row, dq_row, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                  CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DSPLIT: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -86,36 +87,61 @@ if AVAILABLE:
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), dot_a), do, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(dst, dot_a), q, dk, is_async=True)
-        # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed. It goes out
-        # 64 columns at a time, which keeps its accumulator at 32 registers beside dK and dV's 128.
-        ds_smem.store(dst)
-        fence_async_shared()
+        # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, 64, 16])
         dq_zero = gl.zeros([BLOCK_M, 64], gl.float32, layout=dq_layout)
-        for c in gl.static_range(HEAD_DIM // 64):
-            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False,
-                                   is_async=True)
-            if c == HEAD_DIM // 64 - 1:
-                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-                mbarrier.arrive(q_empty.index(slot), count=1)
-            else:
-                dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-            # The partial dQ goes out by one bulk TMA reduction per chunk, through this warpgroup's staging tile;
-            # the previous reduction must have read the tile first.
-            tma.store_wait(pendings=0)
-            dq_smem.store(dq)
+        if DSPLIT:
+            # Both warpgroups' dS^T halves go into one [128 keys, BLOCK_M] tile (two buffers, alternating); each
+            # warpgroup then computes 64 of dQ's columns over all 128 keys, so every dQ element is reduced once
+            # per key block rather than once per warpgroup.
+            ds_tile = ds_smem.index(t % 2)
+            ds_tile.slice(half * 64, 64).store(dst)
             fence_async_shared()
-            tma_reduce_add(dq_desc, [dq_row + m, c * 64], dq_smem)
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(t % 2), count=1)
+            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+            dq_tok = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(half * 64, 64, dim=1), dq_zero,
+                                   use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            if DQ_MODE == 2:
+                tma.store_wait(pendings=0)
+                dq_smem.store(dq)
+                fence_async_shared()
+                tma_reduce_add(dq_desc, [dq_row + m, half * 64], dq_smem)
+        else:
+            # Each warpgroup's own 64 keys, dQ 64 columns at a time (keeps its accumulator at 32 registers).
+            ds_w = ds_smem.index(half)
+            ds_w.store(dst)
+            fence_async_shared()
+            if DQ_MODE == 0:  # probe only (benchmarks/bwd_probe.py): no dQ at all
+                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+                mbarrier.arrive(q_empty.index(slot), count=1)
+            for c in gl.static_range(HEAD_DIM // 64 if DQ_MODE > 0 else 0):
+                dq_tok = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False,
+                                       is_async=True)
+                if c == HEAD_DIM // 64 - 1:
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                    mbarrier.arrive(q_empty.index(slot), count=1)
+                else:
+                    dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+                if DQ_MODE == 2:  # 1 is a probe: the product without its reduction
+                    # One bulk TMA reduction per chunk, through this warpgroup's staging tile; the previous
+                    # reduction must have read the tile first.
+                    tma.store_wait(pendings=0)
+                    dq_smem.store(dq)
+                    fence_async_shared()
+                    tma_reduce_add(dq_desc, [dq_row + m, c * 64], dq_smem)
         return dk, dv
 
     @gluon.jit
     def _bwd_partition(half: gl.constexpr, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                       dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift, group_size,
+                       ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift, group_size,
                        num_heads,
                        seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DSPLIT: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -124,7 +150,6 @@ if AVAILABLE:
         key = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         k_w = k_smem.slice(half * 64, 64)
         v_w = v_smem.slice(half * 64, 64)
-        ds_w = ds_smem.index(half)
         dq_w = dq_smem.index(half)
         dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
@@ -138,16 +163,16 @@ if AVAILABLE:
             dq_row = (i_b * num_heads + i_h) * seqlen_q_pad
             # Query blocks that cross the diagonal (or a key block past Sk) first, masked; then the rest.
             for i in range(0, i_full):
-                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, q_smem, do_smem, ds_w, dq_w,
-                                   dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk, dv, key, seqlen_k,
-                                   diag_offset, qk_scale,
-                                   HEAD_DIM, BLOCK_M, STAGES, True, CAUSAL)
+                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
+                                   ds_smem, ds_ready, dq_w, dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk,
+                                   dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, True,
+                                   CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
             for i in range(i_full, n_q):
-                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, q_smem, do_smem, ds_w, dq_w,
-                                   dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk, dv, key, seqlen_k,
-                                   diag_offset, qk_scale,
-                                   HEAD_DIM, BLOCK_M, STAGES, False, CAUSAL)
+                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
+                                   ds_smem, ds_ready, dq_w, dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk,
+                                   dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, False,
+                                   CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
         tma.store_wait(pendings=0)  # the last dQ reduction has read the staging tile
         dtype: gl.constexpr = ds_smem.dtype
@@ -167,8 +192,11 @@ if AVAILABLE:
                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                     seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, num_heads, num_kv_heads,
                     group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
         dtype: gl.constexpr = Q.dtype.element_ty
+        # dQ split by columns between the two warpgroups needs 64-column slices of K that keep the 128-byte
+        # swizzle: head dim 128. At 64 each warpgroup reduces its own keys' dQ.
+        DSPLIT: gl.constexpr = HEAD_DIM == 128 and DQ_MODE == 2
         i_n = gl.program_id(0)
         i_bh = gl.program_id(1)
         i_b = i_bh // num_kv_heads
@@ -215,7 +243,8 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M], layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N if DSPLIT else 64, BLOCK_M], layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], dq_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -224,18 +253,22 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(q_full.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a slot
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T are in shared memory
 
         gl.warp_specialize([
             (_bwd_partition, (0, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                              dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
+                              ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
-                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE,
+                              DSPLIT)),
             (_bwd_partition, (1, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                              dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
+                              ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
-                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE,
+                              DSPLIT)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full,
                                    q_empty, start_n, i_hk, group_size, m_lo, n_q, shift, HEAD_DIM, BLOCK_M,
                                    STAGES)),
@@ -253,9 +286,11 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
     return all(t.stride(2) == t.shape[-1] and t.stride(3) == 1 for t in (q, k, v, dout))
 
 
-def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, causal):
+def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, causal,
+                       dq_mode=2):
     """dq, dk, dv: output buffers ([B, S, H, D], any strides); lse_log2, delta: [B, H, Sq_pad] from the portable
-    backward's preprocess (kernels/backward.py)."""
+    backward's preprocess (kernels/backward.py). dq_mode < 2 leaves dQ wrong and exists for timing probes
+    (benchmarks/bwd_probe.py): 0 skips its product and reduction, 1 its reduction."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = lse_log2.shape[-1]
@@ -268,6 +303,7 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         *dk.stride()[:3], *dv.stride()[:3],
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale * 1.4426950408889634, softmax_scale,
         num_heads, num_kv_heads, num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, DQ_MODE=dq_mode,
+        num_warps=4)
     dq.copy_((dq_acc[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
     return dq, dk, dv
