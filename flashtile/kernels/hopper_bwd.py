@@ -55,7 +55,39 @@ if AVAILABLE:
             tma_load(do_desc, [m, i_h * HEAD_DIM], q_full.index(slot), do_smem.index(slot))
 
     @gluon.jit
-    def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_desc, q_full, q_empty,
+    def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr):
+        """Hand a partial dQ tile to the writer warp (_bwd_dq_partition) through this warpgroup's staging tile:
+        wait until the writer's previous reduction has read the tile, store, then signal it."""
+        mbarrier.wait(dq_bars.index(2 * half + 1), (u & 1) ^ 1)
+        dq_smem.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_bars.index(2 * half), count=1)
+
+    @gluon.jit
+    def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
+                          seqlen_q_pad, BLOCK_M: gl.constexpr, N_CHUNKS: gl.constexpr, DSPLIT: gl.constexpr,
+                          DQ_MODE: gl.constexpr):
+        """The writer warp: adds each staged partial dQ into the fp32 buffer with one bulk TMA reduction, so the
+        consumer warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
+        n = group_size * n_q * N_CHUNKS
+        if DQ_MODE != 2:
+            n = 0
+        for u in range(n):
+            t = u // N_CHUNKS
+            i_h = i_hk * group_size + t // n_q
+            row = (i_b * num_heads + i_h) * seqlen_q_pad + m_lo + ((t % n_q + shift) % n_q) * BLOCK_M
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_bars.index(2 * w), u & 1)
+                if DSPLIT:
+                    tma_reduce_add(dq_desc, [row, w * 64], dq_smem.index(w))
+                else:
+                    tma_reduce_add(dq_desc, [row, (u % N_CHUNKS) * 64], dq_smem.index(w))
+                tma.store_wait(pendings=0)
+                mbarrier.arrive(dq_bars.index(2 * w + 1), count=1)
+
+    @gluon.jit
+    def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
                   lse_row, delta_row, dq_row, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                   CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DSPLIT: gl.constexpr):
@@ -106,10 +138,7 @@ if AVAILABLE:
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
             mbarrier.arrive(q_empty.index(slot), count=1)
             if DQ_MODE == 2:
-                tma.store_wait(pendings=0)
-                dq_smem.store(dq)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [dq_row + m, half * 64], dq_smem)
+                _stage_dq(dq, dq_smem, dq_bars, t, half)
         else:
             # Each warpgroup's own 64 keys, dQ 64 columns at a time (keeps its accumulator at 32 registers).
             ds_w = ds_smem.index(half)
@@ -127,16 +156,11 @@ if AVAILABLE:
                 else:
                     dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
                 if DQ_MODE == 2:  # 1 is a probe: the product without its reduction
-                    # One bulk TMA reduction per chunk, through this warpgroup's staging tile; the previous
-                    # reduction must have read the tile first.
-                    tma.store_wait(pendings=0)
-                    dq_smem.store(dq)
-                    fence_async_shared()
-                    tma_reduce_add(dq_desc, [dq_row + m, c * 64], dq_smem)
+                    _stage_dq(dq, dq_smem, dq_bars, t * (HEAD_DIM // 64) + c, half)
         return dk, dv
 
     @gluon.jit
-    def _bwd_partition(half: gl.constexpr, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+    def _bwd_partition(half: gl.constexpr, dK, dV, LseLog2, Delta, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                        ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift, group_size,
                        num_heads,
                        seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
@@ -164,17 +188,16 @@ if AVAILABLE:
             # Query blocks that cross the diagonal (or a key block past Sk) first, masked; then the rest.
             for i in range(0, i_full):
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk,
+                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dq_row, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, True,
                                    CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
             for i in range(i_full, n_q):
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_desc, q_full, q_empty, lse_row, delta_row, dq_row, dk,
+                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dq_row, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, False,
                                    CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
-        tma.store_wait(pendings=0)  # the last dQ reduction has read the staging tile
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
         dcol = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -245,6 +268,8 @@ if AVAILABLE:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N if DSPLIT else 64, BLOCK_M], layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # Per consumer warpgroup w: dq_bars[2w] "staged tile full", dq_bars[2w + 1] "read by the writer".
+        dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], dq_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -255,15 +280,17 @@ if AVAILABLE:
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a slot
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T are in shared memory
+        for i in gl.static_range(4):
+            mbarrier.init(dq_bars.index(i), count=1)
 
         gl.warp_specialize([
-            (_bwd_partition, (0, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+            (_bwd_partition, (0, dK, dV, LseLog2, Delta, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
                               stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE,
                               DSPLIT)),
-            (_bwd_partition, (1, dK, dV, LseLog2, Delta, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+            (_bwd_partition, (1, dK, dV, LseLog2, Delta, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
@@ -272,7 +299,9 @@ if AVAILABLE:
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full,
                                    q_empty, start_n, i_hk, group_size, m_lo, n_q, shift, HEAD_DIM, BLOCK_M,
                                    STAGES)),
-        ], [4, 1], [232, 24])
+            (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
+                                 seqlen_q_pad, BLOCK_M, 1 if DSPLIT else HEAD_DIM // 64, DSPLIT, DQ_MODE)),
+        ], [4, 1, 1], [232, 24, 24])
 
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
