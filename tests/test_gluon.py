@@ -71,6 +71,9 @@ SHAPES = [
     (1, 2048, 2048, 8, 2, 64, False, torch.bfloat16),
     (1, 4096, 4096, 4, 4, 128, True, torch.bfloat16),
     (1, 4096, 4096, 4, 4, 64, True, torch.float16),
+    # More work items than SMs: each program of the persistent kernel loops over several tiles.
+    (2, 3000, 3100, 16, 4, 128, False, torch.bfloat16),
+    (2, 2100, 1900, 16, 8, 64, False, torch.float16),
 ]
 
 

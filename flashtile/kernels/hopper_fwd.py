@@ -3,18 +3,33 @@
 The plain-Triton forward (kernels/forward.py) leaves the schedule to the compiler, which keeps one warpgroup
 busy with both the matrix multiplies and the softmax. This kernel fixes the schedule by hand:
 
-* a producer warp (``_load_partition``) brings the query tile in once, then streams K and V blocks by TMA into a
-  ring of ``STAGES`` shared-memory slots, each guarded by a "full" and an "empty" mbarrier;
+* plain attention runs persistent: one program per SM walks a list of (query tile, batch*head) work items, so the
+  loads of the next tile overlap the end of the current one, and the output store of a tile is only waited for
+  when its buffer is needed again (causal calls launch one program per tile, see PERSISTENT);
+* a producer warp (``_load_partition``) brings each query tile in (two 64-row halves behind a "full" and an
+  "empty" mbarrier) and streams K and V blocks by TMA into a ring of ``STAGES`` shared-memory slots, each guarded
+  the same way. It runs ahead across tiles: the next query tile comes in as soon as both consumers have finished
+  their last ``Q K^T`` of the current one;
 * two consumer warpgroups (``_softmax_partition``), each owning 64 of the tile's 128 query rows, read the same
-  ring. Inside each, the scores of block j (``Q Kj^T``) are issued asynchronously together with ``P(j-1) V(j-1)``,
-  so the tensor cores work on both while the warpgroup computes the softmax of block j; the two warpgroups run
-  out of phase, so one's exponentials overlap the other's matrix multiplies.
+  ring. Step j of a warpgroup issues ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` together, waits for ``S_j``
+  alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores.
+
+Two facts about ptxas (Triton 3.6) shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
+has the SASS. (1) ptxas hoists ``wgmma.wait_group`` above independent arithmetic of the same basic block: with
+the wait for ``P_{j-1} V_{j-1}`` simply written after the softmax, it landed before the exponentials and a
+warpgroup never overlapped its own ``P V``. The softmax is therefore written in two branches (masked and
+unmasked block), which puts the wait in a block of its own after them. (2) ptxas does not keep the register
+operand of a wgmma alive across a loop iteration: leaving ``P_{j-1} V_{j-1}`` in flight into step j+1 let it
+reuse the P registers while the tensor cores still read them (wrong results), so every step retires its own
+``P V``.
 
 It covers the plain and causal forward (bottom-right aligned, as everywhere in flashtile) for fp16/bf16 at head
 dims 64 and 128, GQA included; every other feature runs on the portable kernel. ``supports`` is the dispatch
-rule, and tests/test_gpu.py compares the two kernels on the GPU. Gluon does not run in Triton's interpreter, so
+rule, and tests/test_gluon.py compares the two kernels on the GPU. Gluon does not run in Triton's interpreter, so
 this module only compiles on a Hopper GPU; importing it anywhere is safe.
 """
+# q, out: [B, Sq, H, D]; k, v: [B, Sk, Hk, D]; lse: [B, H, Sq] (fp32, natural log)
+import functools
 import os
 
 import torch
@@ -25,88 +40,141 @@ try:  # Gluon ships with Triton >= 3.5; its Hopper module is all this kernel nee
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                     warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
+
 from . import _common, configs
 from .features import Features
 
-# Query rows per program (two consumer warpgroups of 64) and key rows per block.
+# Query rows per work item (two consumer warpgroups of 64) and key rows per block.
 BLOCK_M = 128
 BLOCK_N = 128
 HEAD_DIMS = (64, 128)
-# Ring depth per head dim: two K and two V slots of 128 x 128 bf16 plus the query tile use 160 KB at d128.
+# Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, the query tile and the output buffer (32 KB each) use
+# 192 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 128 KB.
 STAGES = {64: 3, 128: 2}
+# One program per SM looping over work items (plain attention); False, and every causal call, launches one program
+# per work item instead (the same kernel): causal tiles differ in cost, and a static round-robin share per program
+# was unbalanced (B1 H16 S16k d128: 474 TFLOP/s persistent vs 629 with one program per tile, NOTES.md).
+PERSISTENT = True
 # FLASHTILE_GLUON=0 turns the fast path off (to compare with the portable kernel, or to work around a problem).
 ENABLED = os.environ.get("FLASHTILE_GLUON", "1") != "0"
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
 
 if AVAILABLE:
+    _LN2 = gl.constexpr(LN2)  # kernels read module constants only as constexprs
 
     @gluon.jit
-    def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-                        start_m, n_blocks, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        # The query tile, as two halves (one per consumer warpgroup), on one barrier.
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [start_m + HALF_M, 0], q_bar, q_smem.index(1))
-        for j in range(n_blocks):
-            slot = j % STAGES
-            # A fresh barrier has completed no phase, so the first pass through the ring waits on parity 1 and
-            # does not block; after that, each slot waits for both consumers to release it.
-            phase = ((j // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_full.index(slot), v_smem.index(slot))
+    def _tile_coords(tile, n_m, num_heads, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """Work item -> (first query row, batch, head). The query tiles of one head are consecutive items, so the
+        programs running at one time share few heads' K/V in L2; causal: the tiles that see the most keys first."""
+        i_bh = tile // n_m
+        i_m = tile % n_m
+        if CAUSAL:
+            i_m = n_m - 1 - i_m
+        return i_m * BLOCK_M, i_bh // num_heads, i_bh % num_heads
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr):
+    def _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+        """Key blocks a query tile sees: all of them, or up to the causal diagonal of its last row."""
+        kv_end = seqlen_k
+        if CAUSAL:
+            kv_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag_offset), 0)
+        return gl.cdiv(kv_end, BLOCK_N)
+
+    @gluon.jit
+    def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                        v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset,
+                        HALF_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        c = 0  # blocks loaded so far by this program: slot c % STAGES, pass c // STAGES through the ring
+        it = 0  # work items so far
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
+            i_hk = i_h // group_size
+            n_blocks = _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+            # A fresh barrier has completed no phase, so the first wait on an "empty" barrier (parity 1) does not
+            # block; after that, each wait needs both consumers' release of the previous use.
+            mbarrier.wait(q_empty, (it & 1) ^ 1)
+            mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
+            for half in gl.static_range(2):
+                tma.async_copy_global_to_shared(q_desc, [i_b, start_m + half * HALF_M, i_h, 0], q_full,
+                                                q_smem.index(half).reshape([1, HALF_M, 1, HEAD_DIM]))
+            # K runs one block ahead of V, the order the consumers use them in: step j reads K_j and V_{j-1}.
+            for j in range(n_blocks + 1):
+                if j < n_blocks:
+                    slot = (c + j) % STAGES
+                    mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
+                    mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [i_b, j * BLOCK_N, i_hk, 0], k_full.index(slot),
+                                                    k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+                if j > 0:
+                    slot = (c + j - 1) % STAGES
+                    mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
+                    mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [i_b, (j - 1) * BLOCK_N, i_hk, 0], v_full.index(slot),
+                                                    v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+            c += n_blocks
+            it += 1
+
+    @gluon.jit
+    def _softmax_core(s, m_i, l_i, qk_scale):
         """Online softmax of one score block (docs/derivation.md ch. 3) in log2 units: returns p, alpha, m, l."""
-        if MASK:
-            keep = gl.expand_dims(col, 0) < seqlen_k
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(col, 0) <= gl.expand_dims(row, 1) + diag_offset)
-            s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        if MASK:
-            # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 away from NaN.
-            m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 away from NaN.
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _consume_block(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, j, p_prev, acc, m_i, l_i, s_zero,
-                       row, seqlen_k, diag_offset, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       MASK: gl.constexpr, CAUSAL: gl.constexpr, dot_a: gl.constexpr):
-        """One steady-state step: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight while softmax(S_j) runs."""
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_full.index(slot), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
-        acc_tok = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-        # wgmma groups retire in issue order: one left outstanding means the scores are done.
-        s, acc_tok = warpgroup_mma_wait(1, deps=(s_tok, acc_tok))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        col = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, MASK, CAUSAL)
-        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-        p_prev = gl.convert_layout(p.to(q.dtype), dot_a)
-        return p_prev, acc, m_i, l_i
+    def _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, mask, CAUSAL: gl.constexpr):
+        """`mask` (runtime): apply Sk and the causal diagonal. Both branches hold a whole softmax, so the wait that
+        follows a call starts a basic block of its own and ptxas cannot hoist it above the exponentials."""
+        if mask:
+            keep = gl.expand_dims(col, 0) < seqlen_k
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(col, 0) <= gl.expand_dims(row, 1) + diag_offset)
+            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale)
+        else:
+            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale)
+        return p, alpha, m_n, l_n
 
     @gluon.jit
-    def _softmax_partition(half: gl.constexpr, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                           v_empty, start_m, n_blocks, seqlen_q, seqlen_k, diag_offset, qk_scale,
-                           HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    def _consume_block(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, j, c, p_prev, alpha_prev, acc, m_i, l_i,
+                       s_zero, row, seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, dot_a: gl.constexpr):
+        """Step j >= 1 of a warpgroup: in P_{j-1} and its alpha, out P_j and its alpha; O holds P_{<j} V_{<j}."""
+        k_slot = (c + j) % STAGES
+        v_slot = (c + j - 1) % STAGES
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, gl.SliceLayout(1, acc.type.layout)), 1)
+        mbarrier.wait(k_full.index(k_slot), ((c + j) // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_full.index(v_slot), ((c + j - 1) // STAGES) & 1)
+        acc_tok = warpgroup_mma(p_prev, v_smem.index(v_slot), acc, is_async=True)
+        # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(k_slot), count=1)
+        col = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, j >= n_full,
+                                           CAUSAL)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        mbarrier.arrive(v_empty.index(v_slot), count=1)
+        p = gl.convert_layout(p.to(q.dtype), dot_a)
+        return p, alpha, acc, m_i, l_i
+
+    @gluon.jit
+    def _softmax_partition(half: gl.constexpr, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
+                           q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, seqlen_q,
+                           seqlen_k, diag_offset, qk_scale, HALF_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                           CAUSAL: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -114,122 +182,111 @@ if AVAILABLE:
                                                            instr_shape=[16, HEAD_DIM, 16])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-        row_start = start_m + half * HALF_M
-        row = row_start + gl.arange(0, HALF_M, layout=row_layout)
-        # Blocks below n_full are visible to every row of this half (and lie inside Sk): no mask there.
-        n_full = seqlen_k // BLOCK_N
-        if CAUSAL:
-            n_full = gl.minimum(n_full, gl.maximum(row_start + diag_offset + 1, 0) // BLOCK_N)
-        n_full = gl.minimum(n_full, n_blocks)
-
-        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
-        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
         q = q_smem.index(half)
-        mbarrier.wait(q_bar, 0)
-        if n_blocks > 0:
-            # Prologue: the first block's scores and softmax; nothing to multiply into V yet.
-            mbarrier.wait(k_full.index(0), 0)
-            s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(0), count=1)
-            col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            if n_full > 0:
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, False,
-                                                   CAUSAL)
-            else:
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, True,
-                                                   CAUSAL)
-            p_prev = gl.convert_layout(p.to(dtype), dot_a)
-            for j in range(1, gl.maximum(n_full, 1)):
-                p_prev, acc, m_i, l_i = _consume_block(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, j,
-                                                       p_prev, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset,
-                                                       qk_scale, BLOCK_N, STAGES, False, CAUSAL, dot_a)
-            for j in range(gl.maximum(n_full, 1), n_blocks):
-                p_prev, acc, m_i, l_i = _consume_block(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, j,
-                                                       p_prev, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset,
-                                                       qk_scale, BLOCK_N, STAGES, True, CAUSAL, dot_a)
-            # Epilogue: the last block's P V.
-            last = (n_blocks - 1) % STAGES
-            mbarrier.wait(v_full.index(last), ((n_blocks - 1) // STAGES) & 1)
-            acc_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-            mbarrier.arrive(v_empty.index(last), count=1)
+        o_buf = o_smem.index(half)
 
-        # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-        gl.store(Lse + row, lse, mask=row < seqlen_q)
-        # This half of the query tile is no longer read: the output goes out through it, clipped at Sq by TMA.
-        q.store(acc.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [row_start, 0], q)
+        c = 0  # blocks consumed so far by this program, counted as the producer counts them
+        it = 0  # work items so far
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
+            n_blocks = _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+            row_start = start_m + half * HALF_M
+            row = row_start + gl.arange(0, HALF_M, layout=row_layout)
+            # Blocks below n_full are visible to every row of this half (and lie inside Sk): no mask there.
+            n_full = seqlen_k // BLOCK_N
+            if CAUSAL:
+                n_full = gl.minimum(n_full, gl.maximum(row_start + diag_offset + 1, 0) // BLOCK_N)
+
+            m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+            l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+            acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+            mbarrier.wait(q_full, it & 1)
+            if n_blocks > 0:
+                # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
+                slot = c % STAGES
+                mbarrier.wait(k_full.index(slot), (c // STAGES) & 1)
+                s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale,
+                                                   n_full == 0, CAUSAL)
+                p = gl.convert_layout(p.to(dtype), dot_a)
+                for j in range(1, n_blocks):
+                    p, alpha, acc, m_i, l_i = _consume_block(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                                                             j, c, p, alpha, acc, m_i, l_i, s_zero, row, seqlen_k,
+                                                             diag_offset, qk_scale, n_full, BLOCK_N, STAGES, CAUSAL,
+                                                             dot_a)
+                # Every Q K^T of this tile is done: the producer may load the next query tile.
+                mbarrier.arrive(q_empty, count=1)
+                # Last step: P_{n-1} V_{n-1}.
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                last = (c + n_blocks - 1) % STAGES
+                mbarrier.wait(v_full.index(last), ((c + n_blocks - 1) // STAGES) & 1)
+                acc_tok = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+                mbarrier.arrive(v_empty.index(last), count=1)
+            else:
+                mbarrier.arrive(q_empty, count=1)
+
+            # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
+            empty = l_i == 0.0
+            l_safe = gl.where(empty, 1.0, l_i)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+            acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+            lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+            gl.store(lse_base + row, lse, mask=row < seqlen_q)
+            # The previous tile's output store must have read the buffer before it is overwritten.
+            tma.store_wait(pendings=0)
+            o_buf.store(acc.to(dtype))
+            fence_async_shared()
+            # Rows past Sq are clipped by the descriptor's bounds.
+            tma.async_copy_shared_to_global(o_desc, [i_b, row_start, i_h, 0],
+                                            o_buf.reshape([1, HALF_M, 1, HEAD_DIM]))
+            c += n_blocks
+            it += 1
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _fwd_kernel(Q, K, V, Out, Lse, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                    seqlen_q, seqlen_k, diag_offset, qk_scale, num_heads, group_size,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, diag_offset,
+                    qk_scale, num_heads, group_size, n_m, n_tiles,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
-        dtype: gl.constexpr = Q.dtype.element_ty
-        i_m = gl.program_id(0)
-        if CAUSAL:
-            # The last query blocks see the most keys: launch them first so the final wave is short.
-            i_m = gl.num_programs(0) - 1 - i_m
-        i_bh = gl.program_id(1)
-        i_b = i_bh // num_heads
-        i_h = i_bh % num_heads
-        i_hk = i_h // group_size
-        start_m = i_m * BLOCK_M
-
+        dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_desc = tma.make_tensor_descriptor(Q + i_b.to(gl.int64) * stride_qb + i_h.to(gl.int64) * stride_qh,
-                                            [seqlen_q, HEAD_DIM], [stride_qs, 1], [HALF_M, HEAD_DIM], layout)
-        k_desc = tma.make_tensor_descriptor(K + i_b.to(gl.int64) * stride_kb + i_hk.to(gl.int64) * stride_kh,
-                                            [seqlen_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], layout)
-        v_desc = tma.make_tensor_descriptor(V + i_b.to(gl.int64) * stride_vb + i_hk.to(gl.int64) * stride_vh,
-                                            [seqlen_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], layout)
-        o_desc = tma.make_tensor_descriptor(Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh,
-                                            [seqlen_q, HEAD_DIM], [stride_os, 1], [HALF_M, HEAD_DIM], layout)
-        lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
-
-        # Key blocks this query tile sees: all of them, or up to the causal diagonal of its last row.
-        kv_end = seqlen_k
-        if CAUSAL:
-            kv_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag_offset), 0)
-        n_blocks = gl.cdiv(kv_end, BLOCK_N)
-
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], layout)
+        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        # Each "empty" barrier waits for both consumer warpgroups.
+        mbarrier.init(q_full, count=1)
+        mbarrier.init(q_empty, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
-            # Both consumer warpgroups release a slot before the producer refills it.
             mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_empty.index(i), count=2)
 
         gl.warp_specialize([
-            (_softmax_partition, (0, o_desc, lse_base, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                                  v_empty, start_m, n_blocks, seqlen_q, seqlen_k, diag_offset, qk_scale, HALF_M,
-                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_softmax_partition, (1, o_desc, lse_base, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                                  v_empty, start_m, n_blocks, seqlen_q, seqlen_k, diag_offset, qk_scale, HALF_M,
-                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                               v_empty, start_m, n_blocks, HALF_M, BLOCK_N, STAGES)),
+            (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem, q_full,
+                                  q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, seqlen_q,
+                                  seqlen_k, diag_offset, qk_scale, HALF_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                  CAUSAL)),
+            (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem, q_full,
+                                  q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, seqlen_q,
+                                  seqlen_k, diag_offset, qk_scale, HALF_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                  CAUSAL)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty,
+                               v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, HALF_M,
+                               BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
         ], [4, 1], [232, 24])
 
 
@@ -254,17 +311,31 @@ def supports(q, k, v, feats: Features, softmax_scale) -> bool:
     return configs._tma_ok((q, k, v)) and softmax_scale > 0
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _descriptor(t, rows):
+    """A 4-D TMA descriptor over a [B, S, H, D] tensor with its own strides, one [rows, D] tile of one (batch,
+    head) per copy: rows past S are zero-filled on loads and dropped on stores, whatever the layout."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]], layout)
+
+
 def attention_forward(q, k, v, softmax_scale, diagonal_offset, causal):
     """Same contract as kernels.forward.attention_forward for the cases `supports` accepts."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
-    configs._set_tma_allocator(q.device)
-    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * num_heads)
+    n_m = triton.cdiv(seqlen_q, BLOCK_M)
+    n_tiles = n_m * batch * num_heads
+    grid = (min(n_tiles, _num_sms(q.device.index)) if PERSISTENT and not causal else n_tiles, )
     _fwd_kernel[grid](
-        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, diagonal_offset,
-        softmax_scale * 1.4426950408889634, num_heads, num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal, num_warps=4)
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M // 2),
+        lse, lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, diagonal_offset, softmax_scale * LOG2E, num_heads,
+        num_heads // num_kv_heads, n_m, n_tiles,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
+        num_warps=4)
     return out, lse
