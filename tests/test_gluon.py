@@ -22,33 +22,30 @@ def _hopper():
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon forward is compiled for Hopper (sm_90) only")
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    """Count the calls that reach the Gluon kernel."""
+def _count_calls(monkeypatch, module, name):
+    """Replace module.name by a wrapper that records each call's first argument's shape; returns the record."""
     calls = []
-    launch = hopper_fwd.attention_forward
+    launch = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(hopper_fwd, "attention_forward", counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Count the calls that reach the Gluon forward."""
+    return _count_calls(monkeypatch, hopper_fwd, "attention_forward")
 
 
 @pytest.fixture
 def bwd_spy(monkeypatch):
     """Switch the (opt-in) Gluon backward on and count the calls that reach it."""
     monkeypatch.setattr(hopper_bwd, "ENABLED", True)
-    calls = []
-    launch = hopper_bwd.attention_backward
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(hopper_bwd, "attention_backward", counted)
-    return calls
+    return _count_calls(monkeypatch, hopper_bwd, "attention_backward")
 
 
 def _fwd_bwd(q, k, v, dout, causal, **kw):

@@ -5,6 +5,8 @@ Triton renamed 3.6's ``tma.async_copy_global_to_shared`` / ``async_copy_shared_t
 ``async_atomic_add``; 3.6 has the reduction only as a builder call, wrapped here. ``AVAILABLE`` is False where
 Triton has no Gluon; the kernels are then never defined, and dispatch never picks them.
 """
+import triton.language as tl
+
 try:
     from triton._C.libtriton import ir as _ir
     from triton.experimental import gluon
@@ -12,9 +14,19 @@ try:
     from triton.experimental.gluon.language._core import builtin as _builtin
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                     warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
+
+# Registers per thread requested for warp_specialize's worker partitions (setmaxnreg): a consumer warpgroup holds
+# fp32 accumulators of 128 to 192 registers (O and S in the forward, dK and dV in the backward); a warp that only
+# issues TMA copies needs the minimum, 24. 232 is what remains under the 64K-register file with the default
+# partition at its own share (the compiled kernels start at 168 per thread and spill nothing at 232 in the
+# forward; see benchmarks/NOTES.md for the backward's spills at d128).
+# (constexprs: kernels read module-level values only as such)
+CONSUMER_REGS = tl.constexpr(232)
+PRODUCER_REGS = tl.constexpr(24)
 
 if AVAILABLE:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -29,5 +41,5 @@ if AVAILABLE:
 
     tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
-__all__ = ["AVAILABLE", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "tma_load", "tma_reduce_add",
+__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "tma_load", "tma_reduce_add",
            "tma_store", "warpgroup_mma", "warpgroup_mma_wait"]

@@ -20,8 +20,9 @@ import os
 import torch
 import triton
 
-from . import configs
-from ._gluon import AVAILABLE
+from . import configs, hopper_fwd
+from ._common import LOG2E
+from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import Features
 
 if AVAILABLE:
@@ -88,7 +89,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
-                  lse_row, delta_row, dq_row, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
+                  lse_row, delta_row, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                   CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DSPLIT: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -184,17 +185,16 @@ if AVAILABLE:
             row0 = (i_b * num_heads + i_h).to(gl.int64) * seqlen_q_pad
             lse_row = LseLog2 + row0
             delta_row = Delta + row0
-            dq_row = (i_b * num_heads + i_h) * seqlen_q_pad
             # Query blocks that cross the diagonal (or a key block past Sk) first, masked; then the rest.
             for i in range(0, i_full):
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dq_row, dk,
+                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, True,
                                    CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
             for i in range(i_full, n_q):
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dq_row, dk,
+                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, False,
                                    CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
@@ -301,13 +301,12 @@ if AVAILABLE:
                                    STAGES)),
             (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
                                  seqlen_q_pad, BLOCK_M, 1 if DSPLIT else HEAD_DIM // 64, DSPLIT, DQ_MODE)),
-        ], [4, 1, 1], [232, 24, 24])
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
     """Whether this kernel computes the request: the forward's conditions (kernels/hopper_fwd.supports), not
     deterministic, and every tensor's heads contiguous within a sequence row (one descriptor spans them)."""
-    from . import hopper_fwd
     if not (ENABLED and not deterministic and hopper_fwd.supports(q, k, v, feats, softmax_scale)):
         return False
     if dout.dtype != q.dtype or not configs._tma_ok((dout,)):
@@ -330,7 +329,7 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         q, k, v, dout, dk, dv, lse_log2, delta, dq_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
         *dk.stride()[:3], *dv.stride()[:3],
-        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale * 1.4426950408889634, softmax_scale,
+        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale * LOG2E.value, softmax_scale,
         num_heads, num_kv_heads, num_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, DQ_MODE=dq_mode,
         num_warps=4)

@@ -35,19 +35,14 @@ import os
 import torch
 import triton
 
-try:  # Gluon ships with Triton >= 3.5; its Hopper module is all this kernel needs.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                    warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    AVAILABLE = False
-
-
 from . import _common, configs
+from ._common import LN2, LOG2E
+from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import Features
+
+if AVAILABLE:
+    from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per work item (two consumer warpgroups of 64) and key rows per block.
 BLOCK_M = 128
@@ -62,12 +57,8 @@ STAGES = {64: 3, 128: 2}
 PERSISTENT = True
 # FLASHTILE_GLUON=0 turns the fast path off (to compare with the portable kernel, or to work around a problem).
 ENABLED = os.environ.get("FLASHTILE_GLUON", "1") != "0"
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
 
 if AVAILABLE:
-    _LN2 = gl.constexpr(LN2)  # kernels read module constants only as constexprs
-
     @gluon.jit
     def _tile_coords(tile, n_m, num_heads, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
         """Work item -> (first query row, batch, head). The query tiles of one head are consecutive items, so the
@@ -103,7 +94,7 @@ if AVAILABLE:
             mbarrier.wait(q_empty, (it & 1) ^ 1)
             mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
             for half in gl.static_range(2):
-                tma.async_copy_global_to_shared(q_desc, [i_b, start_m + half * HALF_M, i_h, 0], q_full,
+                tma_load(q_desc, [i_b, start_m + half * HALF_M, i_h, 0], q_full,
                                                 q_smem.index(half).reshape([1, HALF_M, 1, HEAD_DIM]))
             # K runs one block ahead of V, the order the consumers use them in: step j reads K_j and V_{j-1}.
             for j in range(n_blocks + 1):
@@ -111,13 +102,13 @@ if AVAILABLE:
                     slot = (c + j) % STAGES
                     mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [i_b, j * BLOCK_N, i_hk, 0], k_full.index(slot),
+                    tma_load(k_desc, [i_b, j * BLOCK_N, i_hk, 0], k_full.index(slot),
                                                     k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
                 if j > 0:
                     slot = (c + j - 1) % STAGES
                     mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [i_b, (j - 1) * BLOCK_N, i_hk, 0], v_full.index(slot),
+                    tma_load(v_desc, [i_b, (j - 1) * BLOCK_N, i_hk, 0], v_full.index(slot),
                                                     v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
             c += n_blocks
             it += 1
@@ -233,7 +224,7 @@ if AVAILABLE:
             # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
             empty = l_i == 0.0
             l_safe = gl.where(empty, 1.0, l_i)
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
             acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
             lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
             gl.store(lse_base + row, lse, mask=row < seqlen_q)
@@ -242,7 +233,7 @@ if AVAILABLE:
             o_buf.store(acc.to(dtype))
             fence_async_shared()
             # Rows past Sq are clipped by the descriptor's bounds.
-            tma.async_copy_shared_to_global(o_desc, [i_b, row_start, i_h, 0],
+            tma_store(o_desc, [i_b, row_start, i_h, 0],
                                             o_buf.reshape([1, HALF_M, 1, HEAD_DIM]))
             c += n_blocks
             it += 1
@@ -287,7 +278,7 @@ if AVAILABLE:
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty,
                                v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, HALF_M,
                                BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        ], [4, 1], [232, 24])
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(q, k, v, feats: Features, softmax_scale) -> bool:
@@ -334,7 +325,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, causal):
     grid = (min(n_tiles, _num_sms(q.device.index)) if PERSISTENT and not causal else n_tiles, )
     _fwd_kernel[grid](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M // 2),
-        lse, lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, diagonal_offset, softmax_scale * LOG2E, num_heads,
+        lse, lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, diagonal_offset, softmax_scale * LOG2E.value, num_heads,
         num_heads // num_kv_heads, n_m, n_tiles,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
         num_warps=4)
