@@ -40,9 +40,9 @@ ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "0") == "1"
 if AVAILABLE:
 
     @gluon.jit
-    def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full,
-                            q_empty, start_n, i_hk, group_size, m_lo, n_q, shift, HEAD_DIM: gl.constexpr,
-                            BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                            lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk, num_heads, group_size,
+                            m_lo, n_q, shift, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [start_n, i_hk * HEAD_DIM], kv_bar, k_smem)
         tma_load(v_desc, [start_n, i_hk * HEAD_DIM], kv_bar, v_smem)
@@ -51,9 +51,14 @@ if AVAILABLE:
             m = m_lo + ((t % n_q + shift) % n_q) * BLOCK_M
             slot = t % STAGES
             mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + 2 * lse_desc.block_type.nbytes)
             tma_load(q_desc, [m, i_h * HEAD_DIM], q_full.index(slot), q_smem.index(slot))
             tma_load(do_desc, [m, i_h * HEAD_DIM], q_full.index(slot), do_smem.index(slot))
+            # The rows' LSE and delta ride along: read from shared memory where the softmax needs them, they hold
+            # no registers across the products (at d128 registers are what the consumers run short of).
+            tma_load(lse_desc, [i_b * num_heads + i_h, m], q_full.index(slot), lse_smem.index(slot))
+            tma_load(delta_desc, [i_b * num_heads + i_h, m], q_full.index(slot), delta_smem.index(slot))
 
     @gluon.jit
     def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr):
@@ -78,18 +83,22 @@ if AVAILABLE:
             t = u // N_CHUNKS
             i_h = i_hk * group_size + t // n_q
             row = (i_b * num_heads + i_h) * seqlen_q_pad + m_lo + ((t % n_q + shift) % n_q) * BLOCK_M
+            # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
             for w in gl.static_range(2):
                 mbarrier.wait(dq_bars.index(2 * w), u & 1)
-                if DSPLIT:
-                    tma_reduce_add(dq_desc, [row, w * 64], dq_smem.index(w))
-                else:
-                    tma_reduce_add(dq_desc, [row, (u % N_CHUNKS) * 64], dq_smem.index(w))
-                tma.store_wait(pendings=0)
-                mbarrier.arrive(dq_bars.index(2 * w + 1), count=1)
+                col = w * 64 if DSPLIT else (u % N_CHUNKS) * 64
+                # 128-byte swizzled fp32 staging (conflict-free stores from the accumulator layout): 32 columns
+                # per reduction.
+                tma_reduce_add(dq_desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
+                tma_reduce_add(dq_desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
+            tma.store_wait(pendings=2)
+            mbarrier.arrive(dq_bars.index(1), count=1)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(dq_bars.index(3), count=1)
 
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
-                  lse_row, delta_row, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
+                  lse_smem, delta_smem, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                   CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DSPLIT: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -105,19 +114,18 @@ if AVAILABLE:
         zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
         st_tok = warpgroup_mma(k_w, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-        cols = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask.
-        lse = gl.load(lse_row + cols)
-        delta = gl.load(delta_row + cols)
         st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+        # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask. Both are read as
+        # [1, BLOCK_M] rows of the scores' layout: broadcast along the keys with no layout conversion.
+        pt = gl.exp2(st * qk_scale - lse_smem.index(slot).load(s_layout))
         if MASK:
+            cols = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(key, 1) < seqlen_k
             if CAUSAL:
                 keep = keep & (gl.expand_dims(key, 1) <= gl.expand_dims(cols, 0) + diag_offset)
             pt = gl.where(keep, pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        dst = (pt * (dpt - delta_smem.index(slot).load(s_layout))).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), dot_a), do, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(dst, dot_a), q, dk, is_async=True)
         # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
@@ -161,7 +169,7 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
-    def _bwd_partition(half: gl.constexpr, dK, dV, LseLog2, Delta, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
+    def _bwd_partition(half: gl.constexpr, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                        ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift, group_size,
                        num_heads,
                        seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
@@ -181,20 +189,16 @@ if AVAILABLE:
         mbarrier.wait(kv_bar, 0)
         t = 0
         for g in range(group_size):
-            i_h = i_hk * group_size + g
-            row0 = (i_b * num_heads + i_h).to(gl.int64) * seqlen_q_pad
-            lse_row = LseLog2 + row0
-            delta_row = Delta + row0
             # Query blocks that cross the diagonal (or a key block past Sk) first, masked; then the rest.
             for i in range(0, i_full):
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dk,
+                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_smem, delta_smem, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, True,
                                    CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
             for i in range(i_full, n_q):
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_row, delta_row, dk,
+                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_smem, delta_smem, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, False,
                                    CAUSAL, DQ_MODE, DSPLIT)
                 t += 1
@@ -257,10 +261,17 @@ if AVAILABLE:
         v_desc = tma.make_tensor_descriptor(V + i_b.to(gl.int64) * stride_vb, [seqlen_k, num_kv_heads * HEAD_DIM],
                                             [stride_vs, 1], [BLOCK_N, HEAD_DIM], layout)
 
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        # LSE and delta: [B * H, Sq_pad] fp32, one [1, BLOCK_M] row piece per query tile.
+        row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        bh_rows = (gl.num_programs(1) // num_kv_heads) * num_heads
+        lse_desc = tma.make_tensor_descriptor(LseLog2, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, BLOCK_M],
+                                              row_layout)
+        delta_desc = tma.make_tensor_descriptor(Delta, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, BLOCK_M],
+                                                row_layout)
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         # dQ accumulates in fp32 rows (batch, head, padded query): [B * H * Sq_pad, D].
         dq_rows = (gl.num_programs(1) // num_kv_heads) * num_heads * seqlen_q_pad
-        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, 64], dq_layout)
+        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, 32], dq_layout)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
@@ -271,6 +282,8 @@ if AVAILABLE:
         # Per consumer warpgroup w: dq_bars[2w] "staged tile full", dq_bars[2w + 1] "read by the writer".
         dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], dq_layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -284,21 +297,21 @@ if AVAILABLE:
             mbarrier.init(dq_bars.index(i), count=1)
 
         gl.warp_specialize([
-            (_bwd_partition, (0, dK, dV, LseLog2, Delta, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
+            (_bwd_partition, (0, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
                               stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE,
                               DSPLIT)),
-            (_bwd_partition, (1, dK, dV, LseLog2, Delta, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
+            (_bwd_partition, (1, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
                               stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE,
                               DSPLIT)),
-            (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_full,
-                                   q_empty, start_n, i_hk, group_size, m_lo, n_q, shift, HEAD_DIM, BLOCK_M,
-                                   STAGES)),
+            (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                                   v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk,
+                                   num_heads, group_size, m_lo, n_q, shift, HEAD_DIM, BLOCK_M, STAGES)),
             (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
                                  seqlen_q_pad, BLOCK_M, 1 if DSPLIT else HEAD_DIM // 64, DSPLIT, DQ_MODE)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
