@@ -1,6 +1,6 @@
 """Where the Gluon backward's time goes (benchmarks/NOTES.md, "Gluon backward"): the whole backward with the
-portable kernels, then the Gluon kernel whole (dq_mode 2), without its dQ reduction (1) and without dQ at all (0).
-Modes 0 and 1 give wrong dQ on purpose; only their times mean anything. Prints TFLOP/s (bwd = 2.5x fwd FLOPs)."""
+portable kernels, then the Gluon kernel whole (dq_mode 2) and without its dQ reduction (1).
+Mode 1 gives a wrong dQ on purpose; only their times mean anything. Prints TFLOP/s (bwd = 2.5x fwd FLOPs)."""
 import functools
 
 import torch
@@ -21,8 +21,7 @@ def main():
             flops = 2.5 * 4 * heads * 16384 ** 2 * d * (0.5 if causal else 1.0)
             launch = hopper_bwd.attention_backward
             times = {}
-            for name, enabled, mode in (("portable", False, 2), ("gluon", True, 2), ("no-reduce", True, 1),
-                                        ("no-dq", True, 0)):
+            for name, enabled, mode in (("portable", False, 2), ("gluon", True, 2), ("no-reduce", True, 1)):
                 hopper_bwd.ENABLED = enabled
                 hopper_bwd.attention_backward = functools.partial(launch, dq_mode=mode)
                 fn = lambda: backward.attention_backward(dout, q, k, v, out, lse, None, d ** -0.5, 0, feats)

@@ -29,8 +29,9 @@ if AVAILABLE:
     from ._gluon import (fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_reduce_add, warpgroup_mma,
                          warpgroup_mma_wait)
 
-BLOCK_M = 64   # query rows per streamed tile
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
+# Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
+BLOCK_M = {64: 128, 128: 64}
 HEAD_DIMS = (64, 128)
 STAGES = 2
 # Opt-in (FLASHTILE_GLUON_BWD=1) until it outruns the portable backward: measured on an H200 it reaches 0.67-1.03x
@@ -72,25 +73,25 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
-                          seqlen_q_pad, BLOCK_M: gl.constexpr, N_CHUNKS: gl.constexpr, DSPLIT: gl.constexpr,
-                          DQ_MODE: gl.constexpr):
+                          seqlen_q_pad, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
         """The writer warp: adds each staged partial dQ into the fp32 buffer with one bulk TMA reduction, so the
         consumer warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
-        n = group_size * n_q * N_CHUNKS
+        n = group_size * n_q
         if DQ_MODE != 2:
             n = 0
         for u in range(n):
-            t = u // N_CHUNKS
-            i_h = i_hk * group_size + t // n_q
-            row = (i_b * num_heads + i_h) * seqlen_q_pad + m_lo + ((t % n_q + shift) % n_q) * BLOCK_M
+            i_h = i_hk * group_size + u // n_q
+            row = (i_b * num_heads + i_h) * seqlen_q_pad + m_lo + ((u % n_q + shift) % n_q) * BLOCK_M
             # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
             for w in gl.static_range(2):
                 mbarrier.wait(dq_bars.index(2 * w), u & 1)
-                col = w * 64 if DSPLIT else (u % N_CHUNKS) * 64
+                # Warpgroup w's share of the tile (_bwd_step): columns w * 64 on at d128, rows at d64.
+                col = w * 64 if BLOCK_M == 64 else 0
+                row_w = row if BLOCK_M == 64 else row + w * 64
                 # 128-byte swizzled fp32 staging (conflict-free stores from the accumulator layout): 32 columns
                 # per reduction.
-                tma_reduce_add(dq_desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
-                tma_reduce_add(dq_desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
+                tma_reduce_add(dq_desc, [row_w, col], dq_smem.index(w).slice(0, 32, dim=1))
+                tma_reduce_add(dq_desc, [row_w, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
             tma.store_wait(pendings=2)
             mbarrier.arrive(dq_bars.index(1), count=1)
             tma.store_wait(pendings=0)
@@ -100,7 +101,7 @@ if AVAILABLE:
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
                   lse_smem, delta_smem, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                  CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DSPLIT: gl.constexpr):
+                  CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -131,41 +132,27 @@ if AVAILABLE:
         # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, 64, 16])
-        dq_zero = gl.zeros([BLOCK_M, 64], gl.float32, layout=dq_layout)
-        if DSPLIT:
-            # Both warpgroups' dS^T halves go into one [128 keys, BLOCK_M] tile (two buffers, alternating); each
-            # warpgroup then computes 64 of dQ's columns over all 128 keys, so every dQ element is reduced once
-            # per key block rather than once per warpgroup.
-            ds_tile = ds_smem.index(t % 2)
-            ds_tile.slice(half * 64, 64).store(dst)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ds_ready.index(t % 2), count=1)
-            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+        # Both warpgroups' dS^T halves go into one [128 keys, BLOCK_M] tile (two buffers, alternating); each
+        # warpgroup then multiplies all 128 keys into its share of the dQ tile, so every dQ element is reduced once
+        # per key block rather than once per warpgroup. Shares: at d128 (64 query rows) 64 of the columns, at d64
+        # (128 query rows) 64 of the rows -- a [64, 64] fp32 tile per warpgroup either way.
+        ds_tile = ds_smem.index(t % 2)
+        ds_tile.slice(half * 64, 64).store(dst)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        if BLOCK_M == 64:
             dq_tok = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(half * 64, 64, dim=1), dq_zero,
                                    use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            if DQ_MODE == 2:
-                _stage_dq(dq, dq_smem, dq_bars, t, half)
         else:
-            # Each warpgroup's own 64 keys, dQ 64 columns at a time (keeps its accumulator at 32 registers).
-            ds_w = ds_smem.index(half)
-            ds_w.store(dst)
-            fence_async_shared()
-            if DQ_MODE == 0:  # probe only (benchmarks/bwd_probe.py): no dQ at all
-                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-                mbarrier.arrive(q_empty.index(slot), count=1)
-            for c in gl.static_range(HEAD_DIM // 64 if DQ_MODE > 0 else 0):
-                dq_tok = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False,
-                                       is_async=True)
-                if c == HEAD_DIM // 64 - 1:
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-                    mbarrier.arrive(q_empty.index(slot), count=1)
-                else:
-                    dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-                if DQ_MODE == 2:  # 1 is a probe: the product without its reduction
-                    _stage_dq(dq, dq_smem, dq_bars, t * (HEAD_DIM // 64) + c, half)
+            dq_tok = warpgroup_mma(ds_tile.slice(half * 64, 64, dim=1).permute((1, 0)), k_smem, dq_zero,
+                                   use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        if DQ_MODE == 2:  # 1 is a probe (benchmarks/bwd_probe.py): the product without its reduction
+            _stage_dq(dq, dq_smem, dq_bars, t, half)
         return dk, dv
 
     @gluon.jit
@@ -174,7 +161,7 @@ if AVAILABLE:
                        num_heads,
                        seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DSPLIT: gl.constexpr):
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -194,13 +181,13 @@ if AVAILABLE:
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
                                    ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_smem, delta_smem, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, True,
-                                   CAUSAL, DQ_MODE, DSPLIT)
+                                   CAUSAL, DQ_MODE)
                 t += 1
             for i in range(i_full, n_q):
                 dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
                                    ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_smem, delta_smem, dk,
                                    dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, False,
-                                   CAUSAL, DQ_MODE, DSPLIT)
+                                   CAUSAL, DQ_MODE)
                 t += 1
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -221,9 +208,8 @@ if AVAILABLE:
                     group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
         dtype: gl.constexpr = Q.dtype.element_ty
-        # dQ split by columns between the two warpgroups needs 64-column slices of K that keep the 128-byte
-        # swizzle: head dim 128. At 64 each warpgroup reduces its own keys' dQ.
-        DSPLIT: gl.constexpr = HEAD_DIM == 128 and DQ_MODE == 2
+        # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
+        gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
         i_n = gl.program_id(0)
         i_bh = gl.program_id(1)
         i_b = i_bh // num_kv_heads
@@ -271,17 +257,17 @@ if AVAILABLE:
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         # dQ accumulates in fp32 rows (batch, head, padded query): [B * H * Sq_pad, D].
         dq_rows = (gl.num_programs(1) // num_kv_heads) * num_heads * seqlen_q_pad
-        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, 32], dq_layout)
+        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, HEAD_DIM], [HEAD_DIM, 1], [64, 32], dq_layout)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N if DSPLIT else 64, BLOCK_M], layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # Per consumer warpgroup w: dq_bars[2w] "staged tile full", dq_bars[2w + 1] "read by the writer".
         dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 64], dq_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -301,19 +287,17 @@ if AVAILABLE:
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
-                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE,
-                              DSPLIT)),
+                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE)),
             (_bwd_partition, (1, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
                               group_size, num_heads,
                               seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
-                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE,
-                              DSPLIT)),
+                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                    v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk,
                                    num_heads, group_size, m_lo, n_q, shift, HEAD_DIM, BLOCK_M, STAGES)),
             (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
-                                 seqlen_q_pad, BLOCK_M, 1 if DSPLIT else HEAD_DIM // 64, DSPLIT, DQ_MODE)),
+                                 seqlen_q_pad, BLOCK_M, DQ_MODE)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -344,7 +328,7 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         *dk.stride()[:3], *dv.stride()[:3],
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale * LOG2E.value, softmax_scale,
         num_heads, num_kv_heads, num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, DQ_MODE=dq_mode,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M[head_dim], BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, DQ_MODE=dq_mode,
         num_warps=4)
     dq.copy_((dq_acc[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
     return dq, dk, dv
