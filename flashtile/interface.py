@@ -35,9 +35,10 @@ _ARGS_DOC = """
             (Gemma 2, Grok), with its backward.
         alibi_slopes: float32 (nheads,) or (batch, nheads), default None. Adds -slope * |i + seqlen_k - seqlen_q
             - j| to the scores (after the softcap).
-        deterministic: bool, default False. True guarantees bit-identical gradients from run to run. The
-            default kernels have no atomics and are deterministic anyway; the opt-in Hopper Gluon backward
-            (FLASHTILE_GLUON_BWD=1) adds dQ by bulk reductions in a varying order, and True keeps to the former.
+        deterministic: bool, default False. True guarantees bit-identical gradients from run to run, as does
+            torch.use_deterministic_algorithms(True). Only the Hopper backward (16-bit, head dim 64 or 128, no
+            features besides causal and GQA) needs it: it adds dQ by bulk reductions in a varying order, so dQ's
+            last bits vary; True takes the portable kernels there (no atomics, about 0.8x the speed).
         return_attn_probs: bool, default False. If True, also return the log-sum-exp and S_dmask: None without
             dropout; with dropout, a debugging tensor (batch, nheads, seqlen_q, seqlen_k) of the attention
             probabilities with the dropped ones negated (computed densely, O(seqlen^2) memory).
@@ -86,10 +87,11 @@ def _attention(q, k, v, scale, causal, diagonal_offset, *, window=(-1, -1), soft
             q_part, scale = q_part * 0.0, 1.0
         q = q_part
     seed = _draw_seed(q, dropout_p)
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     out, lse = _ops.attn_fwd(q, k, v, scale, causal, diagonal_offset, window[0], window[1], softcap,
                              alibi_slopes, attn_bias, sinks, dropout_p, seed, cu_q, cu_k, max_q, max_k,
-                             bool(deterministic))
+                             deterministic)
     return out, lse, seed
 
 

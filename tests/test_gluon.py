@@ -43,7 +43,7 @@ def spy(monkeypatch):
 
 @pytest.fixture
 def bwd_spy(monkeypatch):
-    """Switch the (opt-in) Gluon backward on and count the calls that reach it."""
+    """Make sure the Gluon backward is on (FLASHTILE_GLUON_BWD=0 turns it off) and count the calls that reach it."""
     monkeypatch.setattr(hopper_bwd, "ENABLED", True)
     return _count_calls(monkeypatch, hopper_bwd, "attention_backward")
 
@@ -160,6 +160,22 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
     assert len(bwd_spy) == 1
     for a, b in zip(first, fast):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
+
+
+@needs_hopper
+def test_torch_deterministic_mode_takes_the_portable_backward(bwd_spy):
+    q, k, v = make_qkv(1, 1000, 1000, 4, 4, 64, torch.bfloat16, device=DEVICE, seed=3)
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = _fwd_bwd(q, k, v, dout, False)[2:]
+        again = _fwd_bwd(q, k, v, dout, False)[2:]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert bwd_spy == []
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
 
 
 @needs_hopper

@@ -149,10 +149,11 @@ def test_int64_offsets_seqlen():
 
 
 def test_backward_deterministic_large():
+    """deterministic=True: bit-identical gradients over 30 runs (on Hopper the default backward's dQ is not)."""
     q, k, v = make_qkv(2, 4096, 4096, 16, 4, 128, torch.bfloat16, device=DEVICE, seed=12)
     dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
     first = _fwd_bwd(q, k, v, dout, True, deterministic=True)[2:]
-    for _ in range(3):
+    for _ in range(29):
         again = _fwd_bwd(q, k, v, dout, True, deterministic=True)[2:]
         for a, b in zip(first, again):
             assert torch.equal(a, b)

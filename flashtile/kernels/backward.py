@@ -1,5 +1,6 @@
 """Attention backward: delta preprocess, a dK/dV kernel (K/V block resident, streams Q) and a dQ kernel
-(Q block resident, streams K/V). No atomics, so gradients are bit-for-bit deterministic.
+(Q block resident, streams K/V). No atomics, so gradients are bit-for-bit deterministic. On Hopper the calls
+kernels/hopper_bwd.py covers go to that one-kernel backward instead, unless deterministic=True.
 
 q, out, dout, dq: [B, Sq, Hq, D(v)]; k, v, dk, dv: [B, Sk, Hk, D(v)]; lse, dlse: [B, Hq, Sq] (varlen: [total, H, D]
 and [Hq, total_q], as in forward.py).

@@ -7,11 +7,13 @@ seven products for five. This kernel computes each product once:
   Q and dO tiles by TMA into a ``STAGES``-deep ring (full/empty mbarriers);
 * two consumer warpgroups (``_bwd_partition``), each owning 64 of the block's 128 keys, compute
   S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T - LSE), dS^T = P^T (dP^T - delta), then
-  dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands, and dQ_i += dS K through a shared-memory
-  copy of dS^T, added into an fp32 buffer by bulk TMA reductions (the one reduction a key-block-parallel
-  backward needs).
+  dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands; both dS^T halves meet in shared memory
+  and each warpgroup computes its [64, 64] share of dQ_i = dS K over all 128 keys;
+* a writer warp (``_bwd_dq_partition``) adds each staged dQ share into an fp32 buffer by bulk TMA reductions
+  (the one reduction a key-block-parallel backward needs).
 
-Atomics make dQ's rounding order vary from run to run, so ``deterministic=True`` takes the portable kernels.
+The reductions land in a varying order, so dQ's rounding varies from run to run (as in flash-attn's default
+backward); ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) takes the portable kernels.
 Coverage as for kernels/hopper_fwd.py: fp16/bf16, head dims 64 and 128, plain or causal (bottom-right), GQA; the
 key block loops over the query heads of its group, so dK and dV are written once, without atomics.
 """
@@ -34,9 +36,9 @@ BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 BLOCK_M = {64: 128, 128: 64}
 HEAD_DIMS = (64, 128)
 STAGES = 2
-# Opt-in (FLASHTILE_GLUON_BWD=1) until it outruns the portable backward: measured on an H200 it reaches 0.67-1.03x
-# of it (benchmarks/NOTES.md, "Gluon backward"); the bulk dQ reductions are the suspect.
-ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "0") == "1"
+# On by default (1.2-1.4x the portable backward on an H200, benchmarks/NOTES.md "Gluon backward");
+# FLASHTILE_GLUON_BWD=0 turns it off.
+ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
 
 if AVAILABLE:
 
@@ -314,8 +316,8 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
 def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, causal,
                        dq_mode=2):
     """dq, dk, dv: output buffers ([B, S, H, D], any strides); lse_log2, delta: [B, H, Sq_pad] from the portable
-    backward's preprocess (kernels/backward.py). dq_mode < 2 leaves dQ wrong and exists for timing probes
-    (benchmarks/bwd_probe.py): 0 skips its product and reduction, 1 its reduction."""
+    backward's preprocess (kernels/backward.py). dq_mode=1 skips the dQ reductions (dQ comes out wrong): a
+    timing probe for benchmarks/bwd_probe.py."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = lse_log2.shape[-1]
