@@ -3,25 +3,29 @@
 The plain-Triton forward (kernels/forward.py) leaves the schedule to the compiler, which keeps one warpgroup
 busy with both the matrix multiplies and the softmax. This kernel fixes the schedule by hand:
 
-* plain attention runs persistent: one program per SM walks a list of (query tile, batch*head) work items, so the
-  loads of the next tile overlap the end of the current one, and the output store of a tile is only waited for
-  when its buffer is needed again (causal calls launch one program per tile, see PERSISTENT);
-* a producer warp (``_load_partition``) brings each query tile in (two 64-row halves behind a "full" and an
-  "empty" mbarrier) and streams K and V blocks by TMA into a ring of ``STAGES`` shared-memory slots, each guarded
-  the same way. It runs ahead across tiles: the next query tile comes in as soon as both consumers have finished
-  their last ``Q K^T`` of the current one;
-* two consumer warpgroups (``_softmax_partition``), each owning 64 of the tile's 128 query rows, read the same
-  ring. Step j of a warpgroup issues ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` together, waits for ``S_j``
-  alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores.
+* one program per SM walks a list of work items (a query tile of one batch*head), so the loads of the next tile
+  overlap the end of the current one, and the output store of a tile is only waited for when its buffer is needed
+  again. Plain d128 takes items round-robin; the other calls take them from a global counter (dynamic schedule,
+  ``DYNAMIC``): causal tiles differ in cost, and so does a last tile whose lower warpgroups lie past Sq;
+* a producer warp (``_load_partition``) brings each query tile in (one 64-row part per consumer, ``QBUF``
+  buffers deep, behind "full" and "empty" mbarriers) and streams K and V blocks by TMA into a ring of ``STAGES``
+  shared-memory slots, each guarded the same way. With dynamic scheduling it also hands the consumers each item's
+  index through shared memory, written before the item's query tile arrives;
+* two or three consumer warpgroups (``_softmax_partition``), each owning 64 of the tile's query rows, read the
+  same ring. Step j of a warpgroup issues ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` together, waits for ``S_j``
+  alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
+  160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
+  fills the gaps the other two leave; a warpgroup whose rows all lie past Sq only follows the ring.
 
-Two facts about ptxas (Triton 3.6) shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
+Facts about ptxas (Triton 3.6) that shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
 has the SASS. (1) ptxas hoists ``wgmma.wait_group`` above independent arithmetic of the same basic block: with
 the wait for ``P_{j-1} V_{j-1}`` simply written after the softmax, it landed before the exponentials and a
 warpgroup never overlapped its own ``P V``. The softmax is therefore written in two branches (masked and
 unmasked block), which puts the wait in a block of its own after them. (2) ptxas does not keep the register
 operand of a wgmma alive across a loop iteration: leaving ``P_{j-1} V_{j-1}`` in flight into step j+1 let it
 reuse the P registers while the tensor cores still read them (wrong results), so every step retires its own
-``P V``.
+``P V``. (3) Any accumulator left in flight across a loop back-edge (e.g. issuing ``S_{j+1}`` during step j, with
+two score blocks alternating) made ptxas serialize every wgmma (C7514), even where no instruction read it early.
 
 It covers the plain and causal forward (bottom-right aligned, as everywhere in flashtile) for fp16/bf16 at head
 dims 64 and 128, GQA included; every other feature runs on the portable kernel. ``supports`` is the dispatch
@@ -34,6 +38,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 from . import _common, configs
 from ._common import LN2, LOG2E
@@ -44,16 +49,22 @@ if AVAILABLE:
     from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store,
                          warpgroup_mma, warpgroup_mma_wait)
 
-# Query rows per work item (two consumer warpgroups of 64) and key rows per block.
-BLOCK_M = 128
+# Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
+WG_M = 64
 BLOCK_N = 128
 HEAD_DIMS = (64, 128)
-# Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, the query tile and the output buffer (32 KB each) use
-# 192 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 128 KB.
+# Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, two query buffers and the output buffer (32 KB each) use
+# 224 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 96 KB, and up to 72 KB more.
 STAGES = {64: 3, 128: 2}
-# One program per SM looping over work items (plain attention); False, and every causal call, launches one program
-# per work item instead (the same kernel): causal tiles differ in cost, and a static round-robin share per program
-# was unbalanced (B1 H16 S16k d128: 474 TFLOP/s persistent vs 629 with one program per tile, NOTES.md).
+# (head_dim, causal) -> (consumer warpgroups NUM_WG, query buffers QBUF, dynamic schedule DYNAMIC). Same H200 run,
+# TFLOP/s at S4k / S16k against the previous kernel (2 warpgroups, 1 buffer, causal one program per tile):
+# plain d64 477 / 492 vs 441 / 446; causal d64 412 / 441 vs 386 / 444 (3 warpgroups there: 388 / 449);
+# causal d128 553 / 627 vs 528 / 611; plain d128 626 / 638 vs 624 / 642 (2 buffers: +1-2% in two other runs).
+CONFIGS = {(64, False): (3, 2, True), (64, True): (2, 2, True), (128, False): (2, 2, False), (128, True): (2, 1, True)}
+# Registers per thread of the two worker consumers when there are three (16 warps: 512 per thread slot in all; the
+# producer's warpgroup keeps 24, the first consumer gets what is left, 168).
+CONSUMER_REGS_3WG = tl.constexpr(160)
+# False launches one program per work item instead of persistent ones (the same kernel, no dynamic schedule).
 PERSISTENT = True
 # FLASHTILE_GLUON=0 turns the fast path off (to compare with the portable kernel, or to work around a problem).
 ENABLED = os.environ.get("FLASHTILE_GLUON", "1") != "0"
@@ -79,23 +90,36 @@ if AVAILABLE:
         return gl.cdiv(kv_end, BLOCK_N)
 
     @gluon.jit
-    def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
-                        v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset,
-                        HALF_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    def _write_tile(tile_smem, tile):
+        """Store a work item's index (dynamic schedule) from the producer warp."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile_smem.store(gl.full([1], tile, gl.int32, layout))
+
+    @gluon.jit
+    def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty, k_full,
+                        k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset,
+                        PART_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         c = 0  # blocks loaded so far by this program: slot c % STAGES, pass c // STAGES through the ring
         it = 0  # work items so far
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        tile = gl.program_id(0)
+        while tile < n_tiles:
             start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
             i_hk = i_h // group_size
             n_blocks = _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
             # A fresh barrier has completed no phase, so the first wait on an "empty" barrier (parity 1) does not
-            # block; after that, each wait needs both consumers' release of the previous use.
-            mbarrier.wait(q_empty, (it & 1) ^ 1)
-            mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
-            for half in gl.static_range(2):
-                tma_load(q_desc, [i_b, start_m + half * HALF_M, i_h, 0], q_full,
-                                                q_smem.index(half).reshape([1, HALF_M, 1, HEAD_DIM]))
+            # block; after that, each wait needs every consumer's release of the previous use.
+            qb = it % QBUF
+            mbarrier.wait(q_empty.index(qb), ((it // QBUF) & 1) ^ 1)
+            if DYNAMIC:
+                # The consumers read the item's index once its query tile has arrived (the barrier's completion
+                # orders this store before their read); they are done with this slot's previous index (q_empty).
+                _write_tile(tile_smem.index(qb), tile)
+            mbarrier.expect(q_full.index(qb), NUM_WG * q_desc.block_type.nbytes)
+            for part in gl.static_range(NUM_WG):
+                tma_load(q_desc, [i_b, start_m + part * PART_M, i_h, 0], q_full.index(qb),
+                         q_smem.index(qb * NUM_WG + part).reshape([1, PART_M, 1, HEAD_DIM]))
             # K runs one block ahead of V, the order the consumers use them in: step j reads K_j and V_{j-1}.
             for j in range(n_blocks + 1):
                 if j < n_blocks:
@@ -103,15 +127,27 @@ if AVAILABLE:
                     mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
                     tma_load(k_desc, [i_b, j * BLOCK_N, i_hk, 0], k_full.index(slot),
-                                                    k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+                             k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
                 if j > 0:
                     slot = (c + j - 1) % STAGES
                     mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
                     tma_load(v_desc, [i_b, (j - 1) * BLOCK_N, i_hk, 0], v_full.index(slot),
-                                                    v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+                             v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
             c += n_blocks
             it += 1
+            if DYNAMIC:
+                # Items after the first one per program come from a global counter, in list order. Taken here,
+                # after this item's loads are issued, its latency hides behind the wait for a free query buffer.
+                tile = gl.num_programs(0) + gl.atomic_add(Counter, 1)
+            else:
+                tile += gl.num_programs(0)
+        if DYNAMIC:
+            # No item left: hand the consumers n_tiles in place of an index.
+            qb = it % QBUF
+            mbarrier.wait(q_empty.index(qb), ((it // QBUF) & 1) ^ 1)
+            _write_tile(tile_smem.index(qb), n_tiles)
+            mbarrier.arrive(q_full.index(qb), count=1)
 
     @gluon.jit
     def _softmax_core(s, m_i, l_i, qk_scale):
@@ -125,47 +161,119 @@ if AVAILABLE:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, mask, CAUSAL: gl.constexpr):
+    def _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, qk_scale, mask, CAUSAL: gl.constexpr):
         """`mask` (runtime): apply Sk and the causal diagonal. Both branches hold a whole softmax, so the wait that
         follows a call starts a basic block of its own and ptxas cannot hoist it above the exponentials."""
         if mask:
-            keep = gl.expand_dims(col, 0) < seqlen_k
+            # Columns col0 + (0 .. BLOCK_N-1): compare the block-relative column with one limit per row (the
+            # row's last visible key, relative to the block), one compare per score.
+            rel = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
             if CAUSAL:
-                keep = keep & (gl.expand_dims(col, 0) <= gl.expand_dims(row, 1) + diag_offset)
+                lim = gl.minimum(row + diag_offset, seqlen_k - 1) - col0
+                keep = gl.expand_dims(rel, 0) <= gl.expand_dims(lim, 1)
+            else:
+                keep = gl.expand_dims(rel, 0) < gl.expand_dims(gl.full_like(row, seqlen_k) - col0, 1)
             p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale)
         else:
             p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale)
         return p, alpha, m_n, l_n
 
     @gluon.jit
-    def _consume_block(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, j, c, p_prev, alpha_prev, acc, m_i, l_i,
-                       s_zero, row, seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, dot_a: gl.constexpr):
-        """Step j >= 1 of a warpgroup: in P_{j-1} and its alpha, out P_j and its alpha; O holds P_{<j} V_{<j}."""
-        k_slot = (c + j) % STAGES
-        v_slot = (c + j - 1) % STAGES
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, gl.SliceLayout(1, acc.type.layout)), 1)
-        mbarrier.wait(k_full.index(k_slot), ((c + j) // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_full.index(v_slot), ((c + j - 1) // STAGES) & 1)
-        acc_tok = warpgroup_mma(p_prev, v_smem.index(v_slot), acc, is_async=True)
+    def _issue_s(q, k_smem, k_full, i, s_buf, STAGES: gl.constexpr):
+        """Issue S = Q K_i^T for the program's block i (a running count: slot i % STAGES) into the registers of
+        s_buf (its values are not read)."""
+        slot = i % STAGES
+        mbarrier.wait(k_full.index(slot), (i // STAGES) & 1)
+        return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_buf, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES: gl.constexpr):
+        """Rescale O by the alpha of P's block, then issue O += P V_i."""
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+        slot = i % STAGES
+        mbarrier.wait(v_full.index(slot), (i // STAGES) & 1)
+        return warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+
+    @gluon.jit
+    def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p_prev, alpha_prev, acc, m_i, l_i, row,
+                     seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, dot_a: gl.constexpr):
+        """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
+        retire it. In P_{j-1} and its alpha, out P_j and its alpha; O then holds P_{<j} V_{<j}."""
+        acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES)
         # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(k_slot), count=1)
-        col = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale, j >= n_full,
+        mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
+        col0 = j * BLOCK_N
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, qk_scale, j >= n_full,
                                            CAUSAL)
-        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-        mbarrier.arrive(v_empty.index(v_slot), count=1)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+        mbarrier.arrive(v_empty.index((c + j - 1) % STAGES), count=1)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         return p, alpha, acc, m_i, l_i
 
     @gluon.jit
-    def _softmax_partition(half: gl.constexpr, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
-                           q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, seqlen_q,
-                           seqlen_k, diag_offset, qk_scale, HALF_M: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _last_pv(p, v_smem, v_full, v_empty, i, acc, alpha, STAGES: gl.constexpr):
+        """The work item's last P V (block i), retired at once: the epilogue needs O."""
+        acc_tok = _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES)
+        acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+        mbarrier.arrive(v_empty.index(i % STAGES), count=1)
+        return acc
+
+    @gluon.jit
+    def _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_empty, c, n_blocks, acc, m_i, l_i,
+                     s_zero, row, seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, dot_a: gl.constexpr):
+        """All key blocks of one work item (n_blocks >= 1) for one warpgroup: returns O (unnormalized), m, l."""
+        s_tok = _issue_s(q, k_smem, k_full, c, s_zero, STAGES)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+        # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
+        col0 = 0
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, qk_scale, n_full == 0,
+                                           CAUSAL)
+        p = gl.convert_layout(p.to(q.dtype), dot_a)
+        for j in range(1, n_blocks):
+            s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES)
+            p, alpha, acc, m_i, l_i = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p, alpha, acc,
+                                                   m_i, l_i, row, seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N,
+                                                   STAGES, CAUSAL, dot_a)
+        # Every Q K^T of this tile is done: the producer may load the next query tile.
+        mbarrier.arrive(q_empty, count=1)
+        # Last step: P_{n-1} V_{n-1}.
+        acc = _last_pv(p, v_smem, v_full, v_empty, c + n_blocks - 1, acc, alpha, STAGES)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _skip_blocks(k_full, k_empty, v_full, v_empty, q_empty, c, n_blocks, STAGES: gl.constexpr):
+        """A warpgroup whose rows all lie past Sq (the last query tile) computes nothing: it only follows the ring,
+        releasing each K and V block once loaded, in the producer's order (K_j, then V_{j-1})."""
+        for j in range(n_blocks):
+            i = c + j
+            mbarrier.wait(k_full.index(i % STAGES), (i // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(i % STAGES), count=1)
+            if j > 0:
+                mbarrier.wait(v_full.index((i - 1) % STAGES), ((i - 1) // STAGES) & 1)
+                mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
+        mbarrier.arrive(q_empty, count=1)
+        if n_blocks > 0:
+            i = c + n_blocks - 1
+            mbarrier.wait(v_full.index(i % STAGES), (i // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(i % STAGES), count=1)
+
+    @gluon.jit
+    def _read_tile(tile_smem):
+        """The work item the producer wrote for this warpgroup (dynamic schedule)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.max(tile_smem.load(layout), 0)
+
+    @gluon.jit
+    def _softmax_partition(part: gl.constexpr, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
+                           tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads,
+                           seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr):
+                           CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr,
+                           QBUF: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -173,112 +281,133 @@ if AVAILABLE:
                                                            instr_shape=[16, HEAD_DIM, 16])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-        q = q_smem.index(half)
-        o_buf = o_smem.index(half)
+        s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
+        o_buf = o_smem.index(part)
 
         c = 0  # blocks consumed so far by this program, counted as the producer counts them
         it = 0  # work items so far
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        if DYNAMIC:
+            # The producer writes each item's index before its query tile arrives, and n_tiles after the last.
+            mbarrier.wait(q_full.index(0), 0)
+            tile = _read_tile(tile_smem.index(0))
+        else:
+            tile = gl.program_id(0)
+        while tile < n_tiles:
             start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
             n_blocks = _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
-            row_start = start_m + half * HALF_M
-            row = row_start + gl.arange(0, HALF_M, layout=row_layout)
-            # Blocks below n_full are visible to every row of this half (and lie inside Sk): no mask there.
+            row_start = start_m + part * PART_M
+            row = row_start + gl.arange(0, PART_M, layout=row_layout)
+            # Blocks below n_full are visible to every row of this part (and lie inside Sk): no mask there.
             n_full = seqlen_k // BLOCK_N
             if CAUSAL:
                 n_full = gl.minimum(n_full, gl.maximum(row_start + diag_offset + 1, 0) // BLOCK_N)
 
-            m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
-            l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
-            acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
-            mbarrier.wait(q_full, it & 1)
-            if n_blocks > 0:
-                # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
-                slot = c % STAGES
-                mbarrier.wait(k_full.index(slot), (c // STAGES) & 1)
-                s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col, seqlen_k, diag_offset, qk_scale,
-                                                   n_full == 0, CAUSAL)
-                p = gl.convert_layout(p.to(dtype), dot_a)
-                for j in range(1, n_blocks):
-                    p, alpha, acc, m_i, l_i = _consume_block(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                                                             j, c, p, alpha, acc, m_i, l_i, s_zero, row, seqlen_k,
-                                                             diag_offset, qk_scale, n_full, BLOCK_N, STAGES, CAUSAL,
-                                                             dot_a)
-                # Every Q K^T of this tile is done: the producer may load the next query tile.
-                mbarrier.arrive(q_empty, count=1)
-                # Last step: P_{n-1} V_{n-1}.
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                last = (c + n_blocks - 1) % STAGES
-                mbarrier.wait(v_full.index(last), ((c + n_blocks - 1) // STAGES) & 1)
-                acc_tok = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-                mbarrier.arrive(v_empty.index(last), count=1)
+            qb = it % QBUF
+            q = q_smem.index(qb * NUM_WG + part)
+            if not DYNAMIC:
+                mbarrier.wait(q_full.index(qb), (it // QBUF) & 1)
+            if row_start >= seqlen_q:
+                # Every row of this part lies past Sq (the last query tile): follow the ring, compute nothing.
+                _skip_blocks(k_full, k_empty, v_full, v_empty, q_empty.index(qb), c, n_blocks, STAGES)
             else:
-                mbarrier.arrive(q_empty, count=1)
+                m_i = gl.full([PART_M], float("-inf"), gl.float32, layout=row_layout)
+                l_i = gl.zeros([PART_M], gl.float32, layout=row_layout)
+                acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
+                if n_blocks > 0:
+                    acc, m_i, l_i = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                                                 q_empty.index(qb), c, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k,
+                                                 diag_offset, qk_scale, n_full, BLOCK_N, STAGES, CAUSAL, dot_a)
+                else:
+                    mbarrier.arrive(q_empty.index(qb), count=1)
 
-            # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
-            empty = l_i == 0.0
-            l_safe = gl.where(empty, 1.0, l_i)
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-            acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-            lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
-            gl.store(lse_base + row, lse, mask=row < seqlen_q)
-            # The previous tile's output store must have read the buffer before it is overwritten.
-            tma.store_wait(pendings=0)
-            o_buf.store(acc.to(dtype))
-            fence_async_shared()
-            # Rows past Sq are clipped by the descriptor's bounds.
-            tma_store(o_desc, [i_b, row_start, i_h, 0],
-                                            o_buf.reshape([1, HALF_M, 1, HEAD_DIM]))
+                # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
+                empty = l_i == 0.0
+                l_safe = gl.where(empty, 1.0, l_i)
+                lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+                acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+                lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+                gl.store(lse_base + row, lse, mask=row < seqlen_q)
+                # The previous tile's output store must have read the buffer before it is overwritten.
+                tma.store_wait(pendings=0)
+                o_buf.store(acc.to(dtype))
+                fence_async_shared()
+                # Rows past Sq are clipped by the descriptor's bounds.
+                tma_store(o_desc, [i_b, row_start, i_h, 0], o_buf.reshape([1, PART_M, 1, HEAD_DIM]))
             c += n_blocks
             it += 1
+            if DYNAMIC:
+                mbarrier.wait(q_full.index(it % QBUF), (it // QBUF) & 1)
+                tile = _read_tile(tile_smem.index(it % QBUF))
+            else:
+                tile += gl.num_programs(0)
         tma.store_wait(pendings=0)
 
-    @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, diag_offset,
-                    qk_scale, num_heads, group_size, n_m, n_tiles,
+    # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
+    # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
+    @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, stride_lb, stride_lh, seqlen_q, seqlen_k,
+                    diag_offset, qk_scale, num_heads, group_size, n_m, n_tiles,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-        HALF_M: gl.constexpr = BLOCK_M // 2
+                    CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+        PART_M: gl.constexpr = BLOCK_M // NUM_WG
         dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], layout)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG * QBUF, PART_M, HEAD_DIM], layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], layout)
-        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, PART_M, HEAD_DIM], layout)
+        tile_smem = gl.allocate_shared_memory(gl.int32, [QBUF, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_full = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # Each "empty" barrier waits for both consumer warpgroups.
-        mbarrier.init(q_full, count=1)
-        mbarrier.init(q_empty, count=2)
+        # Each "empty" barrier waits for every consumer warpgroup.
+        for i in gl.static_range(QBUF):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=NUM_WG)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=NUM_WG)
+            mbarrier.init(v_empty.index(i), count=NUM_WG)
 
-        gl.warp_specialize([
-            (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem, q_full,
-                                  q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, seqlen_q,
-                                  seqlen_k, diag_offset, qk_scale, HALF_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                  CAUSAL)),
-            (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem, q_full,
-                                  q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, seqlen_q,
-                                  seqlen_k, diag_offset, qk_scale, HALF_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                  CAUSAL)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty,
-                               v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, HALF_M,
-                               BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if NUM_WG == 3:
+            # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
+            gl.warp_specialize([
+                (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
+                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
+                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (2, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
+                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty,
+                                   k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k,
+                                   diag_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC,
+                                   QBUF)),
+            ], [4, 4, 1], [CONSUMER_REGS_3WG, CONSUMER_REGS_3WG, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
+                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
+                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty,
+                                   k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k,
+                                   diag_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC,
+                                   QBUF)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(q, k, v, feats: Features, softmax_scale) -> bool:
@@ -320,13 +449,21 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, causal):
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
-    n_m = triton.cdiv(seqlen_q, BLOCK_M)
+    num_wg, qbuf, dynamic = CONFIGS[(head_dim, bool(causal))]
+    block_m = WG_M * num_wg
+    n_m = triton.cdiv(seqlen_q, block_m)
     n_tiles = n_m * batch * num_heads
-    grid = (min(n_tiles, _num_sms(q.device.index)) if PERSISTENT and not causal else n_tiles, )
+    dynamic = PERSISTENT and dynamic
+    persistent = PERSISTENT and (dynamic or not causal)
+    grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
+    # The dynamic schedule's item counter (items after each program's first); unused otherwise.
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     _fwd_kernel[grid](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M // 2),
-        lse, lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, diagonal_offset, softmax_scale * LOG2E.value, num_heads,
-        num_heads // num_kv_heads, n_m, n_tiles,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
-        num_warps=4)
+        _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, WG_M),
+        lse, counter, lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, diagonal_offset, softmax_scale * LOG2E.value,
+        num_heads, num_heads // num_kv_heads, n_m, n_tiles,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
+        NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, num_warps=4)
     return out, lse
+
+
