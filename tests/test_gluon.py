@@ -43,8 +43,10 @@ def spy(monkeypatch):
 
 @pytest.fixture
 def bwd_spy(monkeypatch):
-    """Make sure the Gluon backward is on (FLASHTILE_GLUON_BWD=0 turns it off) and count the calls that reach it."""
+    """Make sure the Gluon backward is on (FLASHTILE_GLUON_BWD=0 turns it off) for every size (short d64 calls
+    normally take the portable kernels) and count the calls that reach it."""
     monkeypatch.setattr(hopper_bwd, "ENABLED", True)
+    monkeypatch.setattr(hopper_bwd, "MIN_SEQLEN_K", {64: 0, 128: 0})
     return _count_calls(monkeypatch, hopper_bwd, "attention_backward")
 
 
@@ -160,6 +162,15 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
     assert len(bwd_spy) == 1
     for a, b in zip(first, fast):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
+
+
+@needs_hopper
+def test_short_d64_takes_the_portable_backward(monkeypatch):
+    calls = _count_calls(monkeypatch, hopper_bwd, "attention_backward")
+    for sk, expected in ((hopper_bwd.MIN_SEQLEN_K[64] - 1, 0), (hopper_bwd.MIN_SEQLEN_K[64], 1)):
+        q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)
+        _fwd_bwd(q, k, v, torch.randn(q.shape, device=DEVICE).to(torch.bfloat16), False)
+        assert len(calls) == expected
 
 
 @needs_hopper

@@ -39,6 +39,9 @@ STAGES = 2
 # On by default (1.2-1.4x the portable backward on an H200, benchmarks/NOTES.md "Gluon backward");
 # FLASHTILE_GLUON_BWD=0 turns it off.
 ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
+# Fewer keys than this (by head dim) take the portable backward: at 1k, d64 (B16 H32, H200) this kernel ran at
+# 0.92-0.95x the portable one (every program has only 8 query tiles to spread its prologue over).
+MIN_SEQLEN_K = {64: 2048, 128: 0}
 
 if AVAILABLE:
 
@@ -307,6 +310,8 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
     """Whether this kernel computes the request: the forward's conditions (kernels/hopper_fwd.supports), not
     deterministic, and every tensor's heads contiguous within a sequence row (one descriptor spans them)."""
     if not (ENABLED and not deterministic and hopper_fwd.supports(q, k, v, feats, softmax_scale)):
+        return False
+    if k.shape[1] < MIN_SEQLEN_K[q.shape[-1]]:
         return False
     if dout.dtype != q.dtype or not configs._tma_ok((dout,)):
         return False
