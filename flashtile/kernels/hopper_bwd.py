@@ -79,8 +79,8 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
                           seqlen_q_pad, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
-        """The writer warp: adds each staged partial dQ into the fp32 buffer with one bulk TMA reduction, so the
-        consumer warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
+        """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
+        warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
         n = group_size * n_q
         if DQ_MODE != 2:
             n = 0
@@ -90,7 +90,7 @@ if AVAILABLE:
             # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
             for w in gl.static_range(2):
                 mbarrier.wait(dq_bars.index(2 * w), u & 1)
-                # Warpgroup w's share of the tile (_bwd_step): columns w * 64 on at d128, rows at d64.
+                # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64.
                 col = w * 64 if BLOCK_M == 64 else 0
                 row_w = row if BLOCK_M == 64 else row + w * 64
                 # 128-byte swizzled fp32 staging (conflict-free stores from the accumulator layout): 32 columns
@@ -163,8 +163,7 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_partition(half: gl.constexpr, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                        ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift, group_size,
-                       num_heads,
-                       seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
+                       seqlen_k, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
                        stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -261,7 +260,7 @@ if AVAILABLE:
                                                 row_layout)
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         # dQ accumulates in fp32 rows (batch, head, padded query): [B * H * Sq_pad, D].
-        dq_rows = (gl.num_programs(1) // num_kv_heads) * num_heads * seqlen_q_pad
+        dq_rows = bh_rows * seqlen_q_pad
         dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, HEAD_DIM], [HEAD_DIM, 1], [64, 32], dq_layout)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
@@ -290,13 +289,11 @@ if AVAILABLE:
         gl.warp_specialize([
             (_bwd_partition, (0, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
-                              group_size, num_heads,
-                              seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
+                              group_size, seqlen_k, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
                               stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE)),
             (_bwd_partition, (1, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
                               ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
-                              group_size, num_heads,
-                              seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
+                              group_size, seqlen_k, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
                               stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                    v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk,
