@@ -303,10 +303,23 @@ if AVAILABLE:
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
+def features_supported(feats: Features) -> bool:
+    """The options this kernel implements: a plain or causal mask."""
+    if (feats.varlen or feats.mask_left or feats.softcap or feats.alibi_slopes is not None
+            or feats.attn_bias is not None):
+        return False
+    if feats.sinks is not None or feats.dropout_p > 0:
+        return False
+    return not (feats.mask_right and feats.window_right != 0)
+
+
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
-    """Whether this kernel computes the request: the forward's conditions (kernels/hopper_fwd.supports), not
-    deterministic, and every tensor's heads contiguous within a sequence row (one descriptor spans them)."""
-    if not (ENABLED and not deterministic and hopper_fwd.supports(q, k, v, feats, softmax_scale)):
+    """Whether this kernel computes the request: the forward's input conditions (kernels/hopper_fwd.inputs_ok),
+    features_supported, not deterministic, and every tensor's heads contiguous within a sequence row (one
+    descriptor spans them)."""
+    if not (ENABLED and not deterministic and hopper_fwd.inputs_ok(q, k, v, softmax_scale)):
+        return False
+    if not features_supported(feats):
         return False
     if k.shape[1] < MIN_SEQLEN_K[q.shape[-1]]:
         return False

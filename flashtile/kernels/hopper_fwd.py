@@ -410,10 +410,10 @@ if AVAILABLE:
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def supports(q, k, v, feats: Features, softmax_scale) -> bool:
-    """Whether this kernel computes the request: a Hopper GPU, fp16/bf16, d = dv in HEAD_DIMS, and no feature
-    besides a causal mask. Anything else (and FLASHTILE_GLUON=0) takes the portable kernel."""
-    if not (AVAILABLE and ENABLED and q.is_cuda and not configs.INTERPRETING):
+def inputs_ok(q, k, v, softmax_scale) -> bool:
+    """Whether the Hopper Gluon kernels (this forward, kernels/hopper_bwd.py) can take these tensors: a Hopper GPU
+    outside the interpreter, fp16/bf16, d = dv in HEAD_DIMS, TMA-compatible strides and a positive scale."""
+    if not (AVAILABLE and q.is_cuda and not configs.INTERPRETING):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
@@ -421,14 +421,23 @@ def supports(q, k, v, feats: Features, softmax_scale) -> bool:
         return False
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
+    return configs._tma_ok((q, k, v)) and softmax_scale > 0
+
+
+def features_supported(feats: Features) -> bool:
+    """The options this kernel implements: a plain or causal mask."""
     if (feats.varlen or feats.mask_left or feats.softcap or feats.alibi_slopes is not None
             or feats.attn_bias is not None):
         return False
     if feats.sinks is not None or feats.dropout_p > 0:
         return False
-    if feats.mask_right and feats.window_right != 0:
-        return False  # a right window other than the causal diagonal
-    return configs._tma_ok((q, k, v)) and softmax_scale > 0
+    return not (feats.mask_right and feats.window_right != 0)  # a right window other than the causal diagonal
+
+
+def supports(q, k, v, feats: Features, softmax_scale) -> bool:
+    """Whether this kernel computes the request (inputs_ok and features_supported). Anything else (and
+    FLASHTILE_GLUON=0) takes the portable kernel."""
+    return ENABLED and inputs_ok(q, k, v, softmax_scale) and features_supported(feats)
 
 
 @functools.lru_cache(maxsize=None)
