@@ -53,12 +53,13 @@ def _flops(b, h, sq, sk, d, causal):
     return 4 * b * h * sq * sk * d * (0.5 if causal else 1.0)
 
 
-def run(seqlen, heads, head_dim, out_dir):
+def run(seqlen, heads, head_dim, out_dir, backward=True):
     b, s, h, d = 1, seqlen, heads, head_dim
     q, k, v = _inputs(b, s, h, d)
     rows = []
 
     def measure(name, fn, base=None, flops=None, inputs=(q, k, v), bwd=True):
+        bwd = bwd and backward
         fwd_ms = _time(fn)
         fb_ms = _time(_fwd_bwd(fn, list(inputs))) if bwd else None
         row = dict(name=name, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms)
@@ -83,7 +84,8 @@ def run(seqlen, heads, head_dim, out_dir):
                                                                                window_size=(w, 0)))
         row["speedup_vs_full"] = full["fwd_ms"] / row["fwd_ms"]
         row["speedup_vs_causal"] = causal["fwd_ms"] / row["fwd_ms"]
-        row["fwd_bwd_speedup_vs_full"] = full["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+        if backward:
+            row["fwd_bwd_speedup_vs_full"] = full["fwd_bwd_ms"] / row["fwd_bwd_ms"]
     measure("softcap 30", lambda: flashtile.flash_attn_func(q, k, v, softcap=30.0), base=full,
             flops=_flops(b, h, s, s, d, False))
     measure("causal + softcap 30", lambda: flashtile.flash_attn_func(q, k, v, causal=True, softcap=30.0),
@@ -139,7 +141,7 @@ def run(seqlen, heads, head_dim, out_dir):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", batch=b, heads=h, head_dim=d, seqlen=s)
     tag = torch.cuda.get_device_name().split()[-1].lower()
-    path = Path(out_dir) / f"{meta['date']}-{tag}-features.json"
+    path = Path(out_dir) / f"{meta['date']}-{tag}-features{'' if backward else '-fwd'}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"wrote {path}")
@@ -165,13 +167,16 @@ def main(argv=None):
     parser.add_argument("--seqlen", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--fwd-only", action="store_true", help="time the forward alone")
     args = parser.parse_args(argv)
-    rows = run(args.seqlen, args.heads, args.head_dim, args.out)
+    rows = run(args.seqlen, args.heads, args.head_dim, args.out, backward=not args.fwd_only)
     print("\nsummary")
     for row in rows:
         extra = ""
         if "speedup_vs_full" in row:
-            extra = f"  {row['speedup_vs_full']:.1f}x faster than full (fwd), {row['fwd_bwd_speedup_vs_full']:.1f}x fwd+bwd"
+            extra = f"  {row['speedup_vs_full']:.1f}x faster than full (fwd)"
+            if "fwd_bwd_speedup_vs_full" in row:
+                extra += f", {row['fwd_bwd_speedup_vs_full']:.1f}x fwd+bwd"
         if "tflops_vs_plain_16k" in row:
             extra = (f"  TFLOP/s {row['tflops_vs_plain_16k']:.2f}x plain causal 16k, "
                      f"{row['tflops_vs_plain_mean_len']:.2f}x plain causal at the mean length")

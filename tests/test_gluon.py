@@ -132,18 +132,20 @@ def test_repeatable(spy):
 
 @needs_hopper
 @pytest.mark.parametrize("kw,d,dtype", [
-    (dict(softcap=30.0), 128, torch.bfloat16),
-    (dict(window_size=(256, 0)), 128, torch.bfloat16),
-    (dict(alibi_slopes=True), 64, torch.bfloat16),
+    (dict(dropout_p=0.1), 128, torch.bfloat16),
+    (dict(bias=True), 128, torch.bfloat16),
     ({}, 96, torch.bfloat16),
     ({}, 256, torch.bfloat16),
     ({}, 128, torch.float32),
 ])
 def test_other_calls_take_the_portable_kernel(spy, kw, d, dtype):
+    # (Windows, softcap, ALiBi and sinks take the Gluon forward: tests/test_gluon_features.py.)
     q, k, v = make_qkv(1, 300, 300, 2, 2, d, dtype, device=DEVICE, seed=1, grad=False)
-    if kw.get("alibi_slopes"):
-        kw = dict(alibi_slopes=torch.rand(2, device=DEVICE))
-    out = flashtile.flash_attn_func(q, k, v, causal=True, **kw)
+    if kw.pop("bias", False):
+        bias = torch.randn(1, 2, 300, 300, device=DEVICE, dtype=dtype)
+        out = flashtile.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=bias)
+    else:
+        out = flashtile.flash_attn_func(q, k, v, causal=True, **kw)
     assert out.isfinite().all()
     assert spy == []
 

@@ -81,13 +81,18 @@ if AVAILABLE:
         return i_m * BLOCK_M, i_bh // num_heads, i_bh % num_heads
 
     @gluon.jit
-    def _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-        """Key blocks a query tile sees: all of them, or up to the causal diagonal of its last row."""
+    def _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr):
+        """Key blocks a query tile sees, (first, count): all of them, or up to the right bound of its last row
+        (CAUSAL), from the left bound of its first row on (MASK_LEFT)."""
         kv_end = seqlen_k
         if CAUSAL:
             kv_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag_offset), 0)
-        return gl.cdiv(kv_end, BLOCK_N)
+        j_hi = gl.cdiv(kv_end, BLOCK_N)
+        j_lo = j_hi * 0
+        if MASK_LEFT:
+            j_lo = gl.minimum(gl.maximum(start_m + left_offset, 0) // BLOCK_N, j_hi)
+        return j_lo, j_hi - j_lo
 
     @gluon.jit
     def _write_tile(tile_smem, tile):
@@ -98,16 +103,17 @@ if AVAILABLE:
     @gluon.jit
     def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty, k_full,
                         k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset,
-                        PART_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        left_offset, PART_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+                        MASK_LEFT: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         c = 0  # blocks loaded so far by this program: slot c % STAGES, pass c // STAGES through the ring
         it = 0  # work items so far
         tile = gl.program_id(0)
         while tile < n_tiles:
             start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
             i_hk = i_h // group_size
-            n_blocks = _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+            j_lo, n_blocks = _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M, BLOCK_N, CAUSAL,
+                                          MASK_LEFT)
             # A fresh barrier has completed no phase, so the first wait on an "empty" barrier (parity 1) does not
             # block; after that, each wait needs every consumer's release of the previous use.
             qb = it % QBUF
@@ -126,13 +132,13 @@ if AVAILABLE:
                     slot = (c + j) % STAGES
                     mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                    tma_load(k_desc, [i_b, j * BLOCK_N, i_hk, 0], k_full.index(slot),
+                    tma_load(k_desc, [i_b, (j_lo + j) * BLOCK_N, i_hk, 0], k_full.index(slot),
                              k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
                 if j > 0:
                     slot = (c + j - 1) % STAGES
                     mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                    tma_load(v_desc, [i_b, (j - 1) * BLOCK_N, i_hk, 0], v_full.index(slot),
+                    tma_load(v_desc, [i_b, (j_lo + j - 1) * BLOCK_N, i_hk, 0], v_full.index(slot),
                              v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
             c += n_blocks
             it += 1
@@ -161,9 +167,33 @@ if AVAILABLE:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, qk_scale, mask, CAUSAL: gl.constexpr):
-        """`mask` (runtime): apply Sk and the causal diagonal. Both branches hold a whole softmax, so the wait that
-        follows a call starts a basic block of its own and ptxas cannot hoist it above the exponentials."""
+    def _tanh_approx(x):
+        """tanh.approx.f32: one special-function op (relative error ~2^-11, below the inputs' 16-bit rounding), as
+        the portable kernels' _common._tanh_approx."""
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _score_mod(s, col0, arow, slope, pre_scale, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+        """The scores' modifications, in the units the caller's qk_scale turns into log2 units (the host picks
+        them, _mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then ALiBi as
+        - slope |i + a - j|, the slope divided by the same unit (arow: i + a per row, fp32)."""
+        if SOFTCAP:
+            s = _tanh_approx(s * pre_scale)
+        if HAS_ALIBI:
+            col = (gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)) + col0).to(gl.float32)
+            s = s - slope * gl.abs(gl.expand_dims(arow, 1) - gl.expand_dims(col, 0))
+        return s
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope,
+                      pre_scale, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                      HAS_ALIBI: gl.constexpr):
+        """Scores -> online softmax for one block. `mask` (runtime): apply Sk and the band (CAUSAL: the right
+        bound i + diag_offset; MASK_LEFT: the left bound i + left_offset). Both branches hold a whole softmax, so
+        the wait that follows a call starts a basic block of its own and ptxas cannot hoist it above the
+        exponentials."""
+        s = _score_mod(s, col0, arow, slope, pre_scale, SOFTCAP, HAS_ALIBI)
         if mask:
             # Columns col0 + (0 .. BLOCK_N-1): compare the block-relative column with one limit per row (the
             # row's last visible key, relative to the block), one compare per score.
@@ -173,6 +203,8 @@ if AVAILABLE:
                 keep = gl.expand_dims(rel, 0) <= gl.expand_dims(lim, 1)
             else:
                 keep = gl.expand_dims(rel, 0) < gl.expand_dims(gl.full_like(row, seqlen_k) - col0, 1)
+            if MASK_LEFT:
+                keep = keep & (gl.expand_dims(rel, 0) >= gl.expand_dims(row + left_offset - col0, 1))
             p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale)
         else:
             p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale)
@@ -196,17 +228,23 @@ if AVAILABLE:
 
     @gluon.jit
     def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p_prev, alpha_prev, acc, m_i, l_i, row,
-                     seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, dot_a: gl.constexpr):
+                     seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo, col_base, arow, slope,
+                     pre_scale,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, dot_a: gl.constexpr):
         """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
         retire it. In P_{j-1} and its alpha, out P_j and its alpha; O then holds P_{<j} V_{<j}."""
         acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES)
         # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
-        col0 = j * BLOCK_N
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, qk_scale, j >= n_full,
-                                           CAUSAL)
+        col0 = col_base + j * BLOCK_N
+        mask = j >= n_full
+        if MASK_LEFT:
+            mask = mask | (j < full_lo)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale,
+                                           mask, arow, slope, pre_scale, CAUSAL, MASK_LEFT, SOFTCAP,
+                                           HAS_ALIBI)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
         mbarrier.arrive(v_empty.index((c + j - 1) % STAGES), count=1)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
@@ -222,22 +260,29 @@ if AVAILABLE:
 
     @gluon.jit
     def _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_empty, c, n_blocks, acc, m_i, l_i,
-                     s_zero, row, seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, dot_a: gl.constexpr):
-        """All key blocks of one work item (n_blocks >= 1) for one warpgroup: returns O (unnormalized), m, l."""
+                     s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo, col_base, arow,
+                     slope, pre_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, dot_a: gl.constexpr):
+        """All key blocks of one work item (n_blocks >= 1, the first at column col_base) for one warpgroup: returns
+        O (unnormalized), m, l. Blocks j (counted from the first) below full_lo or from n_full on are masked."""
         s_tok = _issue_s(q, k_smem, k_full, c, s_zero, STAGES)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(c % STAGES), count=1)
         # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
-        col0 = 0
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, qk_scale, n_full == 0,
-                                           CAUSAL)
+        mask = n_full <= 0
+        if MASK_LEFT:
+            mask = mask | (full_lo > 0)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col_base, seqlen_k, diag_offset, left_offset, qk_scale,
+                                           mask, arow, slope, pre_scale, CAUSAL, MASK_LEFT, SOFTCAP,
+                                           HAS_ALIBI)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         for j in range(1, n_blocks):
             s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES)
             p, alpha, acc, m_i, l_i = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p, alpha, acc,
-                                                   m_i, l_i, row, seqlen_k, diag_offset, qk_scale, n_full, BLOCK_N,
-                                                   STAGES, CAUSAL, dot_a)
+                                                   m_i, l_i, row, seqlen_k, diag_offset, left_offset, qk_scale,
+                                                   n_full, full_lo, col_base, arow, slope, pre_scale,
+                                                   BLOCK_N, STAGES,
+                                                   CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, dot_a)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
@@ -270,10 +315,12 @@ if AVAILABLE:
     @gluon.jit
     def _softmax_partition(part: gl.constexpr, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
                            tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads,
-                           seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                           seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
+                           alibi_offset, alibi_unit, pre_scale, Sinks, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr,
-                           QBUF: gl.constexpr):
+                           CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                           HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr, NUM_WG: gl.constexpr,
+                           DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -294,13 +341,25 @@ if AVAILABLE:
             tile = gl.program_id(0)
         while tile < n_tiles:
             start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
-            n_blocks = _num_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+            j_lo, n_blocks = _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M, BLOCK_N, CAUSAL,
+                                          MASK_LEFT)
             row_start = start_m + part * PART_M
             row = row_start + gl.arange(0, PART_M, layout=row_layout)
-            # Blocks below n_full are visible to every row of this part (and lie inside Sk): no mask there.
+            # Blocks from full_lo to below n_full (counted from the item's first block) are visible to every row of
+            # this part and lie inside Sk: no mask there.
             n_full = seqlen_k // BLOCK_N
             if CAUSAL:
                 n_full = gl.minimum(n_full, gl.maximum(row_start + diag_offset + 1, 0) // BLOCK_N)
+            n_full -= j_lo
+            full_lo = 0
+            if MASK_LEFT:
+                full_lo = gl.cdiv(gl.maximum(row_start + PART_M - 1 + left_offset, 0), BLOCK_N) - j_lo
+            # ALiBi (_score_mod): the slope in score units and i + a per row.
+            slope = 0.0
+            arow = gl.zeros([PART_M], gl.float32, layout=row_layout)
+            if HAS_ALIBI:
+                slope = gl.load(Alibi + i_b * stride_alibi_b + i_h) * alibi_unit
+                arow = (row + alibi_offset).to(gl.float32)
 
             qb = it % QBUF
             q = q_smem.index(qb * NUM_WG + part)
@@ -316,9 +375,20 @@ if AVAILABLE:
                 if n_blocks > 0:
                     acc, m_i, l_i = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
                                                  q_empty.index(qb), c, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k,
-                                                 diag_offset, qk_scale, n_full, BLOCK_N, STAGES, CAUSAL, dot_a)
+                                                 diag_offset, left_offset, qk_scale, n_full, full_lo, j_lo * BLOCK_N,
+                                                 arow, slope, pre_scale, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
+                                                 SOFTCAP, HAS_ALIBI, dot_a)
                 else:
                     mbarrier.arrive(q_empty.index(qb), count=1)
+                if HAS_SINKS:
+                    # The head's sink logit joins the denominator (docs/derivation.md#8): one more term, exp(sink -
+                    # m), and m grows to cover it. A row that saw no key then outputs 0 and has LSE = sink.
+                    sink = gl.load(Sinks + i_h) * LOG2E
+                    m_fin = gl.maximum(m_i, sink)
+                    alpha = gl.exp2(m_i - m_fin)
+                    l_i = l_i * alpha + gl.exp2(sink - m_fin)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                    m_i = m_fin
 
                 # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
                 empty = l_i == 0.0
@@ -345,10 +415,12 @@ if AVAILABLE:
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, stride_lb, stride_lh, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, num_heads, group_size, n_m, n_tiles,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, Alibi, Sinks, stride_lb, stride_lh, stride_alibi_b,
+                    seqlen_q, seqlen_k, diag_offset, left_offset, alibi_offset, qk_scale, alibi_unit, pre_scale,
+                    num_heads, group_size, n_m, n_tiles,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+                    CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                    HAS_SINKS: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         PART_M: gl.constexpr = BLOCK_M // NUM_WG
         dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -373,40 +445,52 @@ if AVAILABLE:
             mbarrier.init(k_empty.index(i), count=NUM_WG)
             mbarrier.init(v_empty.index(i), count=NUM_WG)
 
+        # (The consumers' argument lists are written out: a tuple built once and concatenated loses the
+        # constexpr-ness of its entries in Triton 3.6.)
         if NUM_WG == 3:
             # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
             gl.warp_specialize([
                 (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
                                       tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
-                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                                      NUM_WG, DYNAMIC, QBUF)),
                 (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
                                       tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
-                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                                      NUM_WG, DYNAMIC, QBUF)),
                 (_softmax_partition, (2, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
                                       tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
-                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                                      NUM_WG, DYNAMIC, QBUF)),
                 (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty,
                                    k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k,
-                                   diag_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC,
-                                   QBUF)),
+                                   diag_offset, left_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                   MASK_LEFT, NUM_WG, DYNAMIC, QBUF)),
             ], [4, 4, 1], [CONSUMER_REGS_3WG, CONSUMER_REGS_3WG, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
                                       tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
-                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                                      NUM_WG, DYNAMIC, QBUF)),
                 (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
                                       tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, qk_scale, PART_M, BLOCK_M, BLOCK_N,
-                                      HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC, QBUF)),
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                                      NUM_WG, DYNAMIC, QBUF)),
                 (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty,
                                    k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k,
-                                   diag_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, NUM_WG, DYNAMIC,
-                                   QBUF)),
+                                   diag_offset, left_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                   MASK_LEFT, NUM_WG, DYNAMIC, QBUF)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -425,13 +509,9 @@ def inputs_ok(q, k, v, softmax_scale) -> bool:
 
 
 def features_supported(feats: Features) -> bool:
-    """The options this kernel implements: a plain or causal mask."""
-    if (feats.varlen or feats.mask_left or feats.softcap or feats.alibi_slopes is not None
-            or feats.attn_bias is not None):
-        return False
-    if feats.sinks is not None or feats.dropout_p > 0:
-        return False
-    return not (feats.mask_right and feats.window_right != 0)  # a right window other than the causal diagonal
+    """The options this kernel implements: causal and sliding-window masks, softcap, ALiBi and sinks (not
+    varlen, attn_mask or dropout)."""
+    return not (feats.varlen or feats.attn_bias is not None or feats.dropout_p > 0)
 
 
 def supports(q, k, v, feats: Features, softmax_scale) -> bool:
@@ -452,27 +532,48 @@ def _descriptor(t, rows):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]], layout)
 
 
-def attention_forward(q, k, v, softmax_scale, diagonal_offset, causal):
+def _mod_scalars(softmax_scale, softcap):
+    """(qk_scale, pre_scale, alibi_unit) for _score_mod: with a softcap the scores become tanh(pre_scale s) and
+    qk_scale = softcap log2(e) turns them into log2 units; without, qk_scale = scale log2(e). ALiBi slopes are
+    divided by the same scale (alibi_unit) so that one multiply-add applies them before it."""
+    if softcap > 0:
+        return softcap * LOG2E.value, softmax_scale / softcap, 1.0 / softcap
+    return softmax_scale * LOG2E.value, 1.0, 1.0 / softmax_scale
+
+
+def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     """Same contract as kernels.forward.attention_forward for the cases `supports` accepts."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
-    num_wg, qbuf, dynamic = CONFIGS[(head_dim, bool(causal))]
+    # The kernel's right bound is i + diag_offset (CAUSAL): causal, or a right window folded into the offset; its
+    # left bound i + left_offset (MASK_LEFT).
+    right_offset = diagonal_offset + (feats.window_right if feats.mask_right else 0)
+    alibi = feats.alibi_slopes
+    stride_alibi_b = alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0
+    left_offset = diagonal_offset - feats.window_left if feats.mask_left else 0
+    num_wg, qbuf, dynamic = CONFIGS[(head_dim, feats.banded)]
+    if num_wg == 3 and (feats.softcap > 0 or alibi is not None):
+        # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
+        # warpgroups of the causal configuration do not.
+        num_wg, qbuf, dynamic = CONFIGS[(head_dim, True)]
     block_m = WG_M * num_wg
     n_m = triton.cdiv(seqlen_q, block_m)
     n_tiles = n_m * batch * num_heads
     dynamic = PERSISTENT and dynamic
-    persistent = PERSISTENT and (dynamic or not causal)
+    persistent = PERSISTENT and (dynamic or not feats.banded)
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
     # The dynamic schedule's item counter (items after each program's first); unused otherwise.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+    qk_scale, pre_scale, alibi_unit = _mod_scalars(softmax_scale, feats.softcap)
     _fwd_kernel[grid](
         _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, WG_M),
-        lse, counter, lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, diagonal_offset, softmax_scale * LOG2E.value,
-        num_heads, num_heads // num_kv_heads, n_m, n_tiles,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
-        NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, num_warps=4)
+        lse, counter, lse if alibi is None else alibi, lse if feats.sinks is None else feats.sinks,
+        lse.stride(0), lse.stride(1), stride_alibi_b, seqlen_q, seqlen_k, right_offset, left_offset,
+        diagonal_offset, qk_scale, alibi_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
+        MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=alibi is not None,
+        HAS_SINKS=feats.sinks is not None, NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf if persistent else 1,
+        num_warps=4)
     return out, lse
-
-
