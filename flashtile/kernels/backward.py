@@ -420,10 +420,11 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     )
 
     if not bias_grad and hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic):
-        # Hopper, 16-bit, d 64/128, plain or causal: the warp-specialized Gluon kernel (kernels/hopper_bwd.py).
+        # Hopper, 16-bit, d 64/128, no attn_mask, dropout or varlen: the warp-specialized Gluon kernel
+        # (kernels/hopper_bwd.py).
         hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset,
-                                      feats.mask_right)
-        return dq, dk, dv, None, None
+                                      feats)
+        return dq, dk, dv, None, _sinks_grad(feats, lse_log2, delta)
 
     # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
     # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
@@ -487,10 +488,13 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
         bias = feats.attn_bias
         dims = tuple(i for i in range(4) if bias.shape[i] == 1 and dbias_full.shape[i] != 1)
         dbias = (dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full).to(bias.dtype)
-    dsinks = None
-    if feats.sinks is not None:
-        # d loss / d sink_h = -sum_{b, i} P_sink(b, h, i) * delta(b, h, i), P_sink = exp(sink - lse)
-        # (docs/derivation.md#8); padded rows have lse = +inf, so they add 0.
-        p_sink = torch.exp2(feats.sinks.float()[None, :, None] * LOG2E.value - lse_log2)
-        dsinks = -(p_sink * delta).sum(dim=(0, 2))
-    return dq, dk, dv, dbias, dsinks
+    return dq, dk, dv, dbias, _sinks_grad(feats, lse_log2, delta)
+
+
+def _sinks_grad(feats, lse_log2, delta):
+    """The sinks' gradient (None without sinks): d loss / d sink_h = -sum_{b, i} P_sink(b, h, i) * delta(b, h, i),
+    P_sink = exp(sink - lse) (docs/derivation.md#8); padded rows have lse = +inf, so they add 0."""
+    if feats.sinks is None:
+        return None
+    p_sink = torch.exp2(feats.sinks.float()[None, :, None] * LOG2E.value - lse_log2)
+    return -(p_sink * delta).sum(dim=(0, 2))

@@ -14,8 +14,11 @@ seven products for five. This kernel computes each product once:
 
 The reductions land in a varying order, so dQ's rounding varies from run to run (as in flash-attn's default
 backward); ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) takes the portable kernels.
-Coverage as for kernels/hopper_fwd.py: fp16/bf16, head dims 64 and 128, plain or causal (bottom-right), GQA; the
-key block loops over the query heads of its group, so dK and dV are written once, without atomics.
+Coverage: fp16/bf16, head dims 64 and 128, GQA (the key block loops over the query heads of its group, so dK and
+dV are written once, without atomics), and as constexpr variants of the same loops: sliding windows (causal is the
+right bound 0, bottom-right aligned), softcap and ALiBi (docs/derivation.md#8), and sinks (they only change the
+LSE, which the forward folded them into; their gradient is computed from LSE and delta in kernels/backward.py).
+Each key block visits only the query tiles inside the band, the ones the band's edges cross with the mask.
 """
 import os
 
@@ -45,16 +48,55 @@ MIN_SEQLEN_K = {64: 2048, 128: 0}
 
 if AVAILABLE:
 
+    # Tile order. A key block visits the query tiles m_lo + i * BLOCK_M, i < n_q, that see it; every partition
+    # (loader, consumers, writer) walks them in the same order: first the n_mask masked ones, i in [0, i_full)
+    # (crossed by the band's right edge), [i_diag, i_diag_end) (crossed by the diagonal; ALiBi only, see
+    # _bwd_step) and [i_end, n_q) (crossed by the band's left edge); then the n_q - n_mask unmasked ones,
+    # [i_full, i_diag) and [i_diag_end, i_end), rotated by shift (_bwd_kernel says why).
+
+    @gluon.jit
+    def _masked_tile(p, i_full, i_diag, i_diag_end, i_end):
+        """Index of the p-th masked tile."""
+        i = p + gl.where(p >= i_full, i_diag - i_full, 0)
+        return i + gl.where(i >= i_diag_end, i_end - i_diag_end, 0)
+
+    @gluon.jit
+    def _free_tile(j, i_full, i_diag, i_diag_end, n_free, shift, ROTATE: gl.constexpr):
+        """Index of the j-th unmasked tile (n_free of them)."""
+        if ROTATE:
+            j += shift  # < 2 n_free: a compare instead of a division
+            j = gl.where(j >= n_free, j - n_free, j)
+        i = i_full + j
+        return i + gl.where(i >= i_diag, i_diag_end - i_diag, 0)
+
+    @gluon.jit
+    def _tile_start(p, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M: gl.constexpr,
+                    ROTATE: gl.constexpr):
+        """First query row of the p-th tile in the partitions' order."""
+        if p < n_mask:
+            i = _masked_tile(p, i_full, i_diag, i_diag_end, i_end)
+        else:
+            i = _free_tile(p - n_mask, i_full, i_diag, i_diag_end, n_q - n_mask, shift, ROTATE)
+        return m_lo + i * BLOCK_M
+
+    @gluon.jit
+    def _tanh_approx(x):
+        """tanh.approx.f32, as the portable kernels' _common._tanh_approx (one special-function op, relative error
+        ~2^-11, below the 16-bit inputs' own rounding)."""
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
     @gluon.jit
     def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                             lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk, num_heads, group_size,
-                            m_lo, n_q, shift, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                            m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, HEAD_DIM: gl.constexpr,
+                            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr):
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [start_n, i_hk * HEAD_DIM], kv_bar, k_smem)
         tma_load(v_desc, [start_n, i_hk * HEAD_DIM], kv_bar, v_smem)
         for t in range(group_size * n_q):
             i_h = i_hk * group_size + t // n_q
-            m = m_lo + ((t % n_q + shift) % n_q) * BLOCK_M
+            m = _tile_start(t % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M, ROTATE)
             slot = t % STAGES
             mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -77,8 +119,9 @@ if AVAILABLE:
         mbarrier.arrive(dq_bars.index(2 * half), count=1)
 
     @gluon.jit
-    def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
-                          seqlen_q_pad, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
+    def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask,
+                          shift, group_size, num_heads, seqlen_q_pad, BLOCK_M: gl.constexpr, ROTATE: gl.constexpr,
+                          DQ_MODE: gl.constexpr):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
         warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
         n = group_size * n_q
@@ -86,7 +129,9 @@ if AVAILABLE:
             n = 0
         for u in range(n):
             i_h = i_hk * group_size + u // n_q
-            row = (i_b * num_heads + i_h) * seqlen_q_pad + m_lo + ((u % n_q + shift) % n_q) * BLOCK_M
+            row = ((i_b * num_heads + i_h) * seqlen_q_pad
+                   + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M,
+                                 ROTATE))
             # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
             for w in gl.static_range(2):
                 mbarrier.wait(dq_bars.index(2 * w), u & 1)
@@ -104,9 +149,14 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
-                  lse_smem, delta_smem, dk, dv, key, seqlen_k, diag_offset, qk_scale, half: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                  CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
+                  lse_smem, delta_smem, offsets_smem, dk, dv, key0, key, seqlen_k, diag_offset, window_left,
+                  window_right, qk_scale, score_unit, slope, half: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, MASK_LEFT: gl.constexpr,
+                  MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, DQ_MODE: gl.constexpr):
+        """One query tile of the key block's warpgroup half. The scores in log2 units are S^T * qk_scale, or with a
+        softcap tanh(S^T * qk_scale) * score_unit (kernels/_common._score_mod's order: scale, softcap, ALiBi), minus
+        slope * |i + diag - j| with ALiBi. MASK: the tile needs the band's mask (or the key bound's, or it crosses
+        the diagonal under ALiBi)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -120,18 +170,56 @@ if AVAILABLE:
         zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
         st_tok = warpgroup_mma(k_w, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-        st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
-        # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask. Both are read as
-        # [1, BLOCK_M] rows of the scores' layout: broadcast along the keys with no layout conversion.
-        pt = gl.exp2(st * qk_scale - lse_smem.index(slot).load(s_layout))
+        if SOFTCAP:
+            # dS needs t = tanh(scale q.k / softcap) again (d softcap(x) / dx = 1 - t^2): P and dS are computed in
+            # one pass once both products are in, so t never lives across the dP wait (at d128 the consumers have
+            # no registers for another score tile; at d64 not for half of one).
+            st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
+            tt = _tanh_approx(st * qk_scale)
+            score = tt
+            unit = score_unit
+        else:
+            st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
+            score = st
+            unit = qk_scale
+        # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask; so is a row that
+        # sees no key (the preprocess turned its LSE of -inf into +inf). Both are read as [1, BLOCK_M] rows of the
+        # scores' layout: broadcast along the keys with no layout conversion.
+        lse = lse_smem.index(slot).load(s_layout)
+        if HAS_ALIBI:
+            # -slope * |i + diag - j| (slope in log2 units), with i + diag - j = c - k: c = d0 + the query's offset in
+            # the tile, d0 the distance at the tile's corner (query m, key key0), k the key's offset. Exact in fp32.
+            # The query offsets 0..BLOCK_M-1 come as a constant fp32 row from shared memory: recomputed from the
+            # thread index they cost ~6 integer instructions per column per step.
+            d0 = m + diag_offset - key0
+            c = offsets_smem.load(s_layout) + d0
+            k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)).to(gl.float32), 1)
+            if MASK:
+                xt = score * unit - lse - slope * gl.abs(c - k)
+            else:
+                # No unmasked tile crosses the diagonal (_bwd_kernel), so the distance has one sign in the tile and
+                # the bias splits into a term per query, folded into its LSE, and one per key: one add per score,
+                # and no register beyond the plain path's.
+                s = gl.where(d0 > 0, slope, -slope)
+                xt = score * unit - (lse + s * c) + s * k
+        else:
+            xt = score * unit - lse
+        pt = gl.exp2(xt)
         if MASK:
+            # Keys past Sk and the band's edges (kernels/_common._visible, transposed: keys are the rows here).
             cols = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(key, 1) < seqlen_k
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(key, 1) <= gl.expand_dims(cols, 0) + diag_offset)
+            if MASK_RIGHT:
+                keep = keep & (gl.expand_dims(key, 1) <= gl.expand_dims(cols + (diag_offset + window_right), 0))
+            if MASK_LEFT:
+                keep = keep & (gl.expand_dims(key, 1) >= gl.expand_dims(cols + (diag_offset - window_left), 0))
             pt = gl.where(keep, pt, 0.0)
-        dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-        dst = (pt * (dpt - delta_smem.index(slot).load(s_layout))).to(dtype)
+        if not SOFTCAP:
+            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+        dst = pt * (dpt - delta_smem.index(slot).load(s_layout))
+        if SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
+        dst = dst.to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), dot_a), do, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(dst, dot_a), q, dk, is_async=True)
         # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
@@ -161,11 +249,14 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
-    def _bwd_partition(half: gl.constexpr, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                       ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift, group_size,
-                       seqlen_k, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks, stride_dkh,
-                       stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
+    def _bwd_partition(half: gl.constexpr, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem,
+                       v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk,
+                       start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
+                       diag_offset, window_left, window_right, qk_scale, score_unit, sm_scale, stride_alibi_b,
+                       stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                       DQ_MODE: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -175,23 +266,33 @@ if AVAILABLE:
         k_w = k_smem.slice(half * 64, 64)
         v_w = v_smem.slice(half * 64, 64)
         dq_w = dq_smem.index(half)
+        offsets_w = offsets_smem.index(half)
+        if HAS_ALIBI:
+            offsets = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
+            offsets_w.store(gl.expand_dims(offsets, 0))
+            gl.thread_barrier()
         dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_bar, 0)
         t = 0
         for g in range(group_size):
-            # Query blocks that cross the diagonal (or a key block past Sk) first, masked; then the rest.
-            for i in range(0, i_full):
-                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_smem, delta_smem, dk,
-                                   dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, True,
-                                   CAUSAL, DQ_MODE)
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = gl.load(Alibi + i_b * stride_alibi_b + i_hk * group_size + g) * LOG2E
+            # The masked query tiles first, then the rest (the order of _tile_start).
+            for p in range(0, n_mask):
+                m = m_lo + _masked_tile(p, i_full, i_diag, i_diag_end, i_end) * BLOCK_M
+                dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars, q_full,
+                                   q_empty, lse_smem, delta_smem, offsets_w, dk, dv, key0, key, seqlen_k, diag_offset,
+                                   window_left, window_right, qk_scale, score_unit, slope, half, HEAD_DIM, BLOCK_M,
+                                   STAGES, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)
                 t += 1
-            for i in range(i_full, n_q):
-                dk, dv = _bwd_step(t, m_lo + ((i + shift) % n_q) * BLOCK_M, k_w, v_w, k_smem, q_smem, do_smem,
-                                   ds_smem, ds_ready, dq_w, dq_bars, q_full, q_empty, lse_smem, delta_smem, dk,
-                                   dv, key, seqlen_k, diag_offset, qk_scale, half, HEAD_DIM, BLOCK_M, STAGES, False,
-                                   CAUSAL, DQ_MODE)
+            for j in range(0, n_q - n_mask):
+                m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
+                dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars, q_full,
+                                   q_empty, lse_smem, delta_smem, offsets_w, dk, dv, key0, key, seqlen_k, diag_offset,
+                                   window_left, window_right, qk_scale, score_unit, slope, half, HEAD_DIM, BLOCK_M,
+                                   STAGES, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)
                 t += 1
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -205,12 +306,13 @@ if AVAILABLE:
         gl.store(p_dv, dv.to(dtype), mask=keep)
 
     @gluon.jit
-    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc,
+    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi,
                     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
-                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, qk_scale, sm_scale, num_heads, num_kv_heads,
-                    group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr):
+                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
+                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, qk_scale, score_unit,
+                    sm_scale, num_heads, num_kv_heads, group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, DQ_MODE: gl.constexpr):
         dtype: gl.constexpr = Q.dtype.element_ty
         # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
         gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
@@ -220,23 +322,41 @@ if AVAILABLE:
         i_hk = i_bh % num_kv_heads
         start_n = i_n * BLOCK_N
 
-        # Queries that see this key block: from the first row whose diagonal reaches it (causal) to Sq.
+        # Query rows that see this key block (kernels/_common._query_range): query i sees key j iff
+        # j - diag - window_right <= i <= j - diag + window_left. Tiles m_lo + i * BLOCK_M, i < n_q.
         m_lo = 0
-        if CAUSAL:
-            m_lo = (gl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
-        n_q = gl.maximum(gl.cdiv(seqlen_q - m_lo, BLOCK_M), 0)
-        # Query blocks from i_full on see every key of the block: no mask there.
+        if MASK_RIGHT:
+            m_lo = (gl.maximum(start_n - diag_offset - window_right, 0) // BLOCK_M) * BLOCK_M
+        m_hi = seqlen_q
+        if MASK_LEFT:
+            m_hi = gl.minimum(seqlen_q, gl.minimum(start_n + BLOCK_N, seqlen_k) - diag_offset + window_left)
+        n_q = gl.cdiv(gl.maximum(m_hi - m_lo, 0), BLOCK_M)
+        # Tiles i in [i_full, i_end) see every key of the block: no mask. Below i_full the band's right edge crosses
+        # the tile, from i_end on its left edge; a key block past Sk masks every tile.
         i_full = 0
-        if CAUSAL:
-            i_full = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag_offset - m_lo, 0), BLOCK_M)
+        if MASK_RIGHT:
+            i_full = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag_offset - window_right - m_lo, 0), BLOCK_M)
+        i_end = n_q
+        if MASK_LEFT:
+            i_end = gl.maximum(start_n - diag_offset + window_left + 1 - m_lo, 0) // BLOCK_M
         if start_n + BLOCK_N > seqlen_k:
             i_full = n_q
         i_full = gl.minimum(i_full, n_q)
-        # Without a mask every key block streams all query blocks: start each at a different one, so that the
-        # programs' dQ reductions do not all land on the same rows at once.
-        shift = 0
-        if not CAUSAL:
-            shift = i_n % gl.maximum(n_q, 1)
+        i_end = gl.minimum(gl.maximum(i_end, i_full), n_q)
+        # With ALiBi the tiles the diagonal crosses, [i_diag, i_diag_end), take the masked path too (the bounds of a
+        # window (0, 0)): in every other tile i + diag - j has one sign (see _bwd_step).
+        i_diag = i_end
+        i_diag_end = i_end
+        if HAS_ALIBI:
+            i_diag = gl.maximum(start_n - diag_offset + 1 - m_lo, 0) // BLOCK_M
+            i_diag_end = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag_offset - m_lo, 0), BLOCK_M)
+            i_diag = gl.minimum(gl.maximum(i_diag, i_full), i_end)
+            i_diag_end = gl.minimum(gl.maximum(i_diag_end, i_diag), i_end)
+        n_mask = i_full + (i_diag_end - i_diag) + (n_q - i_end)
+        # Without a right bound every key block would start at the same query tile: start each at a different one
+        # of its unmasked tiles (ROTATE), so that the programs' dQ reductions do not all land on the same rows at
+        # once. With one, the blocks' ranges start at different rows anyway.
+        shift = i_n % gl.maximum(n_q - n_mask, 1)
 
         # One descriptor per tensor: rows are sequence positions, columns (head, dim), so every head of the batch
         # entry is a column offset. supports() checks that the heads of a row are contiguous.
@@ -274,6 +394,7 @@ if AVAILABLE:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
+        offsets_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)  # ALiBi: see _bwd_step
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -287,30 +408,32 @@ if AVAILABLE:
             mbarrier.init(dq_bars.index(i), count=1)
 
         gl.warp_specialize([
-            (_bwd_partition, (0, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                              ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
-                              group_size, seqlen_k, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
-                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE)),
-            (_bwd_partition, (1, dK, dV, lse_smem, delta_smem, dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                              ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo, n_q, i_full, shift,
-                              group_size, seqlen_k, diag_offset, qk_scale, sm_scale, stride_dkb, stride_dks,
-                              stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, DQ_MODE)),
+            (_bwd_partition, (0, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem, v_smem, q_smem,
+                              do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo,
+                              n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
+                              diag_offset, window_left, window_right, qk_scale, score_unit, sm_scale, stride_alibi_b,
+                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM,
+                              BLOCK_M, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)),
+            (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem, v_smem, q_smem,
+                              do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo,
+                              n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
+                              diag_offset, window_left, window_right, qk_scale, score_unit, sm_scale, stride_alibi_b,
+                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM,
+                              BLOCK_M, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                    v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk,
-                                   num_heads, group_size, m_lo, n_q, shift, HEAD_DIM, BLOCK_M, STAGES)),
-            (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, shift, group_size, num_heads,
-                                 seqlen_q_pad, BLOCK_M, DQ_MODE)),
+                                   num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask,
+                                   shift, HEAD_DIM, BLOCK_M, STAGES, not MASK_RIGHT)),
+            (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
+                                 n_mask, shift, group_size, num_heads, seqlen_q_pad, BLOCK_M, not MASK_RIGHT,
+                                 DQ_MODE)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 def features_supported(feats: Features) -> bool:
-    """The options this kernel implements: a plain or causal mask."""
-    if (feats.varlen or feats.mask_left or feats.softcap or feats.alibi_slopes is not None
-            or feats.attn_bias is not None):
-        return False
-    if feats.sinks is not None or feats.dropout_p > 0:
-        return False
-    return not (feats.mask_right and feats.window_right != 0)
+    """The options this kernel implements: any sliding window (causal included), softcap, ALiBi, sinks; not
+    variable-length batches, attn_mask or dropout."""
+    return not (feats.varlen or feats.attn_bias is not None or feats.dropout_p > 0)
 
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
@@ -328,24 +451,36 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
     return all(t.stride(2) == t.shape[-1] and t.stride(3) == 1 for t in (q, k, v, dout))
 
 
-def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, causal,
+def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, feats: Features,
                        dq_mode=2):
     """dq, dk, dv: output buffers ([B, S, H, D], any strides); lse_log2, delta: [B, H, Sq_pad] from the portable
-    backward's preprocess (kernels/backward.py). dq_mode=1 skips the dQ reductions (dQ comes out wrong): a
-    timing probe for benchmarks/bwd_probe.py."""
+    backward's preprocess (kernels/backward.py), the sinks and dLSE already folded in; feats: the call's options
+    (features_supported). dq_mode=1 skips the dQ reductions (dQ comes out wrong): a timing probe for
+    benchmarks/bwd_probe.py."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = lse_log2.shape[-1]
     dq_acc = torch.zeros((batch, num_heads, seqlen_q_pad, head_dim), dtype=torch.float32, device=q.device)
+    # The scores in log2 units are st * qk_scale, or with a softcap tanh(st * qk_scale) * score_unit
+    # (kernels/_common._score_mod and _mod_unit, with log2 e folded in).
+    if feats.softcap > 0:
+        qk_scale, score_unit = softmax_scale / feats.softcap, feats.softcap * LOG2E.value
+    else:
+        qk_scale, score_unit = softmax_scale * LOG2E.value, 1.0
+    alibi, stride_alibi_b = delta, 0  # never read without ALiBi
+    if feats.alibi_slopes is not None:
+        alibi = feats.alibi_slopes
+        stride_alibi_b = alibi.stride(0) if alibi.dim() == 2 else 0
     configs._set_tma_allocator(q.device)
     grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
     _bwd_kernel[grid](
-        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc,
+        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
-        *dk.stride()[:3], *dv.stride()[:3],
-        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, softmax_scale * LOG2E.value, softmax_scale,
-        num_heads, num_kv_heads, num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M[head_dim], BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, DQ_MODE=dq_mode,
-        num_warps=4)
+        *dk.stride()[:3], *dv.stride()[:3], stride_alibi_b,
+        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, qk_scale,
+        score_unit, softmax_scale, num_heads, num_kv_heads, num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M[head_dim], BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
+        MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
+        DQ_MODE=dq_mode, num_warps=4)
     dq.copy_((dq_acc[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
     return dq, dk, dv
