@@ -57,6 +57,8 @@ CASES = [
     # block, so a warpgroup can see no key of a whole block.
     (1, 900, 400, 3, 3, 128, True, torch.float16, dict(window_size=(17, 0))),
     (2, 513, 2100, 2, 1, 64, False, torch.bfloat16, dict(window_size=(5, 3))),
+    # One key per row: the output is v exactly (P = 1 before and after rounding).
+    (1, 700, 900, 4, 2, 128, False, torch.bfloat16, dict(window_size=(0, 0))),
     (2, 1000, 1100, 4, 2, 128, False, torch.bfloat16, dict(softcap=20.0)),
     (1, 1500, 1400, 4, 2, 64, True, torch.float16, dict(softcap=5.0)),
     (2, 800, 1200, 4, 4, 64, False, torch.bfloat16, dict(softcap=30.0)),  # plain d64: the 3-warpgroup config
@@ -106,6 +108,18 @@ def test_matches_portable_kernel(monkeypatch, spy, d):
     finite = torch.isfinite(lse_p)
     assert torch.equal(finite, torch.isfinite(lse))
     assert (lse[finite] - lse_p[finite]).abs().max().item() <= 1e-3
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", (64, 128))
+def test_one_key_per_row_is_exact(spy, d):
+    # window (0, 0): row i sees key i + Sk - Sq alone, so its output is that row of v, bit for bit. The rows' first
+    # blocks are fully masked, which once let m = 0 join the max and scale P off 1.
+    q, k, v = make_qkv(2, 500, 700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
+    out = flashtile.flash_attn_func(q, k, v, window_size=(0, 0))
+    assert len(spy) == 1
+    expect = v[:, 200:].repeat_interleave(2, dim=2)
+    assert torch.equal(out, expect)
 
 
 @needs_hopper

@@ -73,9 +73,10 @@ def test_every_head_dim(d, dtype):
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=DTYPE_IDS.get)
 def test_preferred_tiles_compile(monkeypatch, d, causal, dtype):
     """The tuned tiles (first candidate) must compile on this GPU; a fallback would silently cost speed. The
-    portable forward's tiles are checked with the Hopper Gluon forward switched off (it takes these calls)."""
-    from flashtile.kernels import hopper_fwd
+    portable kernels' tiles are checked with the Hopper Gluon kernels switched off (they take these calls)."""
+    from flashtile.kernels import hopper_bwd, hopper_fwd
     monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
     _check(1, 1024, 1024, 4, 4, d, causal, dtype, seed=1)
     for kind in ("fwd", "bwd_dkdv", "bwd_dq"):
         settled = configs.chosen(kind, d, causal, dtype)

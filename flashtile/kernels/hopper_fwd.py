@@ -156,15 +156,23 @@ if AVAILABLE:
             mbarrier.arrive(q_full.index(qb), count=1)
 
     @gluon.jit
-    def _softmax_core(s, m_i, l_i, qk_scale):
+    def _softmax_core(s, m_i, l_i, qk_scale, MASK_LEFT: gl.constexpr):
         """Online softmax of one score block (docs/derivation.md ch. 3) in log2 units: returns p, alpha, m, l."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 away from NaN.
-        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
+        alpha = gl.exp2(m_i - m_sub)
         l_i = l_i * alpha + gl.sum(p, 1)
-        return p, alpha, m_new, l_i
+        if MASK_LEFT:
+            # The state keeps -inf: with a left bound a row's keys can start after fully masked blocks, and a 0
+            # there would join the max of its first visible block (P scaled away from its own maximum: one key
+            # gave v only to an ulp, and scores below -126 in log2 units underflowed). Without one, a row that
+            # sees no key in its first block sees none at all, and the 0 saves registers (d64's three warpgroups
+            # spill 12 more stores keeping -inf).
+            return p, alpha, m_new, l_i
+        else:
+            return p, alpha, m_sub, l_i
 
     @gluon.jit
     def _tanh_approx(x):
@@ -205,9 +213,9 @@ if AVAILABLE:
                 keep = gl.expand_dims(rel, 0) < gl.expand_dims(gl.full_like(row, seqlen_k) - col0, 1)
             if MASK_LEFT:
                 keep = keep & (gl.expand_dims(rel, 0) >= gl.expand_dims(row + left_offset - col0, 1))
-            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale)
+            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, MASK_LEFT)
         else:
-            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale)
+            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, MASK_LEFT)
         return p, alpha, m_n, l_n
 
     @gluon.jit
