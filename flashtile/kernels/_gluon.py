@@ -41,5 +41,14 @@ if AVAILABLE:
 
     tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
-__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "tma_load", "tma_reduce_add",
-           "tma_store", "warpgroup_mma", "warpgroup_mma_wait"]
+    @gluon.jit
+    def tanh_approx(x):
+        """tanh.approx.f32: one special-function op (relative error ~2^-11, below the 16-bit inputs' own rounding),
+        as the portable kernels' _common._tanh_approx. (Hopper has no packed fp16 tanh: tanh.approx.f16x2 compiles
+        to two MUFU.TANH.F16.)"""
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "fence_async_shared", "gl", "gluon",
+           "mbarrier", "tanh_approx", "tma", "tma_load", "tma_reduce_add", "tma_store", "warpgroup_mma",
+           "warpgroup_mma_wait"]

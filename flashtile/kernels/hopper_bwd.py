@@ -31,8 +31,8 @@ from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import Features
 
 if AVAILABLE:
-    from ._gluon import (fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_reduce_add, warpgroup_mma,
-                         warpgroup_mma_wait)
+    from ._gluon import (fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load, tma_reduce_add,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
@@ -78,13 +78,6 @@ if AVAILABLE:
         else:
             i = _free_tile(p - n_mask, i_full, i_diag, i_diag_end, n_q - n_mask, shift, ROTATE)
         return m_lo + i * BLOCK_M
-
-    @gluon.jit
-    def _tanh_approx(x):
-        """tanh.approx.f32, as the portable kernels' _common._tanh_approx (one special-function op, relative error
-        ~2^-11, below the 16-bit inputs' own rounding)."""
-        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                         pack=1)
 
     @gluon.jit
     def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
@@ -175,7 +168,7 @@ if AVAILABLE:
             # one pass once both products are in, so t never lives across the dP wait (at d128 the consumers have
             # no registers for another score tile; at d64 not for half of one).
             st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
-            tt = _tanh_approx(st * qk_scale)
+            tt = tanh_approx(st * qk_scale)
             score = tt
             unit = score_unit
         else:

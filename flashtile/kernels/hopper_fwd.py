@@ -46,8 +46,8 @@ from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import Features
 
 if AVAILABLE:
-    from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store,
-                         warpgroup_mma, warpgroup_mma_wait)
+    from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load,
+                         tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
 WG_M = 64
@@ -175,19 +175,12 @@ if AVAILABLE:
             return p, alpha, m_sub, l_i
 
     @gluon.jit
-    def _tanh_approx(x):
-        """tanh.approx.f32: one special-function op (relative error ~2^-11, below the inputs' 16-bit rounding), as
-        the portable kernels' _common._tanh_approx."""
-        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                         pack=1)
-
-    @gluon.jit
     def _score_mod(s, col0, arow, slope, pre_scale, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
         """The scores' modifications, in the units the caller's qk_scale turns into log2 units (the host picks
         them, _mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then ALiBi as
         - slope |i + a - j|, the slope divided by the same unit (arow: i + a per row, fp32)."""
         if SOFTCAP:
-            s = _tanh_approx(s * pre_scale)
+            s = tanh_approx(s * pre_scale)
         if HAS_ALIBI:
             col = (gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)) + col0).to(gl.float32)
             s = s - slope * gl.abs(gl.expand_dims(arow, 1) - gl.expand_dims(col, 0))
