@@ -25,10 +25,48 @@ def poison(monkeypatch):
     return shapes
 
 
+@pytest.fixture
+def call_counter(monkeypatch):
+    """count(module, name): replace module.name by a wrapper that records each call's first argument's shape;
+    returns the record."""
+    def count(module, name):
+        calls = []
+        launch = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape)
+            return launch(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+        return calls
+    return count
+
+
+@pytest.fixture
+def spy(call_counter):
+    """The calls that reach the Hopper Gluon forward (kernels/hopper_fwd.py)."""
+    from flashtile.kernels import hopper_fwd
+    return call_counter(hopper_fwd, "attention_forward")
+
+
+@pytest.fixture
+def bwd_spy(monkeypatch, call_counter):
+    """The calls that reach the Hopper Gluon backward, with it on (FLASHTILE_GLUON_BWD=0 turns it off) at every
+    size (short d64 calls normally take the portable kernels)."""
+    from flashtile.kernels import hopper_bwd
+    monkeypatch.setattr(hopper_bwd, "ENABLED", True)
+    monkeypatch.setattr(hopper_bwd, "MIN_SEQLEN_K", {64: 0, 128: 0})
+    return call_counter(hopper_bwd, "attention_backward")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    elif torch.cuda.get_device_capability()[0] != 9:
+        skip = pytest.mark.skip(reason="the Gluon kernels are compiled for Hopper (sm_90) only")
+        for item in items:
+            if "hopper" in item.keywords:
+                item.add_marker(skip)

@@ -11,43 +11,9 @@ import flashtile
 from flashtile.kernels import hopper_bwd, hopper_fwd
 from flashtile.testing import check_against_reference, make_qkv
 
-pytestmark = pytest.mark.gpu
+# Fixtures spy / bwd_spy / call_counter: tests/conftest.py.
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 DEVICE = "cuda"
-
-
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon forward is compiled for Hopper (sm_90) only")
-
-
-def _count_calls(monkeypatch, module, name):
-    """Replace module.name by a wrapper that records each call's first argument's shape; returns the record."""
-    calls = []
-    launch = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
-@pytest.fixture
-def spy(monkeypatch):
-    """Count the calls that reach the Gluon forward."""
-    return _count_calls(monkeypatch, hopper_fwd, "attention_forward")
-
-
-@pytest.fixture
-def bwd_spy(monkeypatch):
-    """Make sure the Gluon backward is on (FLASHTILE_GLUON_BWD=0 turns it off) for every size (short d64 calls
-    normally take the portable kernels) and count the calls that reach it."""
-    monkeypatch.setattr(hopper_bwd, "ENABLED", True)
-    monkeypatch.setattr(hopper_bwd, "MIN_SEQLEN_K", {64: 0, 128: 0})
-    return _count_calls(monkeypatch, hopper_bwd, "attention_backward")
 
 
 def _fwd_bwd(q, k, v, dout, causal, **kw):
@@ -80,7 +46,6 @@ def _sid(b, sq, sk, h, hk, d, causal, dtype):
     return f"B{b}-Sq{sq}-Sk{sk}-H{h}-Hk{hk}-D{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
 
 
-@needs_hopper
 @pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype", [pytest.param(*s, id=_sid(*s)) for s in SHAPES])
 def test_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dtype):
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=sq * 7 + sk + d)
@@ -92,7 +57,6 @@ def test_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dt
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
 
 
-@needs_hopper
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("d", (64, 128))
 def test_matches_portable_kernel(monkeypatch, causal, d):
@@ -107,7 +71,6 @@ def test_matches_portable_kernel(monkeypatch, causal, d):
     assert (lse[finite] - lse_p[finite]).abs().max().item() <= 1e-4
 
 
-@needs_hopper
 def test_strided_inputs(spy):
     # (B, H, S, D) tensors seen as (B, S, H, D): no copy, the descriptors take the strides.
     b, s, h, d = 2, 700, 4, 128
@@ -121,7 +84,6 @@ def test_strided_inputs(spy):
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
-@needs_hopper
 def test_repeatable(spy):
     q, k, v = make_qkv(1, 3000, 3000, 8, 8, 128, torch.bfloat16, device=DEVICE, seed=5, grad=False)
     first = flashtile.flash_attn_func(q, k, v, causal=True)
@@ -130,7 +92,6 @@ def test_repeatable(spy):
     assert len(spy) == 6
 
 
-@needs_hopper
 @pytest.mark.parametrize("kw,d,dtype", [
     (dict(dropout_p=0.1), 128, torch.bfloat16),
     (dict(bias=True), 128, torch.bfloat16),
@@ -150,7 +111,6 @@ def test_other_calls_take_the_portable_kernel(spy, kw, d, dtype):
     assert spy == []
 
 
-@needs_hopper
 def test_deterministic_takes_the_portable_backward(bwd_spy):
     q, k, v = make_qkv(2, 2000, 2000, 8, 2, 128, torch.bfloat16, device=DEVICE, seed=9)
     dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
@@ -166,16 +126,14 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
 
 
-@needs_hopper
-def test_short_d64_takes_the_portable_backward(monkeypatch):
-    calls = _count_calls(monkeypatch, hopper_bwd, "attention_backward")
+def test_short_d64_takes_the_portable_backward(call_counter):
+    calls = call_counter(hopper_bwd, "attention_backward")
     for sk, expected in ((hopper_bwd.MIN_SEQLEN_K[64] - 1, 0), (hopper_bwd.MIN_SEQLEN_K[64], 1)):
         q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)
         _fwd_bwd(q, k, v, torch.randn(q.shape, device=DEVICE).to(torch.bfloat16), False)
         assert len(calls) == expected
 
 
-@needs_hopper
 def test_torch_deterministic_mode_takes_the_portable_backward(bwd_spy):
     q, k, v = make_qkv(1, 1000, 1000, 4, 4, 64, torch.bfloat16, device=DEVICE, seed=3)
     dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
@@ -191,7 +149,6 @@ def test_torch_deterministic_mode_takes_the_portable_backward(bwd_spy):
         assert torch.equal(a, b)
 
 
-@needs_hopper
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_packed_qkv(poison, spy, bwd_spy, causal):
     b, s, h, d = 2, 777, 4, 128

@@ -11,29 +11,9 @@ import flashtile
 from flashtile.kernels import hopper_fwd
 from flashtile.testing import check_against_reference, make_qkv
 
-pytestmark = pytest.mark.gpu
+# Fixtures spy / poison: tests/conftest.py.
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 DEVICE = "cuda"
-
-
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon forward is compiled for Hopper (sm_90) only")
-
-
-@pytest.fixture
-def spy(monkeypatch):
-    """Count the calls that reach the Gluon forward."""
-    calls = []
-    launch = hopper_fwd.attention_forward
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(hopper_fwd, "attention_forward", counted)
-    return calls
 
 
 def _features(b, h, seed, alibi=None, sinks=False, **kw):
@@ -83,7 +63,6 @@ def _cid(b, sq, sk, h, hk, d, causal, dtype, feats):
     return f"B{b}-Sq{sq}-Sk{sk}-H{h}-Hk{hk}-D{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}-{names}"
 
 
-@needs_hopper
 @pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype,feats", [pytest.param(*c, id=_cid(*c)) for c in CASES])
 def test_against_reference(poison, spy, b, sq, sk, h, hk, d, causal, dtype, feats):
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=sq + sk + d, grad=False)
@@ -95,7 +74,6 @@ def test_against_reference(poison, spy, b, sq, sk, h, hk, d, causal, dtype, feat
     check_against_reference((out, lse, None, None, None), q, k, v, dout, d ** -0.5, causal, sk - sq, **kw)
 
 
-@needs_hopper
 @pytest.mark.parametrize("d", (64, 128))
 def test_matches_portable_kernel(monkeypatch, spy, d):
     q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
@@ -110,7 +88,6 @@ def test_matches_portable_kernel(monkeypatch, spy, d):
     assert (lse[finite] - lse_p[finite]).abs().max().item() <= 1e-3
 
 
-@needs_hopper
 @pytest.mark.parametrize("d", (64, 128))
 def test_one_key_per_row_is_exact(spy, d):
     # window (0, 0): row i sees key i + Sk - Sq alone, so its output is that row of v, bit for bit. The rows' first
@@ -122,7 +99,6 @@ def test_one_key_per_row_is_exact(spy, d):
     assert torch.equal(out, expect)
 
 
-@needs_hopper
 def test_rows_without_keys(poison, spy):
     # Sq > Sk with a narrow window: rows 0..Sq-Sk-w-1 see no key. Without sinks they output 0 with LSE -inf; with
     # a sink they output 0 with LSE = the sink.
@@ -139,7 +115,6 @@ def test_rows_without_keys(poison, spy):
     assert len(spy) == 2
 
 
-@needs_hopper
 def test_window_skips_blocks(spy):
     # A causal window of 1024 at 16k keys visits ~1/8 of the key blocks of causal attention: well over 3x faster.
     import triton

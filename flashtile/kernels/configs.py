@@ -209,11 +209,14 @@ def backward_candidates(head_dim, causal, dtype, spec):
 _CHOSEN: dict = {}
 
 
-def chosen(kind, head_dim, causal, dtype):
+def chosen(kind, head_dim, causal, dtype, variant=None):
     """The TileConfigs that launches of a kernel family settled on so far, with their candidate index (0: the
-    tuned entry, more: a fallback); the GPU tests read it."""
+    tuned entry, more: a fallback); the GPU tests read it. variant: a Features.variant() tuple to keep only the
+    launches with those feature flags (the launch keys hold it at index 5, the backward's with more flags after
+    it); None keeps every variant."""
     return [(cands[i], i) for key, i in _CHOSEN.items() for cands in (key[-1],)
-            if key[:4] == (kind, head_dim, causal, dtype)]
+            if key[:4] == (kind, head_dim, causal, dtype)
+            and (variant is None or tuple(key[5][:len(variant)]) == tuple(variant))]
 
 
 def _is_fit_failure(err):

@@ -102,12 +102,17 @@ class Features:
         return (bias.stride(3) == 1 and bias.data_ptr() % configs.TMA_ALIGN_BYTES == 0
                 and all(st * size % configs.TMA_ALIGN_BYTES == 0 for st in strides))
 
+    def alibi_args(self, placeholder):
+        """(slopes, batch stride): the (H,) or (B, H) slopes and 0 or their batch stride; the placeholder (never
+        read) and 0 without ALiBi."""
+        alibi = self.alibi_slopes
+        if alibi is None:
+            return placeholder, 0
+        return alibi, alibi.stride(0) if alibi.dim() == 2 else 0
+
     def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0):
         placeholder = q.new_empty((1,), dtype=torch.float32)
-        alibi, stride_alibi_b = placeholder, 0
-        if self.alibi_slopes is not None:
-            alibi = self.alibi_slopes
-            stride_alibi_b = alibi.stride(0) if alibi.dim() == 2 else 0
+        alibi, stride_alibi_b = self.alibi_args(placeholder)
         bias, bias_strides = placeholder, (0, 0, 0, 0)
         if self.attn_bias is not None:
             bias = self.attn_bias.view(torch.uint8) if self.attn_bias.dtype == torch.bool else self.attn_bias

@@ -143,13 +143,13 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
                   lse_smem, delta_smem, offsets_smem, dk, dv, key0, key, seqlen_k, diag_offset, window_left,
-                  window_right, qk_scale, score_unit, slope, half: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  window_right, pre_scale, qk_scale, slope, half: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, MASK_LEFT: gl.constexpr,
                   MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, DQ_MODE: gl.constexpr):
         """One query tile of the key block's warpgroup half. The scores in log2 units are S^T * qk_scale, or with a
-        softcap tanh(S^T * qk_scale) * score_unit (kernels/_common._score_mod's order: scale, softcap, ALiBi), minus
-        slope * |i + diag - j| with ALiBi. MASK: the tile needs the band's mask (or the key bound's, or it crosses
-        the diagonal under ALiBi)."""
+        softcap tanh(S^T * pre_scale) * qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi; the
+        scalars of hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi. MASK: the tile needs the
+        band's mask (or the key bound's, or it crosses the diagonal under ALiBi)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -168,13 +168,11 @@ if AVAILABLE:
             # one pass once both products are in, so t never lives across the dP wait (at d128 the consumers have
             # no registers for another score tile; at d64 not for half of one).
             st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
-            tt = tanh_approx(st * qk_scale)
+            tt = tanh_approx(st * pre_scale)
             score = tt
-            unit = score_unit
         else:
             st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
             score = st
-            unit = qk_scale
         # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask; so is a row that
         # sees no key (the preprocess turned its LSE of -inf into +inf). Both are read as [1, BLOCK_M] rows of the
         # scores' layout: broadcast along the keys with no layout conversion.
@@ -188,15 +186,15 @@ if AVAILABLE:
             c = offsets_smem.load(s_layout) + d0
             k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)).to(gl.float32), 1)
             if MASK:
-                xt = score * unit - lse - slope * gl.abs(c - k)
+                xt = score * qk_scale - lse - slope * gl.abs(c - k)
             else:
                 # No unmasked tile crosses the diagonal (_bwd_kernel), so the distance has one sign in the tile and
                 # the bias splits into a term per query, folded into its LSE, and one per key: one add per score,
                 # and no register beyond the plain path's.
                 s = gl.where(d0 > 0, slope, -slope)
-                xt = score * unit - (lse + s * c) + s * k
+                xt = score * qk_scale - (lse + s * c) + s * k
         else:
-            xt = score * unit - lse
+            xt = score * qk_scale - lse
         pt = gl.exp2(xt)
         if MASK:
             # Keys past Sk and the band's edges (kernels/_common._visible, transposed: keys are the rows here).
@@ -245,7 +243,7 @@ if AVAILABLE:
     def _bwd_partition(half: gl.constexpr, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem,
                        v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk,
                        start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
-                       diag_offset, window_left, window_right, qk_scale, score_unit, sm_scale, stride_alibi_b,
+                       diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
                        stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -277,14 +275,14 @@ if AVAILABLE:
                 m = m_lo + _masked_tile(p, i_full, i_diag, i_diag_end, i_end) * BLOCK_M
                 dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars, q_full,
                                    q_empty, lse_smem, delta_smem, offsets_w, dk, dv, key0, key, seqlen_k, diag_offset,
-                                   window_left, window_right, qk_scale, score_unit, slope, half, HEAD_DIM, BLOCK_M,
+                                   window_left, window_right, pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M,
                                    STAGES, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)
                 t += 1
             for j in range(0, n_q - n_mask):
                 m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
                 dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars, q_full,
                                    q_empty, lse_smem, delta_smem, offsets_w, dk, dv, key0, key, seqlen_k, diag_offset,
-                                   window_left, window_right, qk_scale, score_unit, slope, half, HEAD_DIM, BLOCK_M,
+                                   window_left, window_right, pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M,
                                    STAGES, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)
                 t += 1
         dtype: gl.constexpr = ds_smem.dtype
@@ -302,7 +300,7 @@ if AVAILABLE:
     def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi,
                     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
-                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, qk_scale, score_unit,
+                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, pre_scale, qk_scale,
                     sm_scale, num_heads, num_kv_heads, group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, DQ_MODE: gl.constexpr):
@@ -400,17 +398,19 @@ if AVAILABLE:
         for i in gl.static_range(4):
             mbarrier.init(dq_bars.index(i), count=1)
 
+        # (Both consumers' argument lists are written out, as in kernels/hopper_fwd.py: a shared tuple concatenated
+        # with the warpgroup index loses its constexpr entries in Triton 3.6.)
         gl.warp_specialize([
             (_bwd_partition, (0, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem, v_smem, q_smem,
                               do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo,
                               n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
-                              diag_offset, window_left, window_right, qk_scale, score_unit, sm_scale, stride_alibi_b,
+                              diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
                               stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM,
                               BLOCK_M, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)),
             (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem, v_smem, q_smem,
                               do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo,
                               n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
-                              diag_offset, window_left, window_right, qk_scale, score_unit, sm_scale, stride_alibi_b,
+                              diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
                               stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM,
                               BLOCK_M, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
@@ -424,9 +424,9 @@ if AVAILABLE:
 
 
 def features_supported(feats: Features) -> bool:
-    """The options this kernel implements: any sliding window (causal included), softcap, ALiBi, sinks; not
-    variable-length batches, attn_mask or dropout."""
-    return not (feats.varlen or feats.attn_bias is not None or feats.dropout_p > 0)
+    """The options this kernel implements: the forward's (kernels/hopper_fwd.features_supported), any sliding
+    window, softcap, ALiBi and sinks; not varlen, attn_mask or dropout."""
+    return hopper_fwd.features_supported(feats)
 
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
@@ -454,24 +454,17 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = lse_log2.shape[-1]
     dq_acc = torch.zeros((batch, num_heads, seqlen_q_pad, head_dim), dtype=torch.float32, device=q.device)
-    # The scores in log2 units are st * qk_scale, or with a softcap tanh(st * qk_scale) * score_unit
-    # (kernels/_common._score_mod and _mod_unit, with log2 e folded in).
-    if feats.softcap > 0:
-        qk_scale, score_unit = softmax_scale / feats.softcap, feats.softcap * LOG2E.value
-    else:
-        qk_scale, score_unit = softmax_scale * LOG2E.value, 1.0
-    alibi, stride_alibi_b = delta, 0  # never read without ALiBi
-    if feats.alibi_slopes is not None:
-        alibi = feats.alibi_slopes
-        stride_alibi_b = alibi.stride(0) if alibi.dim() == 2 else 0
+    # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
+    qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, feats.softcap)
+    alibi, stride_alibi_b = feats.alibi_args(delta)  # delta: a placeholder, never read without ALiBi
     configs._set_tma_allocator(q.device)
     grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
     _bwd_kernel[grid](
         q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
         *dk.stride()[:3], *dv.stride()[:3], stride_alibi_b,
-        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, qk_scale,
-        score_unit, softmax_scale, num_heads, num_kv_heads, num_heads // num_kv_heads,
+        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
+        qk_scale, softmax_scale, num_heads, num_kv_heads, num_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M[head_dim], BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         DQ_MODE=dq_mode, num_warps=4)

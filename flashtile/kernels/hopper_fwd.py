@@ -89,7 +89,7 @@ if AVAILABLE:
         if CAUSAL:
             kv_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag_offset), 0)
         j_hi = gl.cdiv(kv_end, BLOCK_N)
-        j_lo = j_hi * 0
+        j_lo = 0
         if MASK_LEFT:
             j_lo = gl.minimum(gl.maximum(start_m + left_offset, 0) // BLOCK_N, j_hi)
         return j_lo, j_hi - j_lo
@@ -177,7 +177,7 @@ if AVAILABLE:
     @gluon.jit
     def _score_mod(s, col0, arow, slope, pre_scale, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
         """The scores' modifications, in the units the caller's qk_scale turns into log2 units (the host picks
-        them, _mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then ALiBi as
+        them, mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then ALiBi as
         - slope |i + a - j|, the slope divided by the same unit (arow: i + a per row, fp32)."""
         if SOFTCAP:
             s = tanh_approx(s * pre_scale)
@@ -230,9 +230,8 @@ if AVAILABLE:
     @gluon.jit
     def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p_prev, alpha_prev, acc, m_i, l_i, row,
                      seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo, col_base, arow, slope,
-                     pre_scale,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
-                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, dot_a: gl.constexpr):
+                     pre_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, dot_a: gl.constexpr):
         """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
         retire it. In P_{j-1} and its alpha, out P_j and its alpha; O then holds P_{<j} V_{<j}."""
         acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES)
@@ -281,9 +280,8 @@ if AVAILABLE:
             s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES)
             p, alpha, acc, m_i, l_i = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p, alpha, acc,
                                                    m_i, l_i, row, seqlen_k, diag_offset, left_offset, qk_scale,
-                                                   n_full, full_lo, col_base, arow, slope, pre_scale,
-                                                   BLOCK_N, STAGES,
-                                                   CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, dot_a)
+                                                   n_full, full_lo, col_base, arow, slope, pre_scale, BLOCK_N,
+                                                   STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, dot_a)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
@@ -533,7 +531,7 @@ def _descriptor(t, rows):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]], layout)
 
 
-def _mod_scalars(softmax_scale, softcap):
+def mod_scalars(softmax_scale, softcap):
     """(qk_scale, pre_scale, alibi_unit) for _score_mod: with a softcap the scores become tanh(pre_scale s) and
     qk_scale = softcap log2(e) turns them into log2 units; without, qk_scale = scale log2(e). ALiBi slopes are
     divided by the same scale (alibi_unit) so that one multiply-add applies them before it."""
@@ -551,11 +549,10 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     # The kernel's right bound is i + diag_offset (CAUSAL): causal, or a right window folded into the offset; its
     # left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (feats.window_right if feats.mask_right else 0)
-    alibi = feats.alibi_slopes
-    stride_alibi_b = alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0
+    alibi, stride_alibi_b = feats.alibi_args(lse)  # lse: a placeholder, never read without ALiBi
     left_offset = diagonal_offset - feats.window_left if feats.mask_left else 0
     num_wg, qbuf, dynamic = CONFIGS[(head_dim, feats.banded)]
-    if num_wg == 3 and (feats.softcap > 0 or alibi is not None):
+    if num_wg == 3 and (feats.softcap > 0 or feats.alibi_slopes is not None):
         # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
         # warpgroups of the causal configuration do not.
         num_wg, qbuf, dynamic = CONFIGS[(head_dim, True)]
@@ -567,14 +564,14 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
     # The dynamic schedule's item counter (items after each program's first); unused otherwise.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    qk_scale, pre_scale, alibi_unit = _mod_scalars(softmax_scale, feats.softcap)
+    qk_scale, pre_scale, alibi_unit = mod_scalars(softmax_scale, feats.softcap)
     _fwd_kernel[grid](
         _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, WG_M),
-        lse, counter, lse if alibi is None else alibi, lse if feats.sinks is None else feats.sinks,
+        lse, counter, alibi, lse if feats.sinks is None else feats.sinks,
         lse.stride(0), lse.stride(1), stride_alibi_b, seqlen_q, seqlen_k, right_offset, left_offset,
         diagonal_offset, qk_scale, alibi_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
-        MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=alibi is not None,
+        MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         HAS_SINKS=feats.sinks is not None, NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf if persistent else 1,
         num_warps=4)
     return out, lse
