@@ -426,7 +426,7 @@ if AVAILABLE:
 def features_supported(feats: Features) -> bool:
     """The options this kernel implements: the forward's (kernels/hopper_fwd.features_supported), any sliding
     window, softcap, ALiBi and sinks; not varlen, attn_mask or dropout."""
-    return hopper_fwd.features_supported(feats)
+    return feats.attn_bias is None and hopper_fwd.features_supported(feats)
 
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
