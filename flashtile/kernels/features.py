@@ -102,6 +102,13 @@ class Features:
         return (bias.stride(3) == 1 and bias.data_ptr() % configs.TMA_ALIGN_BYTES == 0
                 and all(st * size % configs.TMA_ALIGN_BYTES == 0 for st in strides))
 
+    def gluon_bias_ok(self, dtype, seqlen_q, seqlen_k):
+        """Whether the Hopper Gluon kernels can read attn_mask: a bool mask or a float bias of the inputs' dtype
+        whose tiles TMA can load (_bias_tma_ok: full along queries and keys, 16-byte aligned)."""
+        bias = self.attn_bias
+        return (bias is not None and bias.dtype in (torch.bool, dtype)
+                and self._bias_tma_ok(True, seqlen_q, seqlen_k))
+
     def alibi_args(self, placeholder):
         """(slopes, batch stride): the (H,) or (B, H) slopes and 0 or their batch stride; the placeholder (never
         read) and 0 without ALiBi."""

@@ -531,6 +531,23 @@ def _descriptor(t, rows):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]], layout)
 
 
+def bias_descriptor(bias, rows, cols):
+    """attn_mask tiles for the Gluon kernels (Features.gluon_bias_ok): a 4-D TMA descriptor over the [B|1, H|1, Sq,
+    Sk] bias (a bool mask read as uint8), one [rows, cols] tile of one (batch, head) per copy, and the factors (0
+    or 1) that turn a batch and a head index into the bias's own (0 along a broadcast dimension). Tiles past Sq or
+    Sk are zero-filled: a bool mask's zeros hide those keys."""
+    if bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
+    strides = list(bias.stride())
+    for dim in (1, 0):
+        # A broadcast dimension is only ever indexed at 0, but its stride must still be a valid TMA stride.
+        if bias.shape[dim] == 1:
+            strides[dim] = strides[dim + 1] * bias.shape[dim + 1]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * bias.element_size(), rank=4)
+    desc = TensorDescriptor(bias, list(bias.shape), strides, [1, 1, rows, cols], layout)
+    return desc, int(bias.shape[0] > 1), int(bias.shape[1] > 1)
+
+
 def mod_scalars(softmax_scale, softcap):
     """(qk_scale, pre_scale, alibi_unit) for _score_mod: with a softcap the scores become tanh(pre_scale s) and
     qk_scale = softcap log2(e) turns them into log2 units; without, qk_scale = scale log2(e). ALiBi slopes are
