@@ -1,6 +1,7 @@
-"""The Hopper Gluon backward (kernels/hopper_bwd.py) with the attention features: sliding windows, softcap, ALiBi
-and sinks, alone and combined, against the float64 oracle with every buffer NaN-poisoned, and against the portable
-backward on the same inputs. Each call is asserted to have taken the Gluon backward.
+"""The Hopper Gluon backward (kernels/hopper_bwd.py) with the attention features: sliding windows, softcap, ALiBi,
+sinks and attn_mask (a float bias without its gradient, a bool mask), alone and combined, against the float64
+oracle with every buffer NaN-poisoned, and against the portable backward on the same inputs. Each call is asserted
+to have taken the Gluon backward.
 
 Gluon kernels do not run in Triton's interpreter, so all but the last test need a Hopper GPU (`pytest -m gpu`).
 """
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile.interface import _attention
 from flashtile.kernels import hopper_bwd
 from flashtile.kernels.features import Features
 from flashtile.testing import check_against_reference, make_qkv
@@ -152,10 +154,171 @@ def test_matches_portable_backward(monkeypatch, bwd_spy, d):
     (dict(alibi_slopes=torch.ones(2)), True),
     (dict(sinks=torch.zeros(2)), True),
     (dict(dropout_p=0.1), False),
-    (dict(attn_bias=torch.zeros(1, 1, 4, 4)), False),
+    (dict(attn_bias=torch.zeros(1, 1, 4, 4)), True),
+    (dict(attn_bias=torch.ones(1, 1, 4, 4, dtype=torch.bool), window_right=0, softcap=5.0), True),
+    (dict(attn_bias=torch.zeros(1, 1, 4, 4), dropout_p=0.1), False),
     (dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
           max_seqlen_q=4, max_seqlen_k=4), False),
 ], ids=["plain", "causal-window", "window", "right-window", "softcap", "alibi", "sinks", "dropout", "bias",
-        "varlen"])
+        "mask-causal-softcap", "bias-dropout", "varlen"])
 def test_features_supported(kw, ok):
     assert hopper_bwd.features_supported(Features(**kw)) is ok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attn_mask: a float bias (no gradient) and a bool mask, read by TMA ([B|1, H|1, Sq, Sk], Sk a multiple of 8 for a
+# 16-bit bias and of 16 for a bool mask: TMA's 16-byte row alignment)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _run_masked(q, k, v, dout, mask, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
+    """Forward + backward with attn_mask (through the op every API shares, so that a mask can meet a window):
+    (out, lse, dq, dk, dv)."""
+    out, lse, _ = _attention(q, k, v, q.shape[-1] ** -0.5, causal, k.shape[1] - q.shape[1], window=window,
+                             softcap=softcap, alibi_slopes=slopes, attn_bias=mask)
+    grads = torch.autograd.grad((out * dout).sum(), [q, k, v])
+    return (out.detach(), lse.detach(), *grads)
+
+
+def _bias(shape, dtype, seed):
+    """A float bias of O(1) with a fully hidden key (-inf) in every row."""
+    bias = (torch.randn(shape, generator=_gen(seed), device=DEVICE) * 2).to(dtype)
+    bias[..., 3] = float("-inf")
+    return bias
+
+
+def _check_masked(got, q, k, v, dout, mask, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
+    name = "attn_mask" if mask.dtype == torch.bool else "attn_bias"
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, q.shape[-1] ** -0.5, causal,
+                            k.shape[1] - q.shape[1], window_size=window, softcap=softcap, alibi_slopes=slopes,
+                            **{name: mask})
+    assert all(not torch.isnan(t).any() for t in got[2:])
+
+
+BIAS_CASES = [
+    # b, sq, sk, h, hk, dtype, bias shape (B, H broadcast flags)
+    (2, 777, 1000, 4, 2, torch.bfloat16, (1, 1)),    # Sq < Sk, GQA
+    (2, 1000, 696, 4, 4, torch.float16, (2, 4)),     # Sq > Sk
+    (1, 513, 520, 4, 1, torch.bfloat16, (1, 4)),     # odd Sq, GQA 4:1
+    (3, 300, 1024, 2, 2, torch.float16, (3, 1)),
+    (1, 1, 264, 2, 2, torch.bfloat16, (1, 2)),       # one query row
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("b,sq,sk,h,hk,dtype,bshape", [
+    pytest.param(*c, id=f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}-Hk{c[4]}-{DTYPE_IDS[c[5]]}-bias{c[6][0]}x{c[6][1]}")
+    for c in BIAS_CASES])
+def test_float_bias(poison, bwd_spy, b, sq, sk, h, hk, dtype, bshape):
+    q, k, v, dout, _, _ = _inputs(b, sq, sk, h, hk, 128, dtype, seed=sq + sk)
+    bias = _bias((*bshape, sq, sk), dtype, seed=sq)
+    got = _run_masked(q, k, v, dout, bias)
+    assert len(bwd_spy) == 1, "the call did not take the Gluon backward"
+    _check_masked(got, q, k, v, dout, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("kind", ("random", "causal", "blocks"))
+def test_bool_mask(poison, bwd_spy, kind, dtype, d):
+    # random: ~40% hidden, plus a row that sees nothing (dq 0, LSE -inf) and a whole 128-key block hidden from a
+    # band of rows (those query tiles leave that key block's list). causal: a bottom-right causal mask as a bool
+    # tensor (the lists skip the tiles above the diagonal). blocks: document masking, 3 documents (tiles outside
+    # them skipped; the rows before the first document see nothing).
+    b, sq, sk, h, hk = 2, 701, 960, 4, 2
+    q, k, v, dout, _, _ = _inputs(b, sq, sk, h, hk, d, dtype, seed=d + len(kind))
+    rows = torch.arange(sq, device=DEVICE)[:, None] + sk - sq
+    cols = torch.arange(sk, device=DEVICE)[None, :]
+    if kind == "random":
+        mask = torch.rand((b, 1, sq, sk), generator=_gen(7), device=DEVICE) > 0.4
+        mask[:, :, 100] = False
+        mask[:, :, 200:450, 256:384] = False
+    elif kind == "causal":
+        mask = (cols <= rows)[None, None]
+    else:
+        doc_q, doc_k = torch.bucketize(rows, torch.tensor([400, 700], device=DEVICE)), cols // 320
+        mask = ((doc_q == doc_k) & (rows >= 300))[None, None].expand(1, h, sq, sk).contiguous()
+    got = _run_masked(q, k, v, dout, mask)
+    assert len(bwd_spy) == 1, "the call did not take the Gluon backward"
+    _check_masked(got, q, k, v, dout, mask)
+    hidden = ~mask.expand(b, h, sq, sk).any(dim=-1)  # rows that see no key: dq exactly 0
+    assert torch.equal(got[2].transpose(1, 2)[hidden], torch.zeros_like(got[2].transpose(1, 2)[hidden]))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("d", (64, 128))
+def test_bool_mask_with_band(poison, bwd_spy, d):
+    # A bool mask under a causal window: the listed tiles apply the band's edges elementwise too.
+    b, sq, sk, h, hk = 1, 900, 1040, 4, 2
+    q, k, v, dout, _, _ = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=d + 5)
+    mask = torch.rand((1, h, sq, sk), generator=_gen(11), device=DEVICE) > 0.3
+    got = _run_masked(q, k, v, dout, mask, causal=True, window=(300, 0))
+    assert len(bwd_spy) == 1
+    _check_masked(got, q, k, v, dout, mask, causal=True, window=(300, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", ("float", "bool"))
+def test_mask_with_features(poison, bwd_spy, kind):
+    # Everything at once: the mask with a causal window, softcap and ALiBi (its split form in the unmasked tiles).
+    b, sq, sk, h, hk = 2, 800, 1008, 4, 2
+    q, k, v, dout, slopes, _ = _inputs(b, sq, sk, h, hk, 128, torch.bfloat16, seed=17, alibi="BH", alibi_scale=0.05)
+    if kind == "float":
+        mask = _bias((b, 1, sq, sk), torch.bfloat16, seed=18)
+    else:
+        mask = torch.rand((b, h, sq, sk), generator=_gen(19), device=DEVICE) > 0.2
+    kw = dict(causal=True, window=(500, 0), softcap=8.0, slopes=slopes)
+    got = _run_masked(q, k, v, dout, mask, **kw)
+    assert len(bwd_spy) == 1
+    _check_masked(got, q, k, v, dout, mask, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_expanded_bias(poison, bwd_spy):
+    # A bias broadcast by expand() (stride 0 along batch and heads) is read as the broadcast it is.
+    b, sq, sk, h = 2, 500, 512, 4
+    q, k, v, dout, _, _ = _inputs(b, sq, sk, h, h, 128, torch.float16, seed=23)
+    bias = _bias((1, 1, sq, sk), torch.float16, seed=24).expand(b, h, sq, sk)
+    got = _run_masked(q, k, v, dout, bias)
+    assert len(bwd_spy) == 1
+    _check_masked(got, q, k, v, dout, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("case", ("d64-float", "bias-grad", "fp32-bias", "unaligned"))
+def test_mask_portable_cases(poison, bwd_spy, case):
+    # What stays on the portable backward: a float bias at d64 (its tiles do not fit the ring), a bias that wants
+    # its gradient, a bias of another dtype than q's, and an Sk whose rows TMA cannot load (not 16-byte aligned).
+    d, sk, dtype = (64 if case == "d64-float" else 128), (300 if case == "unaligned" else 320), torch.bfloat16
+    q, k, v, dout, _, _ = _inputs(1, 257, sk, 2, 2, d, dtype, seed=29)
+    bias = _bias((1, 2, 257, sk), torch.float32 if case == "fp32-bias" else dtype, seed=30)
+    if case == "bias-grad":
+        bias.requires_grad_()
+    got = _run_masked(q, k, v, dout, bias)
+    assert len(bwd_spy) == 0
+    _check_masked(got, q, k, v, dout, bias.detach())
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", ("float", "bool"))
+def test_mask_matches_portable_backward(monkeypatch, bwd_spy, kind):
+    b, sq, sk, h, hk = 2, 1500, 1600, 4, 2
+    q, k, v, dout, _, _ = _inputs(b, sq, sk, h, hk, 128, torch.bfloat16, seed=31)
+    if kind == "float":
+        mask = _bias((1, h, sq, sk), torch.bfloat16, seed=32)
+    else:
+        mask = torch.rand((b, h, sq, sk), generator=_gen(33), device=DEVICE) > 0.5
+    fast = _run_masked(q, k, v, dout, mask)
+    assert len(bwd_spy) == 1
+    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    portable = _run_masked(q, k, v, dout, mask)
+    assert len(bwd_spy) == 1
+    for a, b_ in zip(portable[2:5], fast[2:5]):
+        assert (a.float() - b_.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()

@@ -420,8 +420,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     )
 
     if not bias_grad and hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic):
-        # Hopper, 16-bit, d 64/128, no attn_mask, dropout or varlen: the warp-specialized Gluon kernel
-        # (kernels/hopper_bwd.py).
+        # Hopper, 16-bit, d 64/128, no dropout, varlen or bias gradient (an attn_mask without one is read by
+        # TMA): the warp-specialized Gluon kernel (kernels/hopper_bwd.py).
         hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset,
                                       feats)
         return dq, dk, dv, None, _sinks_grad(feats, lse_log2, delta)

@@ -19,7 +19,12 @@ dV are written once, without atomics), and as constexpr variants of the same loo
 right bound 0, bottom-right aligned), softcap and ALiBi (docs/derivation.md#8), and sinks (they only change the
 LSE, which the forward folded them into; their gradient is computed from LSE and delta in kernels/backward.py).
 Each key block visits only the query tiles inside the band, the ones the band's edges cross with the mask.
+An attn_mask (BIAS: 1 a float bias of the inputs' dtype, without its gradient, at d128; 2 a bool mask) rides in
+the ring: the producer loads each step's [BLOCK_M queries, 128 keys] tile by TMA into the slot of its Q and dO,
+and each consumer reads its 64 keys transposed (ldmatrix.trans for a 16-bit bias). A bool mask's key blocks walk
+lists of the query tiles it does not hide entirely (Features.block_lists) instead of the band's ranges.
 """
+import dataclasses
 import os
 
 import torch
@@ -45,6 +50,11 @@ ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
 # Fewer keys than this (by head dim) take the portable backward: at 1k, d64 (B16 H32, H200) this kernel ran at
 # 0.92-0.95x the portable one (every program has only 8 query tiles to spread its prologue over).
 MIN_SEQLEN_K = {64: 2048, 128: 0}
+# Head dims at which a float attn_mask fits the ring (its tile rides in each of the STAGES slots): at d128 a
+# [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
+# 64 KB more than the 194 KB in use, so a float bias at d64 takes the portable kernels. A bool mask's tiles are
+# half the size: [128, 128] uint8 fits at d64 too (226 KB).
+FLOAT_BIAS_HEAD_DIMS = (128,)
 
 if AVAILABLE:
 
@@ -79,27 +89,81 @@ if AVAILABLE:
             i = _free_tile(p - n_mask, i_full, i_diag, i_diag_end, n_q - n_mask, shift, ROTATE)
         return m_lo + i * BLOCK_M
 
+    # A bool attn_mask (BIAS == 2) replaces the ranges by a list (Features.block_lists, transposed): per (batch,
+    # head, key block) the count and ascending indices of the query tiles with any attended element, so the tiles
+    # the mask hides entirely cost nothing. Every listed tile takes the masked path (the mask applies elementwise,
+    # with the band's edges where a window is set too). The walk starts at entry i_n % count, for the reason
+    # ROTATE does.
+
     @gluon.jit
-    def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                            lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk, num_heads, group_size,
-                            m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, HEAD_DIM: gl.constexpr,
-                            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr):
+    def _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, i_n):
+        """(row of the lists, count of its tiles, rotation) for query head i_h and key block i_n."""
+        row = i_b * stride_cnt_b + i_h * stride_cnt_h + i_n
+        count = gl.load(Counts + row)
+        return row, count, i_n % gl.maximum(count, 1)
+
+    @gluon.jit
+    def _listed_tile(Idx, row, n_cols, p, count, shift, BLOCK_M: gl.constexpr):
+        """First query row of the p-th listed tile of the list `row`, rotated by shift (< count)."""
+        p += shift
+        p = gl.where(p >= count, p - count, p)
+        return gl.load(Idx + row * n_cols + p) * BLOCK_M
+
+    @gluon.jit
+    def _load_q_tile(t, m, i_h, i_b, start_n, num_heads, bias_mul_b, bias_mul_h, q_desc, do_desc, lse_desc,
+                     delta_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem, bias_smem, q_full, q_empty,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, BIAS: gl.constexpr):
+        """The producer's loads for the t-th step: query rows [m, m + BLOCK_M) of head i_h into ring slot t % STAGES
+        (with the attn_mask tile of those rows and the key block)."""
+        slot = t % STAGES
+        mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        if BIAS:
+            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + 2 * lse_desc.block_type.nbytes + bias_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + 2 * lse_desc.block_type.nbytes)
+        tma_load(q_desc, [m, i_h * HEAD_DIM], q_full.index(slot), q_smem.index(slot))
+        tma_load(do_desc, [m, i_h * HEAD_DIM], q_full.index(slot), do_smem.index(slot))
+        # The rows' LSE and delta ride along: read from shared memory where the softmax needs them, they hold
+        # no registers across the products (at d128 registers are what the consumers run short of).
+        tma_load(lse_desc, [i_b * num_heads + i_h, m], q_full.index(slot), lse_smem.index(slot))
+        tma_load(delta_desc, [i_b * num_heads + i_h, m], q_full.index(slot), delta_smem.index(slot))
+        if BIAS:
+            # The attn_mask tile [BLOCK_M queries, BLOCK_N keys] rides in the same slot (released with Q and dO).
+            tile = bias_smem.index(slot)
+            tma_load(bias_desc, [i_b * bias_mul_b, i_h * bias_mul_h, m, start_n], q_full.index(slot),
+                     tile.reshape([1, 1, tile.shape[0], tile.shape[1]]))
+
+    @gluon.jit
+    def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_desc, q_smem, do_smem,
+                            k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_full, q_empty, start_n, i_b,
+                            i_hk, num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
+                            bias_mul_b, bias_mul_h, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, ROTATE: gl.constexpr, BIAS: gl.constexpr):
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [start_n, i_hk * HEAD_DIM], kv_bar, k_smem)
         tma_load(v_desc, [start_n, i_hk * HEAD_DIM], kv_bar, v_smem)
-        for t in range(group_size * n_q):
-            i_h = i_hk * group_size + t // n_q
-            m = _tile_start(t % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M, ROTATE)
-            slot = t % STAGES
-            mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + 2 * lse_desc.block_type.nbytes)
-            tma_load(q_desc, [m, i_h * HEAD_DIM], q_full.index(slot), q_smem.index(slot))
-            tma_load(do_desc, [m, i_h * HEAD_DIM], q_full.index(slot), do_smem.index(slot))
-            # The rows' LSE and delta ride along: read from shared memory where the softmax needs them, they hold
-            # no registers across the products (at d128 registers are what the consumers run short of).
-            tma_load(lse_desc, [i_b * num_heads + i_h, m], q_full.index(slot), lse_smem.index(slot))
-            tma_load(delta_desc, [i_b * num_heads + i_h, m], q_full.index(slot), delta_smem.index(slot))
+        if BIAS == 2:
+            t = 0
+            for g in range(group_size):
+                i_h = i_hk * group_size + g
+                row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
+                for p in range(count):
+                    m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
+                    _load_q_tile(t, m, i_h, i_b, start_n, num_heads, bias_mul_b, bias_mul_h, q_desc, do_desc,
+                                 lse_desc, delta_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem, bias_smem,
+                                 q_full, q_empty, HEAD_DIM, BLOCK_M, STAGES, BIAS)
+                    t += 1
+        else:
+            for t in range(group_size * n_q):
+                i_h = i_hk * group_size + t // n_q
+                m = _tile_start(t % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M,
+                                ROTATE)
+                _load_q_tile(t, m, i_h, i_b, start_n, num_heads, bias_mul_b, bias_mul_h, q_desc, do_desc, lse_desc,
+                             delta_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem, bias_smem, q_full,
+                             q_empty, HEAD_DIM, BLOCK_M, STAGES, BIAS)
 
     @gluon.jit
     def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr):
@@ -112,44 +176,64 @@ if AVAILABLE:
         mbarrier.arrive(dq_bars.index(2 * half), count=1)
 
     @gluon.jit
-    def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask,
-                          shift, group_size, num_heads, seqlen_q_pad, BLOCK_M: gl.constexpr, ROTATE: gl.constexpr,
-                          DQ_MODE: gl.constexpr):
+    def _reduce_dq(u, row, dq_desc, dq_smem, dq_bars, BLOCK_M: gl.constexpr):
+        """The writer's u-th step: add both warpgroups' staged shares of the dQ tile at dQ row `row`."""
+        # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
+        for w in gl.static_range(2):
+            mbarrier.wait(dq_bars.index(2 * w), u & 1)
+            # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64.
+            col = w * 64 if BLOCK_M == 64 else 0
+            row_w = row if BLOCK_M == 64 else row + w * 64
+            # 128-byte swizzled fp32 staging (conflict-free stores from the accumulator layout): 32 columns
+            # per reduction.
+            tma_reduce_add(dq_desc, [row_w, col], dq_smem.index(w).slice(0, 32, dim=1))
+            tma_reduce_add(dq_desc, [row_w, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
+        tma.store_wait(pendings=2)
+        mbarrier.arrive(dq_bars.index(1), count=1)
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(dq_bars.index(3), count=1)
+
+    @gluon.jit
+    def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
+                          i_end, n_mask, shift, group_size, num_heads, seqlen_q_pad, Counts, Idx, stride_cnt_b,
+                          stride_cnt_h, n_cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROTATE: gl.constexpr,
+                          DQ_MODE: gl.constexpr, BIAS: gl.constexpr):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
         warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
-        n = group_size * n_q
-        if DQ_MODE != 2:
-            n = 0
-        for u in range(n):
-            i_h = i_hk * group_size + u // n_q
-            row = ((i_b * num_heads + i_h) * seqlen_q_pad
-                   + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M,
-                                 ROTATE))
-            # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
-            for w in gl.static_range(2):
-                mbarrier.wait(dq_bars.index(2 * w), u & 1)
-                # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64.
-                col = w * 64 if BLOCK_M == 64 else 0
-                row_w = row if BLOCK_M == 64 else row + w * 64
-                # 128-byte swizzled fp32 staging (conflict-free stores from the accumulator layout): 32 columns
-                # per reduction.
-                tma_reduce_add(dq_desc, [row_w, col], dq_smem.index(w).slice(0, 32, dim=1))
-                tma_reduce_add(dq_desc, [row_w, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
-            tma.store_wait(pendings=2)
-            mbarrier.arrive(dq_bars.index(1), count=1)
-            tma.store_wait(pendings=0)
-            mbarrier.arrive(dq_bars.index(3), count=1)
+        if BIAS == 2:
+            if DQ_MODE == 2:
+                u = 0
+                for g in range(group_size):
+                    i_h = i_hk * group_size + g
+                    row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
+                    for p in range(count):
+                        m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
+                        _reduce_dq(u, (i_b * num_heads + i_h) * seqlen_q_pad + m, dq_desc, dq_smem, dq_bars,
+                                   BLOCK_M)
+                        u += 1
+        else:
+            n = group_size * n_q
+            if DQ_MODE != 2:
+                n = 0
+            for u in range(n):
+                i_h = i_hk * group_size + u // n_q
+                row = ((i_b * num_heads + i_h) * seqlen_q_pad
+                       + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M,
+                                     ROTATE))
+                _reduce_dq(u, row, dq_desc, dq_smem, dq_bars, BLOCK_M)
 
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
-                  lse_smem, delta_smem, offsets_smem, dk, dv, key0, key, seqlen_k, diag_offset, window_left,
-                  window_right, pre_scale, qk_scale, slope, half: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  lse_smem, delta_smem, offsets_smem, bias_smem, dk, dv, key0, key, seqlen_k, diag_offset,
+                  window_left, window_right, pre_scale, qk_scale, slope, half: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, DQ_MODE: gl.constexpr):
+                  MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr,
+                  DQ_MODE: gl.constexpr):
         """One query tile of the key block's warpgroup half. The scores in log2 units are S^T * qk_scale, or with a
-        softcap tanh(S^T * pre_scale) * qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi; the
-        scalars of hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi. MASK: the tile needs the
-        band's mask (or the key bound's, or it crosses the diagonal under ALiBi)."""
+        softcap tanh(S^T * pre_scale) * qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi, a float
+        attn_mask; the scalars of hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi, plus the
+        bias * log2(e) (BIAS 1). MASK: the tile needs the band's mask (or the key bound's, or it crosses the
+        diagonal under ALiBi, or a bool attn_mask applies: BIAS 2)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -195,11 +279,20 @@ if AVAILABLE:
                 xt = score * qk_scale - (lse + s * c) + s * k
         else:
             xt = score * qk_scale - lse
+        if BIAS:
+            # The slot's attn_mask tile is [BLOCK_M queries, 128 keys]; this warpgroup's 64 keys, read transposed.
+            b_t = bias_smem.index(slot).slice(half * 64, 64, dim=1).permute((1, 0)).load(s_layout)
+        if BIAS == 1:
+            xt = xt + b_t.to(gl.float32) * LOG2E
         pt = gl.exp2(xt)
         if MASK:
             # Keys past Sk and the band's edges (kernels/_common._visible, transposed: keys are the rows here).
+            # A bool mask reads 0 (hidden) past Sk (TMA's zero fill): it is the key bound then.
             cols = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(key, 1) < seqlen_k
+            if BIAS == 2:
+                keep = b_t != 0
+            else:
+                keep = gl.expand_dims(key, 1) < seqlen_k
             if MASK_RIGHT:
                 keep = keep & (gl.expand_dims(key, 1) <= gl.expand_dims(cols + (diag_offset + window_right), 0))
             if MASK_LEFT:
@@ -240,13 +333,14 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
-    def _bwd_partition(half: gl.constexpr, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem,
-                       v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk,
-                       start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
-                       diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
-                       stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    def _bwd_partition(half: gl.constexpr, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dq_bars,
+                       k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b,
+                       i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size,
+                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale,
+                       stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts,
+                       Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr,
                        DQ_MODE: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
@@ -270,21 +364,36 @@ if AVAILABLE:
             slope = 0.0
             if HAS_ALIBI:
                 slope = gl.load(Alibi + i_b * stride_alibi_b + i_hk * group_size + g) * LOG2E
-            # The masked query tiles first, then the rest (the order of _tile_start).
-            for p in range(0, n_mask):
-                m = m_lo + _masked_tile(p, i_full, i_diag, i_diag_end, i_end) * BLOCK_M
-                dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars, q_full,
-                                   q_empty, lse_smem, delta_smem, offsets_w, dk, dv, key0, key, seqlen_k, diag_offset,
-                                   window_left, window_right, pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M,
-                                   STAGES, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)
-                t += 1
-            for j in range(0, n_q - n_mask):
-                m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
-                dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars, q_full,
-                                   q_empty, lse_smem, delta_smem, offsets_w, dk, dv, key0, key, seqlen_k, diag_offset,
-                                   window_left, window_right, pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M,
-                                   STAGES, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)
-                t += 1
+            if BIAS == 2:
+                # The listed tiles, each masked (_list_row).
+                row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_hk * group_size + g,
+                                            start_n // BLOCK_N)
+                for p in range(count):
+                    m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
+                    dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
+                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dk, dv, key0, key,
+                                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, slope,
+                                       half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                       HAS_ALIBI, BIAS, DQ_MODE)
+                    t += 1
+            else:
+                # The masked query tiles first, then the rest (the order of _tile_start).
+                for p in range(0, n_mask):
+                    m = m_lo + _masked_tile(p, i_full, i_diag, i_diag_end, i_end) * BLOCK_M
+                    dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
+                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dk, dv, key0, key,
+                                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, slope,
+                                       half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                       HAS_ALIBI, BIAS, DQ_MODE)
+                    t += 1
+                for j in range(0, n_q - n_mask):
+                    m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
+                    dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
+                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dk, dv, key0, key,
+                                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, slope,
+                                       half, HEAD_DIM, BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                       HAS_ALIBI, BIAS, DQ_MODE)
+                    t += 1
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
         dcol = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -301,9 +410,13 @@ if AVAILABLE:
                     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
                     seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, pre_scale, qk_scale,
-                    sm_scale, num_heads, num_kv_heads, group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    sm_scale, num_heads, num_kv_heads, group_size, Bias, bias_mul_b, bias_mul_h, Counts, Idx,
+                    stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, DQ_MODE: gl.constexpr):
+                    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DQ_MODE: gl.constexpr):
+        # Bias: with BIAS (1 a float bias of q's dtype, 2 a bool mask) a TMA descriptor of [BLOCK_M, BLOCK_N] tiles
+        # over the [B|1, H|1, Sq, Sk] attn_mask (hopper_fwd.bias_descriptor; bias_mul_b/_h are 0 along its
+        # broadcast dims); Counts, Idx: a bool mask's tile lists (_list_row). Unused (placeholders) without.
         dtype: gl.constexpr = Q.dtype.element_ty
         # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
         gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
@@ -386,6 +499,14 @@ if AVAILABLE:
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         offsets_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)  # ALiBi: see _bwd_step
+        if BIAS:
+            # One attn_mask tile per ring slot (a [64, 128] bf16 tile at d128 is 16 KB: 226 KB in all).
+            b_type: gl.constexpr = Bias.block_type.element_ty
+            b_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                          element_bitwidth=b_type.primitive_bitwidth, rank=2)
+            bias_smem = gl.allocate_shared_memory(b_type, [STAGES, BLOCK_M, BLOCK_N], b_layout)
+        else:
+            bias_smem = lse_smem  # never read
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -401,32 +522,60 @@ if AVAILABLE:
         # (Both consumers' argument lists are written out, as in kernels/hopper_fwd.py: a shared tuple concatenated
         # with the warpgroup index loses its constexpr entries in Triton 3.6.)
         gl.warp_specialize([
-            (_bwd_partition, (0, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem, v_smem, q_smem,
-                              do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo,
-                              n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
+            (_bwd_partition, (0, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dq_bars, k_smem, v_smem,
+                              q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n,
+                              m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
                               diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
-                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM,
-                              BLOCK_M, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)),
-            (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, dq_bars, k_smem, v_smem, q_smem,
-                              do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n, m_lo,
-                              n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
+                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts, Idx,
+                              stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
+                              MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DQ_MODE)),
+            (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dq_bars, k_smem, v_smem,
+                              q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n,
+                              m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
                               diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
-                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, HEAD_DIM,
-                              BLOCK_M, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, DQ_MODE)),
-            (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                                   v_smem, lse_smem, delta_smem, kv_bar, q_full, q_empty, start_n, i_b, i_hk,
-                                   num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask,
-                                   shift, HEAD_DIM, BLOCK_M, STAGES, not MASK_RIGHT)),
-            (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
-                                 n_mask, shift, group_size, num_heads, seqlen_q_pad, BLOCK_M, not MASK_RIGHT,
-                                 DQ_MODE)),
+                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts, Idx,
+                              stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
+                              MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DQ_MODE)),
+            (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, q_smem, do_smem,
+                                   k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_full, q_empty, start_n,
+                                   i_b, i_hk, num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
+                                   n_mask, shift, bias_mul_b, bias_mul_h, Counts, Idx, stride_cnt_b, stride_cnt_h,
+                                   n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, not MASK_RIGHT, BIAS)),
+            (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
+                                 i_end, n_mask, shift, group_size, num_heads, seqlen_q_pad, Counts, Idx, stride_cnt_b,
+                                 stride_cnt_h, n_cols, BLOCK_M, BLOCK_N, not MASK_RIGHT, DQ_MODE, BIAS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 def features_supported(feats: Features) -> bool:
     """The options this kernel implements: the forward's (kernels/hopper_fwd.features_supported), any sliding
-    window, softcap, ALiBi and sinks; not varlen, attn_mask or dropout."""
-    return feats.attn_bias is None and hopper_fwd.features_supported(feats)
+    window, softcap, ALiBi and sinks, and an attn_mask (a float bias without its gradient, or a bool mask; supports
+    checks its dtype and layout); not varlen or dropout."""
+    if feats.attn_bias is not None:
+        if feats.dropout_p > 0:
+            return False
+        feats = dataclasses.replace(feats, attn_bias=None)  # the rest as the forward has it
+    return hopper_fwd.features_supported(feats)
+
+
+def bias_ok(q, k, feats: Features) -> bool:
+    """Whether this kernel reads the call's attn_mask (True without one): TMA can load its tiles
+    (Features.gluon_bias_ok), and a float bias has a head dim whose ring has room for it (BIAS_HEAD_DIMS)."""
+    bias = feats.attn_bias
+    if bias is None:
+        return True
+    if not feats.gluon_bias_ok(q.dtype, q.shape[1], k.shape[1]) or bias.stride(2) == 0:
+        return False
+    return bias.dtype == torch.bool or q.shape[-1] in FLOAT_BIAS_HEAD_DIMS
+
+
+def _unexpand(bias):
+    """The bias with batch and head dims that are expanded views (stride 0) narrowed to size 1: the descriptor
+    then broadcasts them (TMA takes no zero stride)."""
+    for dim in (0, 1):
+        if bias.shape[dim] > 1 and bias.stride(dim) == 0:
+            bias = bias.narrow(dim, 0, 1)
+    return bias
 
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
@@ -435,7 +584,7 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
     descriptor spans them)."""
     if not (ENABLED and not deterministic and hopper_fwd.inputs_ok(q, k, v, softmax_scale)):
         return False
-    if not features_supported(feats):
+    if not (features_supported(feats) and bias_ok(q, k, feats)):
         return False
     if k.shape[1] < MIN_SEQLEN_K[q.shape[-1]]:
         return False
@@ -457,6 +606,16 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, feats.softcap)
     alibi, stride_alibi_b = feats.alibi_args(delta)  # delta: a placeholder, never read without ALiBi
+    block_m = BLOCK_M[head_dim]
+    # attn_mask: its tile descriptor, and for a bool mask the lists of query tiles to visit per key block
+    # (placeholders, never read, without).
+    bias, bias_mul_b, bias_mul_h = delta, 0, 0
+    counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = delta, delta, (0, 0), 0
+    if feats.attn_bias is not None:
+        bias, bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(_unexpand(feats.attn_bias), block_m, BLOCK_N)
+        lists = feats.block_lists(block_m, BLOCK_N, True, seqlen_q, seqlen_k)
+        if lists is not None:
+            counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = lists
     configs._set_tma_allocator(q.device)
     grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
     _bwd_kernel[grid](
@@ -465,8 +624,9 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         *dk.stride()[:3], *dv.stride()[:3], stride_alibi_b,
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
         qk_scale, softmax_scale, num_heads, num_kv_heads, num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M[head_dim], BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
+        bias, bias_mul_b, bias_mul_h, counts, indices, stride_cnt_b, stride_cnt_h, n_cols,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        DQ_MODE=dq_mode, num_warps=4)
+        BIAS=feats.bias_kind, DQ_MODE=dq_mode, num_warps=4)
     dq.copy_((dq_acc[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
     return dq, dk, dv
