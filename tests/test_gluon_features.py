@@ -124,3 +124,113 @@ def test_window_skips_blocks(spy):
                                    warmup=5, rep=20)
     assert full / band > 3.0, (full, band)
     assert len(spy) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attn_mask: a float bias or a bool mask, by TMA into a ring of its own (bool: only the listed key blocks)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _mask(kind, shape, seed, device=DEVICE):
+    """A bool mask of the given kind: "random" (60% attended), "causal" (bottom-right), "docs" (documents of 300
+    keys, causal inside: whole key blocks invisible to whole query tiles)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    sq, sk = shape[-2:]
+    i = torch.arange(sq, device=device)[:, None] + sk - sq
+    j = torch.arange(sk, device=device)[None, :]
+    if kind == "random":
+        mask = torch.rand(shape, generator=gen, device=device) < 0.6
+    elif kind == "causal":
+        mask = (j <= i).expand(shape).clone()
+    else:
+        mask = ((j // 300 == i.clamp(min=0) // 300) & (j <= i)).expand(shape).clone()
+    if sq > 3:
+        mask[..., 3, :] = False  # a row that attends nothing: 0 and LSE -inf, not NaN
+    return mask
+
+
+BIAS_CASES = [
+    # b, sq, sk, h, hk, d, causal, dtype, attn_mask (kind, shape over (B, H)), features
+    (2, 1000, 1104, 4, 2, 128, False, torch.bfloat16, ("float", (2, 4)), {}),
+    (1, 1100, 1000, 4, 4, 64, False, torch.float16, ("float", (1, 1)), {}),
+    (2, 777, 784, 4, 2, 128, True, torch.bfloat16, ("float", (1, 4)), dict(softcap=15.0, alibi="h")),
+    (2, 600, 904, 2, 1, 64, False, torch.bfloat16, ("float", (2, 1)), dict(window_size=(300, 50), sinks=True)),
+    (1, 1, 3000, 4, 2, 128, False, torch.float16, ("float", (1, 4)), {}),
+    (2, 1000, 1104, 4, 2, 128, False, torch.bfloat16, ("random", (2, 4)), {}),
+    (1, 1500, 1504, 4, 2, 64, False, torch.float16, ("causal", (1, 1)), {}),
+    (2, 1300, 1504, 4, 1, 128, False, torch.bfloat16, ("docs", (1, 1)), dict(alibi="bh", sinks=True)),
+    (1, 1200, 1008, 2, 2, 128, True, torch.bfloat16, ("random", (1, 2)), dict(window_size=(200, 0))),
+    (2, 900, 1600, 4, 2, 64, False, torch.bfloat16, ("docs", (2, 1)), dict(softcap=20.0)),
+    # More work items than SMs.
+    (2, 3000, 3008, 16, 4, 128, False, torch.bfloat16, ("float", (1, 16)), {}),
+    (2, 2100, 2112, 16, 8, 64, True, torch.float16, ("random", (2, 16)), {}),
+]
+
+
+def _bias_cid(b, sq, sk, h, hk, d, causal, dtype, mask, feats):
+    return _cid(b, sq, sk, h, hk, d, causal, dtype, feats) + f"-{mask[0]}{mask[1][0]}x{mask[1][1]}"
+
+
+def _attn_mask(kind, bh, sq, sk, dtype, seed):
+    """(attn_mask tensor, the oracle's keyword for it)."""
+    if kind == "float":
+        gen = torch.Generator(DEVICE).manual_seed(seed)
+        bias = (torch.randn((*bh, sq, sk), generator=gen, device=DEVICE) * 2).to(dtype)
+        bias[..., 5] = float("-inf")  # -inf entries mask keys too
+        if sq > 2:
+            bias[..., 2, :] = float("-inf")  # a row that attends nothing
+        return bias, "attn_bias"
+    return _mask(kind, (*bh, sq, sk), seed), "attn_mask"
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype,mask,feats",
+                         [pytest.param(*c, id=_bias_cid(*c)) for c in BIAS_CASES])
+def test_attn_mask_against_reference(poison, spy, b, sq, sk, h, hk, d, causal, dtype, mask, feats):
+    from flashtile.interface import _attention
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=sq + sk + d, grad=False)
+    kw = _features(b, h, sq, **feats)
+    bias, name = _attn_mask(*mask, sq, sk, dtype, seed=sq * d)
+    window = kw.pop("window_size", (-1, -1))
+    out, lse, _ = _attention(q, k, v, d ** -0.5, causal, sk - sq, window=window, attn_bias=bias, **kw)
+    assert len(spy) == 1, "the call did not take the Gluon forward"
+    assert out.isfinite().all()
+    empty_row = 2 if name == "attn_bias" else 3
+    if sq > empty_row:
+        assert torch.equal(out[:, empty_row], torch.zeros_like(out[:, empty_row]))
+        if "sinks" not in kw:
+            assert torch.isneginf(lse[:, :, empty_row]).all()
+    check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, causal, sk - sq,
+                            window_size=window, **kw, **{name: bias})
+
+
+@pytest.mark.parametrize("kind", ("float", "docs"))
+def test_attn_mask_matches_portable_kernel(monkeypatch, spy, kind):
+    q, k, v = make_qkv(2, 1500, 1700 - 4, 4, 2, 128, torch.bfloat16, device=DEVICE, seed=7, grad=False)
+    bias, _ = _attn_mask(kind, (2, 1), 1500, 1696, torch.bfloat16, seed=8)
+    sdpa = (lambda: flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           attn_mask=bias, enable_gqa=True))
+    out = sdpa()
+    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    out_p = sdpa()
+    assert len(spy) == 1
+    assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7
+
+
+def test_bool_mask_skips_blocks(spy):
+    # Documents of 300 keys: the values of the first document are NaN, and the query tiles of later documents
+    # must not load them (a visited block multiplies its NaNs by P = 0 and gets NaN).
+    q, k, v = make_qkv(1, 2000, 2000, 4, 4, 128, torch.bfloat16, device=DEVICE, seed=3, grad=False)
+    mask = _mask("docs", (1, 1, 2000, 2000), 4)
+    v[:, :256] = float("nan")  # key blocks 0 and 1 (of 128): reached only by query rows < 600
+    out = flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask).transpose(1, 2)
+    assert len(spy) == 1
+    assert out[:, 640:].isfinite().all()  # query tiles of 128 rows from row 640 on see neither block
+
+
+def test_unaligned_attn_mask_falls_back(spy):
+    # Sk = 1001: the mask's rows are not 16-byte aligned for TMA, so the portable kernel takes the call.
+    q, k, v = make_qkv(1, 300, 1001, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=5, grad=False)
+    bias, _ = _attn_mask("float", (1, 1), 300, 1001, torch.bfloat16, seed=6)
+    out = flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=bias)
+    assert len(spy) == 0 and out[:, :, 3:].isfinite().all()

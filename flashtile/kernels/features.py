@@ -151,9 +151,11 @@ class Features:
             mask = self.attn_bias
             b, h = mask.shape[:2]
             nm, nn = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-            padded = mask.new_zeros((b, h, nm * block_m, nn * block_n))
-            padded[:, :, :seqlen_q, :seqlen_k] = mask.expand(b, h, seqlen_q, seqlen_k)
-            tiles = padded.view(b, h, nm, block_m, nn, block_n).any(dim=5).any(dim=3)  # [b, h, nm, nn]
+            padded = mask.expand(b, h, seqlen_q, seqlen_k)
+            if seqlen_q % block_m or seqlen_k % block_n:  # (no copy of the whole mask when the tiles divide it)
+                padded = mask.new_zeros((b, h, nm * block_m, nn * block_n))
+                padded[:, :, :seqlen_q, :seqlen_k] = mask.expand(b, h, seqlen_q, seqlen_k)
+            tiles = padded.unflatten(3, (nn, block_n)).any(dim=4).unflatten(2, (nm, block_m)).any(dim=3)
             if transpose:
                 tiles = tiles.transpose(2, 3)
             counts = tiles.sum(dim=-1, dtype=torch.int32).contiguous()

@@ -43,7 +43,7 @@ import triton.language as tl
 from . import _common, configs
 from ._common import LN2, LOG2E
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
-from .features import Features
+from .features import BIAS_BOOL, Features
 
 if AVAILABLE:
     from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load,
@@ -64,6 +64,10 @@ CONFIGS = {(64, False): (3, 2, True), (64, True): (2, 2, True), (128, False): (2
 # Registers per thread of the two worker consumers when there are three (16 warps: 512 per thread slot in all; the
 # producer's warpgroup keeps 24, the first consumer gets what is left, 168).
 CONSUMER_REGS_3WG = tl.constexpr(160)
+# attn_mask tiles (a float bias or a bool mask) come through a ring of their own, BIAS_STAGES deep; _smem_plan fits
+# it into SMEM_BYTES (of the 227 KB an H100/H200 block may use, what is left beside the barriers).
+BIAS_STAGES = 2
+SMEM_BYTES = 224 * 1024
 # False launches one program per work item instead of persistent ones (the same kernel, no dynamic schedule).
 PERSISTENT = True
 # FLASHTILE_GLUON=0 turns the fast path off (to compare with the portable kernel, or to work around a problem).
@@ -71,12 +75,13 @@ ENABLED = os.environ.get("FLASHTILE_GLUON", "1") != "0"
 
 if AVAILABLE:
     @gluon.jit
-    def _tile_coords(tile, n_m, num_heads, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    def _tile_coords(tile, n_m, num_heads, BLOCK_M: gl.constexpr, REVERSE: gl.constexpr):
         """Work item -> (first query row, batch, head). The query tiles of one head are consecutive items, so the
-        programs running at one time share few heads' K/V in L2; causal: the tiles that see the most keys first."""
+        programs running at one time share few heads' K/V in L2; REVERSE (causal, and bool masks, which are often
+        causal-like): last tiles first, the ones that see the most keys."""
         i_bh = tile // n_m
         i_m = tile % n_m
-        if CAUSAL:
+        if REVERSE:
             i_m = n_m - 1 - i_m
         return i_m * BLOCK_M, i_bh // num_heads, i_bh % num_heads
 
@@ -95,25 +100,51 @@ if AVAILABLE:
         return j_lo, j_hi - j_lo
 
     @gluon.jit
+    def _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts, Idx, stride_cb, stride_ch,
+                     idx_cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                     MASK_LEFT: gl.constexpr, LISTS: gl.constexpr):
+        """A work item's key blocks: (first, count, its block list). LISTS (a bool attn_mask): the count and the
+        indices of the blocks that hold any attended key, from Features.block_lists (block k is then
+        idx_row[k]); otherwise a contiguous range (_block_range; idx_row is not read)."""
+        if LISTS:
+            off = i_b * stride_cb + i_h * stride_ch + start_m // BLOCK_M
+            return 0, gl.load(Counts + off), Idx + off.to(gl.int64) * idx_cols
+        else:
+            j_lo, n_blocks = _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M, BLOCK_N, CAUSAL,
+                                          MASK_LEFT)
+            return j_lo, n_blocks, Idx
+
+    @gluon.jit
+    def _block_at(j_lo, j, idx_row, LISTS: gl.constexpr):
+        """Index of a work item's j-th key block."""
+        if LISTS:
+            return gl.load(idx_row + j)
+        else:
+            return j_lo + j
+
+    @gluon.jit
     def _write_tile(tile_smem, tile):
         """Store a work item's index (dynamic schedule) from the producer warp."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         tile_smem.store(gl.full([1], tile, gl.int32, layout))
 
     @gluon.jit
-    def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty, k_full,
-                        k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset,
-                        left_offset, PART_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        MASK_LEFT: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+    def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem, Counter,
+                        q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads,
+                        group_size, seqlen_k, diag_offset, left_offset, bias_mul_b, bias_mul_h, Counts, Idx,
+                        stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        MASK_LEFT: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
+                        DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         c = 0  # blocks loaded so far by this program: slot c % STAGES, pass c // STAGES through the ring
         it = 0  # work items so far
         tile = gl.program_id(0)
         while tile < n_tiles:
-            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
+            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
             i_hk = i_h // group_size
-            j_lo, n_blocks = _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M, BLOCK_N, CAUSAL,
-                                          MASK_LEFT)
+            j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts,
+                                                   Idx, stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
+                                                   MASK_LEFT, BIAS == 2)
             # A fresh barrier has completed no phase, so the first wait on an "empty" barrier (parity 1) does not
             # block; after that, each wait needs every consumer's release of the previous use.
             qb = it % QBUF
@@ -126,19 +157,31 @@ if AVAILABLE:
             for part in gl.static_range(NUM_WG):
                 tma_load(q_desc, [i_b, start_m + part * PART_M, i_h, 0], q_full.index(qb),
                          q_smem.index(qb * NUM_WG + part).reshape([1, PART_M, 1, HEAD_DIM]))
-            # K runs one block ahead of V, the order the consumers use them in: step j reads K_j and V_{j-1}.
+            # K runs one block ahead of V, the order the consumers use them in: step j reads K_j (and its bias
+            # tile) and V_{j-1}.
             for j in range(n_blocks + 1):
                 if j < n_blocks:
+                    col = _block_at(j_lo, j, idx_row, BIAS == 2) * BLOCK_N
                     slot = (c + j) % STAGES
                     mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                    tma_load(k_desc, [i_b, (j_lo + j) * BLOCK_N, i_hk, 0], k_full.index(slot),
+                    tma_load(k_desc, [i_b, col, i_hk, 0], k_full.index(slot),
                              k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+                    if BIAS != 0:
+                        # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
+                        slot = (c + j) % BSTAGES
+                        mbarrier.wait(b_empty.index(slot), (((c + j) // BSTAGES) & 1) ^ 1)
+                        mbarrier.expect(b_full.index(slot), NUM_WG * bias_desc.block_type.nbytes)
+                        for part in gl.static_range(NUM_WG):
+                            tma_load(bias_desc, [i_b * bias_mul_b, i_h * bias_mul_h, start_m + part * PART_M, col],
+                                     b_full.index(slot),
+                                     bias_smem.index(slot * NUM_WG + part).reshape([1, 1, PART_M, BLOCK_N]))
                 if j > 0:
+                    col = _block_at(j_lo, j - 1, idx_row, BIAS == 2) * BLOCK_N
                     slot = (c + j - 1) % STAGES
                     mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                    tma_load(v_desc, [i_b, (j_lo + j - 1) * BLOCK_N, i_hk, 0], v_full.index(slot),
+                    tma_load(v_desc, [i_b, col, i_hk, 0], v_full.index(slot),
                              v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
             c += n_blocks
             it += 1
@@ -156,7 +199,7 @@ if AVAILABLE:
             mbarrier.arrive(q_full.index(qb), count=1)
 
     @gluon.jit
-    def _softmax_core(s, m_i, l_i, qk_scale, MASK_LEFT: gl.constexpr):
+    def _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF: gl.constexpr):
         """Online softmax of one score block (docs/derivation.md ch. 3) in log2 units: returns p, alpha, m, l."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 away from NaN.
@@ -164,23 +207,29 @@ if AVAILABLE:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
         alpha = gl.exp2(m_i - m_sub)
         l_i = l_i * alpha + gl.sum(p, 1)
-        if MASK_LEFT:
-            # The state keeps -inf: with a left bound a row's keys can start after fully masked blocks, and a 0
-            # there would join the max of its first visible block (P scaled away from its own maximum: one key
-            # gave v only to an ulp, and scores below -126 in log2 units underflowed). Without one, a row that
-            # sees no key in its first block sees none at all, and the 0 saves registers (d64's three warpgroups
-            # spill 12 more stores keeping -inf).
+        if KEEP_NEG_INF:
+            # The state keeps -inf: with a left bound or an attn_mask a row's keys can start after fully masked
+            # blocks, and a 0 there would join the max of its first visible block (P scaled away from its own
+            # maximum: one key gave v only to an ulp, and scores below -126 in log2 units underflowed). Without
+            # them, a row that sees no key in its first block sees none at all, and the 0 saves registers (d64's
+            # three warpgroups spill 12 more stores keeping -inf).
             return p, alpha, m_new, l_i
         else:
             return p, alpha, m_sub, l_i
 
     @gluon.jit
-    def _score_mod(s, col0, arow, slope, pre_scale, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    def _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                   BIAS: gl.constexpr):
         """The scores' modifications, in the units the caller's qk_scale turns into log2 units (the host picks
-        them, mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then ALiBi as
+        them, mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then the attn_mask tile b (a
+        float bias times mod_unit, the same unit; a bool mask: -inf where b is 0), then ALiBi as
         - slope |i + a - j|, the slope divided by the same unit (arow: i + a per row, fp32)."""
         if SOFTCAP:
             s = tanh_approx(s * pre_scale)
+        if BIAS == 1:
+            s = s + b.to(gl.float32) * mod_unit
+        if BIAS == 2:
+            s = gl.where(b != 0, s, float("-inf"))
         if HAS_ALIBI:
             col = (gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)) + col0).to(gl.float32)
             s = s - slope * gl.abs(gl.expand_dims(arow, 1) - gl.expand_dims(col, 0))
@@ -188,13 +237,14 @@ if AVAILABLE:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope,
-                      pre_scale, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      HAS_ALIBI: gl.constexpr):
+                      pre_scale, b, mod_unit, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                      HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr):
         """Scores -> online softmax for one block. `mask` (runtime): apply Sk and the band (CAUSAL: the right
         bound i + diag_offset; MASK_LEFT: the left bound i + left_offset). Both branches hold a whole softmax, so
         the wait that follows a call starts a basic block of its own and ptxas cannot hoist it above the
         exponentials."""
-        s = _score_mod(s, col0, arow, slope, pre_scale, SOFTCAP, HAS_ALIBI)
+        s = _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP, HAS_ALIBI, BIAS)
+        KEEP_NEG_INF: gl.constexpr = MASK_LEFT | (BIAS != 0)
         if mask:
             # Columns col0 + (0 .. BLOCK_N-1): compare the block-relative column with one limit per row (the
             # row's last visible key, relative to the block), one compare per score.
@@ -206,9 +256,9 @@ if AVAILABLE:
                 keep = gl.expand_dims(rel, 0) < gl.expand_dims(gl.full_like(row, seqlen_k) - col0, 1)
             if MASK_LEFT:
                 keep = keep & (gl.expand_dims(rel, 0) >= gl.expand_dims(row + left_offset - col0, 1))
-            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, MASK_LEFT)
+            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, KEEP_NEG_INF)
         else:
-            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, MASK_LEFT)
+            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF)
         return p, alpha, m_n, l_n
 
     @gluon.jit
@@ -228,23 +278,40 @@ if AVAILABLE:
         return warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
 
     @gluon.jit
-    def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p_prev, alpha_prev, acc, m_i, l_i, row,
-                     seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo, col_base, arow, slope,
-                     pre_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, dot_a: gl.constexpr):
+    def _read_bias(bias_smem, b_full, b_empty, i, s, part: gl.constexpr, NUM_WG: gl.constexpr,
+                   BSTAGES: gl.constexpr, BIAS: gl.constexpr):
+        """This warpgroup's attn_mask tile of the program's block i, in the layout of the scores s (0.0: no
+        attn_mask)."""
+        if BIAS != 0:
+            slot = i % BSTAGES
+            mbarrier.wait(b_full.index(slot), (i // BSTAGES) & 1)
+            b = bias_smem.index(slot * NUM_WG + part).load(s.type.layout)
+            mbarrier.arrive(b_empty.index(slot), count=1)
+            return b
+        else:
+            return 0.0
+
+    @gluon.jit
+    def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c, p_prev,
+                     alpha_prev, acc, m_i, l_i, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo,
+                     j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                     HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
+                     dot_a: gl.constexpr):
         """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
         retire it. In P_{j-1} and its alpha, out P_j and its alpha; O then holds P_{<j} V_{<j}."""
         acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES)
         # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
-        col0 = col_base + j * BLOCK_N
+        b = _read_bias(bias_smem, b_full, b_empty, c + j, s, part, NUM_WG, BSTAGES, BIAS)
+        col0 = _block_at(j_lo, j, idx_row, BIAS == 2) * BLOCK_N
         mask = j >= n_full
         if MASK_LEFT:
             mask = mask | (j < full_lo)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale,
-                                           mask, arow, slope, pre_scale, CAUSAL, MASK_LEFT, SOFTCAP,
-                                           HAS_ALIBI)
+                                           mask, arow, slope, pre_scale, b, mod_unit, CAUSAL, MASK_LEFT, SOFTCAP,
+                                           HAS_ALIBI, BIAS)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
         mbarrier.arrive(v_empty.index((c + j - 1) % STAGES), count=1)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
@@ -259,29 +326,34 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
-    def _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_empty, c, n_blocks, acc, m_i, l_i,
-                     s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo, col_base, arow,
-                     slope, pre_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, dot_a: gl.constexpr):
-        """All key blocks of one work item (n_blocks >= 1, the first at column col_base) for one warpgroup: returns
-        O (unnormalized), m, l. Blocks j (counted from the first) below full_lo or from n_full on are masked."""
+    def _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, bias_smem, b_full, b_empty, q_empty, c,
+                     n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full,
+                     full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
+                     NUM_WG: gl.constexpr, dot_a: gl.constexpr):
+        """All key blocks of one work item (n_blocks >= 1; block j is _block_at(j_lo, j, idx_row)) for one
+        warpgroup: returns O (unnormalized), m, l. Blocks j below full_lo or from n_full on are masked."""
         s_tok = _issue_s(q, k_smem, k_full, c, s_zero, STAGES)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+        b = _read_bias(bias_smem, b_full, b_empty, c, s, part, NUM_WG, BSTAGES, BIAS)
         # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
         mask = n_full <= 0
         if MASK_LEFT:
             mask = mask | (full_lo > 0)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col_base, seqlen_k, diag_offset, left_offset, qk_scale,
-                                           mask, arow, slope, pre_scale, CAUSAL, MASK_LEFT, SOFTCAP,
-                                           HAS_ALIBI)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, _block_at(j_lo, 0, idx_row, BIAS == 2) * BLOCK_N,
+                                           seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope,
+                                           pre_scale, b, mod_unit, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         for j in range(1, n_blocks):
             s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES)
-            p, alpha, acc, m_i, l_i = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, j, c, p, alpha, acc,
-                                                   m_i, l_i, row, seqlen_k, diag_offset, left_offset, qk_scale,
-                                                   n_full, full_lo, col_base, arow, slope, pre_scale, BLOCK_N,
-                                                   STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, dot_a)
+            p, alpha, acc, m_i, l_i = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem, b_full,
+                                                   b_empty, j, c, p, alpha, acc, m_i, l_i, row, seqlen_k,
+                                                   diag_offset, left_offset, qk_scale, n_full, full_lo, j_lo,
+                                                   idx_row, arow, slope, pre_scale, mod_unit, part, BLOCK_N, STAGES,
+                                                   CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG,
+                                                   dot_a)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
@@ -289,13 +361,17 @@ if AVAILABLE:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _skip_blocks(k_full, k_empty, v_full, v_empty, q_empty, c, n_blocks, STAGES: gl.constexpr):
+    def _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty, c, n_blocks, STAGES: gl.constexpr,
+                     BIAS: gl.constexpr, BSTAGES: gl.constexpr):
         """A warpgroup whose rows all lie past Sq (the last query tile) computes nothing: it only follows the ring,
-        releasing each K and V block once loaded, in the producer's order (K_j, then V_{j-1})."""
+        releasing each K (and attn_mask) and V block once loaded, in the producer's order (K_j, then V_{j-1})."""
         for j in range(n_blocks):
             i = c + j
             mbarrier.wait(k_full.index(i % STAGES), (i // STAGES) & 1)
             mbarrier.arrive(k_empty.index(i % STAGES), count=1)
+            if BIAS != 0:
+                mbarrier.wait(b_full.index(i % BSTAGES), (i // BSTAGES) & 1)
+                mbarrier.arrive(b_empty.index(i % BSTAGES), count=1)
             if j > 0:
                 mbarrier.wait(v_full.index((i - 1) % STAGES), ((i - 1) // STAGES) & 1)
                 mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
@@ -312,13 +388,15 @@ if AVAILABLE:
         return gl.max(tile_smem.load(layout), 0)
 
     @gluon.jit
-    def _softmax_partition(part: gl.constexpr, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
-                           tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads,
-                           seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
-                           alibi_offset, alibi_unit, pre_scale, Sinks, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                           HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr, NUM_WG: gl.constexpr,
+    def _softmax_partition(part: gl.constexpr, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb,
+                           stride_lh, q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                           k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q, seqlen_k,
+                           diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b, alibi_offset, mod_unit,
+                           pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+                           SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
+                           BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr,
                            DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -328,7 +406,6 @@ if AVAILABLE:
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
-        o_buf = o_smem.index(part)
 
         c = 0  # blocks consumed so far by this program, counted as the producer counts them
         it = 0  # work items so far
@@ -339,9 +416,10 @@ if AVAILABLE:
         else:
             tile = gl.program_id(0)
         while tile < n_tiles:
-            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL)
-            j_lo, n_blocks = _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M, BLOCK_N, CAUSAL,
-                                          MASK_LEFT)
+            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
+            j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts,
+                                                   Idx, stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
+                                                   MASK_LEFT, BIAS == 2)
             row_start = start_m + part * PART_M
             row = row_start + gl.arange(0, PART_M, layout=row_layout)
             # Blocks from full_lo to below n_full (counted from the item's first block) are visible to every row of
@@ -353,11 +431,18 @@ if AVAILABLE:
             full_lo = 0
             if MASK_LEFT:
                 full_lo = gl.cdiv(gl.maximum(row_start + PART_M - 1 + left_offset, 0), BLOCK_N) - j_lo
+            if BIAS == 2:
+                # Listed blocks (a bool attn_mask): the mask tile hides keys past Sk (zero-filled); a band masks
+                # every block (n_full = 0; a runtime value, so both of _softmax_step's branches stay).
+                n_full = n_blocks
+                if CAUSAL or MASK_LEFT:
+                    n_full = 0
+                full_lo = 0
             # ALiBi (_score_mod): the slope in score units and i + a per row.
             slope = 0.0
             arow = gl.zeros([PART_M], gl.float32, layout=row_layout)
             if HAS_ALIBI:
-                slope = gl.load(Alibi + i_b * stride_alibi_b + i_h) * alibi_unit
+                slope = gl.load(Alibi + i_b * stride_alibi_b + i_h) * mod_unit
                 arow = (row + alibi_offset).to(gl.float32)
 
             qb = it % QBUF
@@ -366,17 +451,19 @@ if AVAILABLE:
                 mbarrier.wait(q_full.index(qb), (it // QBUF) & 1)
             if row_start >= seqlen_q:
                 # Every row of this part lies past Sq (the last query tile): follow the ring, compute nothing.
-                _skip_blocks(k_full, k_empty, v_full, v_empty, q_empty.index(qb), c, n_blocks, STAGES)
+                _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty.index(qb), c, n_blocks, STAGES,
+                             BIAS, BSTAGES)
             else:
                 m_i = gl.full([PART_M], float("-inf"), gl.float32, layout=row_layout)
                 l_i = gl.zeros([PART_M], gl.float32, layout=row_layout)
                 acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
                 if n_blocks > 0:
-                    acc, m_i, l_i = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
-                                                 q_empty.index(qb), c, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k,
-                                                 diag_offset, left_offset, qk_scale, n_full, full_lo, j_lo * BLOCK_N,
-                                                 arow, slope, pre_scale, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
-                                                 SOFTCAP, HAS_ALIBI, dot_a)
+                    acc, m_i, l_i = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, bias_smem,
+                                                 b_full, b_empty, q_empty.index(qb), c, n_blocks, acc, m_i, l_i,
+                                                 s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full,
+                                                 full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part,
+                                                 BLOCK_N, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
+                                                 BSTAGES, NUM_WG, dot_a)
                 else:
                     mbarrier.arrive(q_empty.index(qb), count=1)
                 if HAS_SINKS:
@@ -396,12 +483,21 @@ if AVAILABLE:
                 acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
                 lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
                 gl.store(lse_base + row, lse, mask=row < seqlen_q)
-                # The previous tile's output store must have read the buffer before it is overwritten.
-                tma.store_wait(pendings=0)
-                o_buf.store(acc.to(dtype))
-                fence_async_shared()
-                # Rows past Sq are clipped by the descriptor's bounds.
-                tma_store(o_desc, [i_b, row_start, i_h, 0], o_buf.reshape([1, PART_M, 1, HEAD_DIM]))
+                if STAGE_O:
+                    # The previous tile's output store must have read the buffer before it is overwritten.
+                    tma.store_wait(pendings=0)
+                    o_buf = o_smem.index(part)
+                    o_buf.store(acc.to(dtype))
+                    fence_async_shared()
+                    # Rows past Sq are clipped by the descriptor's bounds.
+                    tma_store(o_desc, [i_b, row_start, i_h, 0], o_buf.reshape([1, PART_M, 1, HEAD_DIM]))
+                else:
+                    # No staging buffer (its shared memory holds attn_mask tiles): stores from the registers.
+                    o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
+                    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                    o_ptr = (Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
+                             + gl.expand_dims(o_rows.to(gl.int64) * stride_os, 1) + gl.expand_dims(o_cols, 0))
+                    gl.store(o_ptr, acc.to(dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
             c += n_blocks
             it += 1
             if DYNAMIC:
@@ -414,19 +510,24 @@ if AVAILABLE:
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, Alibi, Sinks, stride_lb, stride_lh, stride_alibi_b,
-                    seqlen_q, seqlen_k, diag_offset, left_offset, alibi_offset, qk_scale, alibi_unit, pre_scale,
-                    num_heads, group_size, n_m, n_tiles,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, Alibi, Sinks, Counts, Idx,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_alibi_b, bias_mul_b, bias_mul_h,
+                    stride_cb, stride_ch, idx_cols, seqlen_q, seqlen_k, diag_offset, left_offset, alibi_offset,
+                    qk_scale, mod_unit, pre_scale, num_heads, group_size, n_m, n_tiles,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                    HAS_SINKS: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+                    HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr,
+                    NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         PART_M: gl.constexpr = BLOCK_M // NUM_WG
         dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_WG * QBUF, PART_M, HEAD_DIM], layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, PART_M, HEAD_DIM], layout)
+        if STAGE_O:
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, PART_M, HEAD_DIM], layout)
+        else:
+            o_smem = q_smem  # not read: the epilogue stores from registers
         tile_smem = gl.allocate_shared_memory(gl.int32, [QBUF, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_full = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
@@ -443,53 +544,74 @@ if AVAILABLE:
             mbarrier.init(v_full.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=NUM_WG)
             mbarrier.init(v_empty.index(i), count=NUM_WG)
+        if BIAS != 0:
+            # attn_mask tiles: a ring of BSTAGES slots, one [PART_M, BLOCK_N] tile per consumer in each.
+            b_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                          element_bitwidth=bias_desc.dtype.primitive_bitwidth, rank=2)
+            bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [BSTAGES * NUM_WG, PART_M, BLOCK_N], b_layout)
+            b_full = gl.allocate_shared_memory(gl.int64, [BSTAGES, 1], mbarrier.MBarrierLayout())
+            b_empty = gl.allocate_shared_memory(gl.int64, [BSTAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(BSTAGES):
+                mbarrier.init(b_full.index(i), count=1)
+                mbarrier.init(b_empty.index(i), count=NUM_WG)
+        else:
+            bias_smem, b_full, b_empty = k_smem, k_full, k_empty  # not read
 
-        # (The consumers' argument lists are written out: a tuple built once and concatenated loses the
+        # (The partitions' argument lists are written out: a tuple built once and concatenated loses the
         # constexpr-ness of its entries in Triton 3.6.)
         if NUM_WG == 3:
             # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
             gl.warp_specialize([
-                (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
-                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
-                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                                      NUM_WG, DYNAMIC, QBUF)),
-                (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
-                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
-                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                                      NUM_WG, DYNAMIC, QBUF)),
-                (_softmax_partition, (2, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
-                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
-                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                                      NUM_WG, DYNAMIC, QBUF)),
-                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty,
-                                   k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k,
-                                   diag_offset, left_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                   MASK_LEFT, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
+                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
+                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
+                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
+                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
+                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
+                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (2, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
+                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
+                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
+                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
+                                   Counter, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty,
+                                   n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
+                                   bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
+                                   DYNAMIC, QBUF)),
             ], [4, 4, 1], [CONSUMER_REGS_3WG, CONSUMER_REGS_3WG, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_softmax_partition, (0, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
-                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
-                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                                      NUM_WG, DYNAMIC, QBUF)),
-                (_softmax_partition, (1, o_desc, Lse, stride_lb, stride_lh, q_smem, k_smem, v_smem, o_smem,
-                                      tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, alibi_unit, pre_scale, Sinks, PART_M, BLOCK_M,
-                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                                      NUM_WG, DYNAMIC, QBUF)),
-                (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, Counter, q_full, q_empty,
-                                   k_full, k_empty, v_full, v_empty, n_tiles, n_m, num_heads, group_size, seqlen_k,
-                                   diag_offset, left_offset, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                   MASK_LEFT, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
+                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
+                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
+                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
+                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
+                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
+                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
+                                   Counter, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty,
+                                   n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
+                                   bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
+                                   DYNAMIC, QBUF)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -508,15 +630,29 @@ def inputs_ok(q, k, v, softmax_scale) -> bool:
 
 
 def features_supported(feats: Features) -> bool:
-    """The options this kernel implements: causal and sliding-window masks, softcap, ALiBi and sinks (not
-    varlen, attn_mask or dropout)."""
-    return not (feats.varlen or feats.attn_bias is not None or feats.dropout_p > 0)
+    """The options this kernel implements: causal and sliding-window masks, softcap, ALiBi, sinks and attn_mask
+    (a float bias or a bool mask, where TMA can read it: supports checks that); not varlen or dropout."""
+    return not (feats.varlen or feats.dropout_p > 0)
 
 
 def supports(q, k, v, feats: Features, softmax_scale) -> bool:
-    """Whether this kernel computes the request (inputs_ok and features_supported). Anything else (and
-    FLASHTILE_GLUON=0) takes the portable kernel."""
-    return ENABLED and inputs_ok(q, k, v, softmax_scale) and features_supported(feats)
+    """Whether this kernel computes the request (inputs_ok, features_supported, and an attn_mask that
+    Features.gluon_bias_ok accepts). Anything else (and FLASHTILE_GLUON=0) takes the portable kernel."""
+    if not (ENABLED and inputs_ok(q, k, v, softmax_scale) and features_supported(feats)):
+        return False
+    return feats.attn_bias is None or feats.gluon_bias_ok(q.dtype, q.shape[1], k.shape[1])
+
+
+def _smem_plan(head_dim, num_wg, qbuf, bias_bytes):
+    """(QBUF, STAGE_O) for a launch with attn_mask tiles of bias_bytes per element: the configuration's query
+    buffers and output staging buffer if the ring of BIAS_STAGES tiles fits beside them, else one query buffer,
+    else no staging buffer either (d128 with a 16-bit bias: 32 KB of Q, 128 KB of K/V, 64 KB of bias)."""
+    tile = WG_M * head_dim * 2
+    fixed = 2 * STAGES[head_dim] * BLOCK_N * head_dim * 2 + BIAS_STAGES * num_wg * WG_M * BLOCK_N * bias_bytes
+    for qb, stage_o in ((qbuf, True), (1, True), (1, False)):
+        if fixed + num_wg * tile * (qb + stage_o) <= SMEM_BYTES:
+            return qb, stage_o
+    raise ValueError(f"no shared-memory plan for head_dim={head_dim} with a {bias_bytes}-byte attn_mask")
 
 
 @functools.lru_cache(maxsize=None)
@@ -549,9 +685,10 @@ def bias_descriptor(bias, rows, cols):
 
 
 def mod_scalars(softmax_scale, softcap):
-    """(qk_scale, pre_scale, alibi_unit) for _score_mod: with a softcap the scores become tanh(pre_scale s) and
-    qk_scale = softcap log2(e) turns them into log2 units; without, qk_scale = scale log2(e). ALiBi slopes are
-    divided by the same scale (alibi_unit) so that one multiply-add applies them before it."""
+    """(qk_scale, pre_scale, mod_unit) for _score_mod: with a softcap the scores become tanh(pre_scale s) and
+    qk_scale = softcap log2(e) turns them into log2 units; without, qk_scale = scale log2(e). ALiBi slopes and a
+    float attn_mask are divided by the same scale (times mod_unit) so that one multiply-add applies them before
+    it."""
     if softcap > 0:
         return softcap * LOG2E.value, softmax_scale / softcap, 1.0 / softcap
     return softmax_scale * LOG2E.value, 1.0, 1.0 / softmax_scale
@@ -568,12 +705,24 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     right_offset = diagonal_offset + (feats.window_right if feats.mask_right else 0)
     alibi, stride_alibi_b = feats.alibi_args(lse)  # lse: a placeholder, never read without ALiBi
     left_offset = diagonal_offset - feats.window_left if feats.mask_left else 0
+    bias_kind = feats.bias_kind
     num_wg, qbuf, dynamic = CONFIGS[(head_dim, feats.banded)]
-    if num_wg == 3 and (feats.softcap > 0 or feats.alibi_slopes is not None):
+    if num_wg == 3 and (feats.softcap > 0 or feats.alibi_slopes is not None or bias_kind):
         # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
         # warpgroups of the causal configuration do not.
         num_wg, qbuf, dynamic = CONFIGS[(head_dim, True)]
     block_m = WG_M * num_wg
+    # attn_mask: its tiles' descriptor, room for them in shared memory, and for a bool mask the list of key blocks
+    # each query tile visits (lse and 0: placeholders, never read).
+    bias_desc, bias_mul_b, bias_mul_h, stage_o = None, 0, 0, True
+    counts, indices, count_strides, idx_cols = lse, lse, (0, 0), 0
+    if bias_kind:
+        bias_desc, bias_mul_b, bias_mul_h = bias_descriptor(feats.attn_bias, WG_M, BLOCK_N)
+        qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, feats.attn_bias.element_size())
+        if bias_kind == BIAS_BOOL:
+            dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
+            counts, indices, count_strides, idx_cols = feats.block_lists(block_m, BLOCK_N, False, seqlen_q,
+                                                                         seqlen_k)
     n_m = triton.cdiv(seqlen_q, block_m)
     n_tiles = n_m * batch * num_heads
     dynamic = PERSISTENT and dynamic
@@ -581,14 +730,15 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
     # The dynamic schedule's item counter (items after each program's first); unused otherwise.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    qk_scale, pre_scale, alibi_unit = mod_scalars(softmax_scale, feats.softcap)
+    qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap)
     _fwd_kernel[grid](
-        _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, WG_M),
-        lse, counter, alibi, lse if feats.sinks is None else feats.sinks,
-        lse.stride(0), lse.stride(1), stride_alibi_b, seqlen_q, seqlen_k, right_offset, left_offset,
-        diagonal_offset, qk_scale, alibi_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles,
+        _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, WG_M), bias_desc,
+        out, lse, counter, alibi, lse if feats.sinks is None else feats.sinks, counts, indices,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), stride_alibi_b, bias_mul_b,
+        bias_mul_h, *count_strides, idx_cols, seqlen_q, seqlen_k, right_offset, left_offset, diagonal_offset,
+        qk_scale, mod_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
         MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        HAS_SINKS=feats.sinks is not None, NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf if persistent else 1,
-        num_warps=4)
+        HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, BSTAGES=BIAS_STAGES, STAGE_O=stage_o, NUM_WG=num_wg,
+        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, num_warps=4)
     return out, lse
