@@ -132,7 +132,8 @@ def test_window_skips_blocks(spy):
 
 def _mask(kind, shape, seed, device=DEVICE):
     """A bool mask of the given kind: "random" (60% attended), "causal" (bottom-right), "docs" (documents of 300
-    keys, causal inside: whole key blocks invisible to whole query tiles)."""
+    keys, causal inside: whole key blocks invisible to whole query tiles), "ones" (all attended: no tile read but
+    for the row below). Whole blocks under the diagonal are entirely visible (no tile read either)."""
     gen = torch.Generator(device).manual_seed(seed)
     sq, sk = shape[-2:]
     i = torch.arange(sq, device=device)[:, None] + sk - sq
@@ -141,6 +142,8 @@ def _mask(kind, shape, seed, device=DEVICE):
         mask = torch.rand(shape, generator=gen, device=device) < 0.6
     elif kind == "causal":
         mask = (j <= i).expand(shape).clone()
+    elif kind == "ones":
+        mask = torch.ones(shape, dtype=torch.bool, device=device)
     else:
         mask = ((j // 300 == i.clamp(min=0) // 300) & (j <= i)).expand(shape).clone()
     if sq > 3:
@@ -160,6 +163,7 @@ BIAS_CASES = [
     (2, 1300, 1504, 4, 1, 128, False, torch.bfloat16, ("docs", (1, 1)), dict(alibi="bh", sinks=True)),
     (1, 1200, 1008, 2, 2, 128, True, torch.bfloat16, ("random", (1, 2)), dict(window_size=(200, 0))),
     (2, 900, 1600, 4, 2, 64, False, torch.bfloat16, ("docs", (2, 1)), dict(softcap=20.0)),
+    (1, 1000, 1024, 4, 2, 128, False, torch.bfloat16, ("ones", (1, 1)), dict(alibi="h")),
     # More work items than SMs.
     (2, 3000, 3008, 16, 4, 128, False, torch.bfloat16, ("float", (1, 16)), {}),
     (2, 2100, 2112, 16, 8, 64, True, torch.float16, ("random", (2, 16)), {}),

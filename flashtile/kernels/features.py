@@ -136,33 +136,62 @@ class Features:
             cu_k=self.cu_seqlens_k if self.varlen else cu_placeholder,
         )
 
-    def block_lists(self, block_m, block_n, transpose, seqlen_q, seqlen_k):
+    def block_lists(self, block_m, block_n, transpose, seqlen_q, seqlen_k, mark_full=False):
         """For a bool attn_mask, which tiles to visit: per (batch|1, head|1, resident block), the number of
         streamed blocks that hold any attended element and their indices, ascending (FlexAttention's block-sparse
         iteration: the kernel loops over the list, so fully masked tiles cost nothing and the loop stays a plain
-        pipelined loop). transpose: resident key blocks, streamed query blocks (the dK/dV kernel).
+        pipelined loop). transpose: resident key blocks, streamed query blocks (the dK/dV kernel). mark_full: the
+        tiles the mask leaves entirely visible are listed as -1 - index (a kernel may skip reading the mask
+        there).
 
         Returns None without a bool mask, else (counts int32 [B|1, H|1, R], indices int32 [B|1, H|1, R, C],
         (stride_b, stride_h) of the counts (0 along broadcast dims), C)."""
         if self.bias_kind != BIAS_BOOL:
             return None
-        key = (block_m, block_n, transpose)
+        key = (block_m, block_n, transpose, mark_full)
         if key not in self._maps:
             mask = self.attn_bias
             b, h = mask.shape[:2]
-            nm, nn = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-            padded = mask.expand(b, h, seqlen_q, seqlen_k)
-            if seqlen_q % block_m or seqlen_k % block_n:  # (no copy of the whole mask when the tiles divide it)
-                padded = mask.new_zeros((b, h, nm * block_m, nn * block_n))
-                padded[:, :, :seqlen_q, :seqlen_k] = mask.expand(b, h, seqlen_q, seqlen_k)
-            tiles = padded.unflatten(3, (nn, block_n)).any(dim=4).unflatten(2, (nm, block_m)).any(dim=3)
+            tiles, full = _tile_flags(mask, block_m, block_n, seqlen_q, seqlen_k, mark_full)
             if transpose:
                 tiles = tiles.transpose(2, 3)
+                full = full.transpose(2, 3) if mark_full else None
             counts = tiles.sum(dim=-1, dtype=torch.int32).contiguous()
             # A stable descending sort of the 0/1 flags puts the visited blocks first, in ascending order.
             indices = torch.sort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).indices
+            if mark_full:
+                indices = torch.where(torch.gather(full, -1, indices), -1 - indices, indices)
             indices = indices.to(torch.int32).contiguous()
             rows = counts.shape[-1]
             strides = (h * rows if b > 1 else 0, rows if h > 1 else 0)
             self._maps[key] = (counts, indices, strides, indices.shape[-1])
         return self._maps[key]
+
+
+# Eight mask bytes (each 0 or 1) per int64 word: a word is 0 iff its bytes all are, and ALL_ONES iff they all are 1.
+ALL_ONES = 0x0101010101010101
+
+
+def _tile_flags(mask, block_m, block_n, seqlen_q, seqlen_k, want_full):
+    """(any, all): whether each [block_m, block_n] tile of a bool [B|1, H|1, Sq, Sk] mask holds an attended
+    element, and (want_full, else None) whether it holds only attended ones; bool [B|1, H|1, nm, nn]. Tiles that
+    reach past Sq or Sk are never all visible. The mask is read once, as int64 words, when the tiles divide it;
+    otherwise through a zero-padded copy."""
+    b, h = mask.shape[:2]
+    nm, nn = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    words = None
+    if seqlen_q % block_m == 0 and seqlen_k % block_n == 0 and block_n % 8 == 0:
+        try:
+            words = mask.view(torch.int64)
+        except RuntimeError:  # strides or offset that 8-byte words cannot view
+            pass
+    if words is None:
+        padded = mask.new_zeros((b, h, nm * block_m, -(-nn * block_n // 8) * 8))
+        padded[:, :, :seqlen_q, :seqlen_k] = mask
+        words = padded.view(torch.int64)[..., :nn * block_n // 8] if block_n % 8 == 0 else None
+        if words is None:
+            tiles = padded[..., :nn * block_n].unflatten(3, (nn, block_n)).unflatten(2, (nm, block_m))
+            return tiles.any(dim=5).any(dim=3), (tiles.all(dim=5).all(dim=3) if want_full else None)
+    tiles = words.unflatten(3, (nn, block_n // 8)).unflatten(2, (nm, block_m))  # [b, h, nm, bm, nn, bn / 8]
+    visible = tiles.amax(dim=(3, 5)) != 0
+    return visible, (tiles.amin(dim=(3, 5)) == ALL_ONES if want_full else None)

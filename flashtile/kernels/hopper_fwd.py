@@ -104,8 +104,8 @@ if AVAILABLE:
                      idx_cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                      MASK_LEFT: gl.constexpr, LISTS: gl.constexpr):
         """A work item's key blocks: (first, count, its block list). LISTS (a bool attn_mask): the count and the
-        indices of the blocks that hold any attended key, from Features.block_lists (block k is then
-        idx_row[k]); otherwise a contiguous range (_block_range; idx_row is not read)."""
+        list of the blocks that hold any attended key, from Features.block_lists (see _block_at); otherwise a
+        contiguous range (_block_range; idx_row is not read)."""
         if LISTS:
             off = i_b * stride_cb + i_h * stride_ch + start_m // BLOCK_M
             return 0, gl.load(Counts + off), Idx + off.to(gl.int64) * idx_cols
@@ -116,11 +116,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _block_at(j_lo, j, idx_row, LISTS: gl.constexpr):
-        """Index of a work item's j-th key block."""
+        """A work item's j-th key block: (index, whether its attn_mask tile is read). Listed blocks the mask leaves
+        entirely visible come as -1 - index (block_lists' mark_full): no tile is loaded or read for them."""
         if LISTS:
-            return gl.load(idx_row + j)
+            raw = gl.load(idx_row + j)
+            return gl.where(raw < 0, -1 - raw, raw), raw >= 0
         else:
-            return j_lo + j
+            return j_lo + j, True
 
     @gluon.jit
     def _write_tile(tile_smem, tile):
@@ -137,6 +139,7 @@ if AVAILABLE:
                         MASK_LEFT: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
                         DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
         c = 0  # blocks loaded so far by this program: slot c % STAGES, pass c // STAGES through the ring
+        bc = 0  # attn_mask tiles loaded so far (its own ring: slot bc % BSTAGES)
         it = 0  # work items so far
         tile = gl.program_id(0)
         while tile < n_tiles:
@@ -161,23 +164,28 @@ if AVAILABLE:
             # tile) and V_{j-1}.
             for j in range(n_blocks + 1):
                 if j < n_blocks:
-                    col = _block_at(j_lo, j, idx_row, BIAS == 2) * BLOCK_N
+                    blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
+                    col = blk * BLOCK_N
                     slot = (c + j) % STAGES
                     mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
                     tma_load(k_desc, [i_b, col, i_hk, 0], k_full.index(slot),
                              k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
                     if BIAS != 0:
-                        # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
-                        slot = (c + j) % BSTAGES
-                        mbarrier.wait(b_empty.index(slot), (((c + j) // BSTAGES) & 1) ^ 1)
-                        mbarrier.expect(b_full.index(slot), NUM_WG * bias_desc.block_type.nbytes)
-                        for part in gl.static_range(NUM_WG):
-                            tma_load(bias_desc, [i_b * bias_mul_b, i_h * bias_mul_h, start_m + part * PART_M, col],
-                                     b_full.index(slot),
-                                     bias_smem.index(slot * NUM_WG + part).reshape([1, 1, PART_M, BLOCK_N]))
+                        if partial:
+                            # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
+                            slot = bc % BSTAGES
+                            mbarrier.wait(b_empty.index(slot), ((bc // BSTAGES) & 1) ^ 1)
+                            mbarrier.expect(b_full.index(slot), NUM_WG * bias_desc.block_type.nbytes)
+                            for part in gl.static_range(NUM_WG):
+                                tma_load(bias_desc,
+                                         [i_b * bias_mul_b, i_h * bias_mul_h, start_m + part * PART_M, col],
+                                         b_full.index(slot),
+                                         bias_smem.index(slot * NUM_WG + part).reshape([1, 1, PART_M, BLOCK_N]))
+                            bc += 1
                 if j > 0:
-                    col = _block_at(j_lo, j - 1, idx_row, BIAS == 2) * BLOCK_N
+                    blk, partial = _block_at(j_lo, j - 1, idx_row, BIAS == 2)
+                    col = blk * BLOCK_N
                     slot = (c + j - 1) % STAGES
                     mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
                     mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
@@ -221,15 +229,13 @@ if AVAILABLE:
     def _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                    BIAS: gl.constexpr):
         """The scores' modifications, in the units the caller's qk_scale turns into log2 units (the host picks
-        them, mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then the attn_mask tile b (a
-        float bias times mod_unit, the same unit; a bool mask: -inf where b is 0), then ALiBi as
+        them, mod_scalars): softcap as tanh(pre_scale s) (qk_scale = softcap log2 e), then a float attn_mask tile
+        b (BIAS 1; times mod_unit, the same unit), then ALiBi as
         - slope |i + a - j|, the slope divided by the same unit (arow: i + a per row, fp32)."""
         if SOFTCAP:
             s = tanh_approx(s * pre_scale)
         if BIAS == 1:
             s = s + b.to(gl.float32) * mod_unit
-        if BIAS == 2:
-            s = gl.where(b != 0, s, float("-inf"))
         if HAS_ALIBI:
             col = (gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)) + col0).to(gl.float32)
             s = s - slope * gl.abs(gl.expand_dims(arow, 1) - gl.expand_dims(col, 0))
@@ -237,12 +243,18 @@ if AVAILABLE:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope,
-                      pre_scale, b, mod_unit, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                      HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr):
-        """Scores -> online softmax for one block. `mask` (runtime): apply Sk and the band (CAUSAL: the right
-        bound i + diag_offset; MASK_LEFT: the left bound i + left_offset). Both branches hold a whole softmax, so
-        the wait that follows a call starts a basic block of its own and ptxas cannot hoist it above the
-        exponentials."""
+                      pre_scale, mod_unit, bias_smem, b_full, b_empty, bc, part: gl.constexpr,
+                      CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                      BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr):
+        """Scores -> online softmax for one block: returns p, alpha, m, l and the attn_mask tiles read so far.
+        `mask` (runtime): apply Sk and the band (CAUSAL: the right bound i + diag_offset; MASK_LEFT: the left
+        bound i + left_offset) and a bool attn_mask's tile (BIAS 2: the block is masked iff it has a tile). A float
+        attn_mask's tile (BIAS 1) is read for every block. Both branches hold a whole softmax, so the wait that
+        follows a call starts a basic block of its own and ptxas cannot hoist it above the exponentials."""
+        b = 0.0
+        if BIAS == 1:
+            b = _read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS)
+            bc += 1
         s = _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP, HAS_ALIBI, BIAS)
         KEEP_NEG_INF: gl.constexpr = MASK_LEFT | (BIAS != 0)
         if mask:
@@ -256,10 +268,13 @@ if AVAILABLE:
                 keep = gl.expand_dims(rel, 0) < gl.expand_dims(gl.full_like(row, seqlen_k) - col0, 1)
             if MASK_LEFT:
                 keep = keep & (gl.expand_dims(rel, 0) >= gl.expand_dims(row + left_offset - col0, 1))
+            if BIAS == 2:
+                keep = keep & (_read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS) != 0)
+                bc += 1
             p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, KEEP_NEG_INF)
         else:
             p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF)
-        return p, alpha, m_n, l_n
+        return p, alpha, m_n, l_n, bc
 
     @gluon.jit
     def _issue_s(q, k_smem, k_full, i, s_buf, STAGES: gl.constexpr):
@@ -280,8 +295,8 @@ if AVAILABLE:
     @gluon.jit
     def _read_bias(bias_smem, b_full, b_empty, i, s, part: gl.constexpr, NUM_WG: gl.constexpr,
                    BSTAGES: gl.constexpr, BIAS: gl.constexpr):
-        """This warpgroup's attn_mask tile of the program's block i, in the layout of the scores s (0.0: no
-        attn_mask)."""
+        """This warpgroup's attn_mask tile of the program's i-th tile (slot i % BSTAGES), in the layout of the
+        scores s (0.0: no attn_mask)."""
         if BIAS != 0:
             slot = i % BSTAGES
             mbarrier.wait(b_full.index(slot), (i // BSTAGES) & 1)
@@ -292,30 +307,33 @@ if AVAILABLE:
             return 0.0
 
     @gluon.jit
-    def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c, p_prev,
+    def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c, bc, p_prev,
                      alpha_prev, acc, m_i, l_i, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo,
                      j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
                      HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
                      dot_a: gl.constexpr):
         """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
-        retire it. In P_{j-1} and its alpha, out P_j and its alpha; O then holds P_{<j} V_{<j}."""
+        retire it. In P_{j-1} and its alpha, out P_j and its alpha (and the attn_mask tile count); O then holds
+        P_{<j} V_{<j}."""
         acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES)
         # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
-        b = _read_bias(bias_smem, b_full, b_empty, c + j, s, part, NUM_WG, BSTAGES, BIAS)
-        col0 = _block_at(j_lo, j, idx_row, BIAS == 2) * BLOCK_N
+        blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
         mask = j >= n_full
         if MASK_LEFT:
             mask = mask | (j < full_lo)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale,
-                                           mask, arow, slope, pre_scale, b, mod_unit, CAUSAL, MASK_LEFT, SOFTCAP,
-                                           HAS_ALIBI, BIAS)
+        if BIAS == 2:
+            mask = partial
+        p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset, left_offset,
+                                               qk_scale, mask, arow, slope, pre_scale, mod_unit, bias_smem, b_full,
+                                               b_empty, bc, part, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
+                                               BSTAGES, NUM_WG)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
         mbarrier.arrive(v_empty.index((c + j - 1) % STAGES), count=1)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
-        return p, alpha, acc, m_i, l_i
+        return p, alpha, acc, m_i, l_i, bc
 
     @gluon.jit
     def _last_pv(p, v_smem, v_full, v_empty, i, acc, alpha, STAGES: gl.constexpr):
@@ -327,51 +345,59 @@ if AVAILABLE:
 
     @gluon.jit
     def _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, bias_smem, b_full, b_empty, q_empty, c,
-                     n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full,
+                     bc, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full,
                      full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
                      NUM_WG: gl.constexpr, dot_a: gl.constexpr):
         """All key blocks of one work item (n_blocks >= 1; block j is _block_at(j_lo, j, idx_row)) for one
-        warpgroup: returns O (unnormalized), m, l. Blocks j below full_lo or from n_full on are masked."""
+        warpgroup: returns O (unnormalized), m, l and the attn_mask tile count bc. Blocks j below full_lo or from
+        n_full on are masked (with a bool attn_mask: those with a mask tile)."""
         s_tok = _issue_s(q, k_smem, k_full, c, s_zero, STAGES)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(c % STAGES), count=1)
-        b = _read_bias(bias_smem, b_full, b_empty, c, s, part, NUM_WG, BSTAGES, BIAS)
         # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
+        blk, partial = _block_at(j_lo, 0, idx_row, BIAS == 2)
         mask = n_full <= 0
         if MASK_LEFT:
             mask = mask | (full_lo > 0)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, row, _block_at(j_lo, 0, idx_row, BIAS == 2) * BLOCK_N,
-                                           seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope,
-                                           pre_scale, b, mod_unit, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS)
+        if BIAS == 2:
+            mask = partial
+        p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset, left_offset,
+                                               qk_scale, mask, arow, slope, pre_scale, mod_unit, bias_smem, b_full,
+                                               b_empty, bc, part, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
+                                               BSTAGES, NUM_WG)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         for j in range(1, n_blocks):
             s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES)
-            p, alpha, acc, m_i, l_i = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem, b_full,
-                                                   b_empty, j, c, p, alpha, acc, m_i, l_i, row, seqlen_k,
-                                                   diag_offset, left_offset, qk_scale, n_full, full_lo, j_lo,
-                                                   idx_row, arow, slope, pre_scale, mod_unit, part, BLOCK_N, STAGES,
-                                                   CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG,
-                                                   dot_a)
+            p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem,
+                                                       b_full, b_empty, j, c, bc, p, alpha, acc, m_i, l_i, row,
+                                                       seqlen_k, diag_offset, left_offset, qk_scale, n_full,
+                                                       full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit,
+                                                       part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                                                       BIAS, BSTAGES, NUM_WG, dot_a)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
         acc = _last_pv(p, v_smem, v_full, v_empty, c + n_blocks - 1, acc, alpha, STAGES)
-        return acc, m_i, l_i
+        return acc, m_i, l_i, bc
 
     @gluon.jit
-    def _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty, c, n_blocks, STAGES: gl.constexpr,
-                     BIAS: gl.constexpr, BSTAGES: gl.constexpr):
+    def _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty, c, bc, n_blocks, j_lo, idx_row,
+                     STAGES: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr):
         """A warpgroup whose rows all lie past Sq (the last query tile) computes nothing: it only follows the ring,
-        releasing each K (and attn_mask) and V block once loaded, in the producer's order (K_j, then V_{j-1})."""
+        releasing each K (and attn_mask tile) and V block once loaded, in the producer's order (K_j, then
+        V_{j-1}). Returns the attn_mask tile count."""
         for j in range(n_blocks):
             i = c + j
             mbarrier.wait(k_full.index(i % STAGES), (i // STAGES) & 1)
             mbarrier.arrive(k_empty.index(i % STAGES), count=1)
             if BIAS != 0:
-                mbarrier.wait(b_full.index(i % BSTAGES), (i // BSTAGES) & 1)
-                mbarrier.arrive(b_empty.index(i % BSTAGES), count=1)
+                blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
+                if partial:
+                    mbarrier.wait(b_full.index(bc % BSTAGES), (bc // BSTAGES) & 1)
+                    mbarrier.arrive(b_empty.index(bc % BSTAGES), count=1)
+                    bc += 1
             if j > 0:
                 mbarrier.wait(v_full.index((i - 1) % STAGES), ((i - 1) // STAGES) & 1)
                 mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
@@ -380,6 +406,7 @@ if AVAILABLE:
             i = c + n_blocks - 1
             mbarrier.wait(v_full.index(i % STAGES), (i // STAGES) & 1)
             mbarrier.arrive(v_empty.index(i % STAGES), count=1)
+        return bc
 
     @gluon.jit
     def _read_tile(tile_smem):
@@ -408,6 +435,7 @@ if AVAILABLE:
         s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
 
         c = 0  # blocks consumed so far by this program, counted as the producer counts them
+        bc = 0  # attn_mask tiles read so far, likewise
         it = 0  # work items so far
         if DYNAMIC:
             # The producer writes each item's index before its query tile arrives, and n_tiles after the last.
@@ -431,13 +459,6 @@ if AVAILABLE:
             full_lo = 0
             if MASK_LEFT:
                 full_lo = gl.cdiv(gl.maximum(row_start + PART_M - 1 + left_offset, 0), BLOCK_N) - j_lo
-            if BIAS == 2:
-                # Listed blocks (a bool attn_mask): the mask tile hides keys past Sk (zero-filled); a band masks
-                # every block (n_full = 0; a runtime value, so both of _softmax_step's branches stay).
-                n_full = n_blocks
-                if CAUSAL or MASK_LEFT:
-                    n_full = 0
-                full_lo = 0
             # ALiBi (_score_mod): the slope in score units and i + a per row.
             slope = 0.0
             arow = gl.zeros([PART_M], gl.float32, layout=row_layout)
@@ -451,19 +472,19 @@ if AVAILABLE:
                 mbarrier.wait(q_full.index(qb), (it // QBUF) & 1)
             if row_start >= seqlen_q:
                 # Every row of this part lies past Sq (the last query tile): follow the ring, compute nothing.
-                _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty.index(qb), c, n_blocks, STAGES,
-                             BIAS, BSTAGES)
+                bc = _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty.index(qb), c, bc,
+                                  n_blocks, j_lo, idx_row, STAGES, BIAS, BSTAGES)
             else:
                 m_i = gl.full([PART_M], float("-inf"), gl.float32, layout=row_layout)
                 l_i = gl.zeros([PART_M], gl.float32, layout=row_layout)
                 acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
                 if n_blocks > 0:
-                    acc, m_i, l_i = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, bias_smem,
-                                                 b_full, b_empty, q_empty.index(qb), c, n_blocks, acc, m_i, l_i,
-                                                 s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full,
-                                                 full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part,
-                                                 BLOCK_N, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
-                                                 BSTAGES, NUM_WG, dot_a)
+                    acc, m_i, l_i, bc = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                                                     bias_smem, b_full, b_empty, q_empty.index(qb), c, bc, n_blocks,
+                                                     acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset,
+                                                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope,
+                                                     pre_scale, mod_unit, part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
+                                                     SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, dot_a)
                 else:
                     mbarrier.arrive(q_empty.index(qb), count=1)
                 if HAS_SINKS:
@@ -721,8 +742,10 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, feats.attn_bias.element_size())
         if bias_kind == BIAS_BOOL:
             dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
+            # Without a band, the blocks the mask leaves entirely visible need no tile (mark_full); with one,
+            # every listed block is masked anyway.
             counts, indices, count_strides, idx_cols = feats.block_lists(block_m, BLOCK_N, False, seqlen_q,
-                                                                         seqlen_k)
+                                                                         seqlen_k, mark_full=not feats.banded)
     n_m = triton.cdiv(seqlen_q, block_m)
     n_tiles = n_m * batch * num_heads
     dynamic = PERSISTENT and dynamic
