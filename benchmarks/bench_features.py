@@ -110,6 +110,19 @@ def run(seqlen, heads, head_dim, out_dir, backward=True):
     bias_heads = torch.randn((1, h, s, s), device=DEVICE, dtype=DTYPE)
     measure("bias (1,H,S,S)", lambda: flashtile.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias_heads),
             base=sdpa_full, flops=_flops(b, h, s, s, d, False))
+    # The same bias through torch's SDPA on its cuDNN backend, against cuDNN's plain call: the peer's cost.
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def cudnn(mask=None):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return sdpa(qt, kt, vt, attn_mask=mask)
+        cudnn_plain = measure("sdpa-cudnn plain", cudnn, flops=_flops(b, h, s, s, d, False))
+        measure("sdpa-cudnn bias (1,H,S,S)", lambda: cudnn(bias_heads), base=cudnn_plain,
+                flops=_flops(b, h, s, s, d, False))
+    except RuntimeError as err:  # no cuDNN attention in this torch build, or it rejects the mask
+        print(f"sdpa-cudnn rows skipped: {str(err)[:200]}")
     bias_heads = None  # free 8 GB before the next row
     bias_grad = torch.randn((1, h, s, s), device=DEVICE, dtype=DTYPE, requires_grad=True)
     measure("bias (1,H,S,S) + dbias", lambda: flashtile.scaled_dot_product_attention(qt, kt, vt,
