@@ -49,6 +49,16 @@ if AVAILABLE:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
 
+    @gluon.jit
+    def to_float32(x):
+        """A 16-bit tile in fp32. bf16 by two integer ops per pair (shift the low half up, mask the high half):
+        ptxas turns the plain conversion into a byte permute and a shift per element."""
+        if x.dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                             dtype=gl.float32, is_pure=True, pack=2)
+        else:
+            return x.to(gl.float32)
+
 __all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "fence_async_shared", "gl", "gluon",
-           "mbarrier", "tanh_approx", "tma", "tma_load", "tma_reduce_add", "tma_store", "warpgroup_mma",
+           "mbarrier", "tanh_approx", "tma", "tma_load", "tma_reduce_add", "tma_store", "to_float32", "warpgroup_mma",
            "warpgroup_mma_wait"]

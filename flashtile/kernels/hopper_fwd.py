@@ -47,7 +47,7 @@ from .features import BIAS_BOOL, Features
 
 if AVAILABLE:
     from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load,
-                         tma_store, warpgroup_mma, warpgroup_mma_wait)
+                         tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
 WG_M = 64
@@ -235,7 +235,7 @@ if AVAILABLE:
         if SOFTCAP:
             s = tanh_approx(s * pre_scale)
         if BIAS == 1:
-            s = s + b.to(gl.float32) * mod_unit
+            s = s + to_float32(b) * mod_unit
         if HAS_ALIBI:
             col = (gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)) + col0).to(gl.float32)
             s = s - slope * gl.abs(gl.expand_dims(arow, 1) - gl.expand_dims(col, 0))
