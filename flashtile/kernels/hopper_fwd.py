@@ -28,8 +28,12 @@ reuse the P registers while the tensor cores still read them (wrong results), so
 two score blocks alternating) made ptxas serialize every wgmma (C7514), even where no instruction read it early.
 
 It covers the plain and causal forward (bottom-right aligned, as everywhere in flashtile) for fp16/bf16 at head
-dims 64 and 128, GQA included; every other feature runs on the portable kernel. ``supports`` is the dispatch
-rule, and tests/test_gluon.py compares the two kernels on the GPU. Gluon does not run in Triton's interpreter, so
+dims 64 and 128, GQA included, and as constexpr variants of the same loops: sliding windows (the producer and
+consumers walk only the band's blocks), softcap, ALiBi, sinks and attn_mask. An attn_mask (a float bias of the
+inputs' dtype, or a bool mask) comes by TMA through a ring of its own, one [64, 128] tile per warpgroup and block;
+a bool mask walks the list of key blocks it does not hide entirely (Features.block_lists), and blocks it leaves
+entirely visible load no tile. Varlen and dropout run on the portable kernel. ``supports`` is the dispatch rule,
+and tests/test_gluon.py and tests/test_gluon_features.py compare the two kernels on the GPU. Gluon does not run in Triton's interpreter, so
 this module only compiles on a Hopper GPU; importing it anywhere is safe.
 """
 # q, out: [B, Sq, H, D]; k, v: [B, Sk, Hk, D]; lse: [B, H, Sq] (fp32, natural log)
