@@ -37,7 +37,7 @@ from .features import Features
 
 if AVAILABLE:
     from ._gluon import (fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load, tma_reduce_add,
-                         warpgroup_mma, warpgroup_mma_wait)
+                         to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
@@ -283,7 +283,7 @@ if AVAILABLE:
             # The slot's attn_mask tile is [BLOCK_M queries, 128 keys]; this warpgroup's 64 keys, read transposed.
             b_t = bias_smem.index(slot).slice(half * 64, 64, dim=1).permute((1, 0)).load(s_layout)
         if BIAS == 1:
-            xt = xt + b_t.to(gl.float32) * LOG2E
+            xt = xt + to_float32(b_t) * LOG2E
         pt = gl.exp2(xt)
         if MASK:
             # Keys past Sk and the band's edges (kernels/_common._visible, transposed: keys are the rows here).
