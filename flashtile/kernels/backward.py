@@ -419,12 +419,25 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
         HEAD_DIM_V=head_dim_v, HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M, BLOCK_DV=block_dv,
     )
 
-    if not bias_grad and hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic):
-        # Hopper, 16-bit, d 64/128, no dropout, varlen or bias gradient (an attn_mask without one is read by
-        # TMA): the warp-specialized Gluon kernel (kernels/hopper_bwd.py).
+    full_shape = (batch, num_heads, seqlen_q, seqlen_k)
+    if hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic):
+        # Hopper, 16-bit, d 64/128, no dropout or varlen (an attn_mask is read by TMA): the warp-specialized Gluon
+        # kernel (kernels/hopper_bwd.py). Its bias gradient is dS in the bias's dtype, whatever the bias's shape
+        # (hopper_bwd.attention_backward's DBIAS note), with rows padded to TMA's 16 bytes; only a band leaves
+        # tiles unwritten.
+        dbias_full = None
+        if bias_grad:
+            dtype = feats.attn_bias.dtype
+            row = triton.cdiv(seqlen_k, 16 // dtype.itemsize) * (16 // dtype.itemsize)
+            shape = full_shape[:3] + (row,)
+            if feats.banded:
+                dbias_full = torch.zeros(shape, dtype=dtype, device=q.device)
+            else:
+                dbias_full = _common.empty(shape, dtype, q.device)
+            dbias_full = dbias_full[..., :seqlen_k]
         hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset,
-                                      feats)
-        return dq, dk, dv, None, _sinks_grad(feats, lse_log2, delta)
+                                      feats, dbias=dbias_full)
+        return dq, dk, dv, _reduce_dbias(dbias_full, feats), _sinks_grad(feats, lse_log2, delta)
 
     # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
     # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
@@ -432,7 +445,6 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     dbias_strides = (0, 0, 0, 0)
     if bias_grad:
         bias = feats.attn_bias
-        full_shape = (batch, num_heads, seqlen_q, seqlen_k)
         dtype = bias.dtype if tuple(bias.shape) == full_shape else torch.float32
         dbias_full = torch.zeros(full_shape, dtype=dtype, device=q.device)
         dbias_strides = dbias_full.stride()
@@ -483,12 +495,18 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     configs.launch_first_that_compiles(("bwd_dkdv",) + key, dkdv_candidates, launch_dkdv)
     configs.launch_first_that_compiles(("bwd_dq",) + key, dq_candidates, launch_dq)
 
-    dbias = None
-    if dbias_full is not None:
-        bias = feats.attn_bias
-        dims = tuple(i for i in range(4) if bias.shape[i] == 1 and dbias_full.shape[i] != 1)
-        dbias = (dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full).to(bias.dtype)
-    return dq, dk, dv, dbias, _sinks_grad(feats, lse_log2, delta)
+    return dq, dk, dv, _reduce_dbias(dbias_full, feats), _sinks_grad(feats, lse_log2, delta)
+
+
+def _reduce_dbias(dbias_full, feats):
+    """The bias's gradient from dS over [B, H, Sq, Sk] (None without one): summed over the bias's broadcast
+    dimensions, in the bias's dtype (torch accumulates a 16-bit sum in fp32 and rounds once)."""
+    if dbias_full is None:
+        return None
+    bias = feats.attn_bias
+    dims = tuple(i for i in range(4) if bias.shape[i] == 1 and dbias_full.shape[i] != 1)
+    dbias = dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full
+    return dbias.to(bias.dtype).contiguous()  # (the Gluon kernel's rows may be padded: a view)
 
 
 def _sinks_grad(feats, lse_log2, delta):

@@ -19,10 +19,13 @@ dV are written once, without atomics), and as constexpr variants of the same loo
 right bound 0, bottom-right aligned), softcap and ALiBi (docs/derivation.md#8), and sinks (they only change the
 LSE, which the forward folded them into; their gradient is computed from LSE and delta in kernels/backward.py).
 Each key block visits only the query tiles inside the band, the ones the band's edges cross with the mask.
-An attn_mask (BIAS: 1 a float bias of the inputs' dtype, without its gradient, at d128; 2 a bool mask) rides in
-the ring: the producer loads each step's [BLOCK_M queries, 128 keys] tile by TMA into the slot of its Q and dO,
-and each consumer reads its 64 keys transposed (ldmatrix.trans for a 16-bit bias). A bool mask's key blocks walk
-lists of the query tiles it does not hide entirely (Features.block_lists) instead of the band's ranges.
+An attn_mask (BIAS: 1 a float bias of the inputs' dtype, at d128; 2 a bool mask) rides in the ring: the producer
+loads each step's [BLOCK_M queries, 128 keys] tile by TMA into the slot of its Q and dO, and each consumer reads
+its 64 keys transposed (ldmatrix.trans for a 16-bit bias). A bool mask's key blocks walk lists of the query tiles
+it does not hide entirely (Features.block_lists) instead of the band's ranges. The float bias's gradient (DBIAS)
+is dS: each consumer writes its 64 keys of it, in the bias's dtype, over the bias tile it has just read
+(stmatrix.trans: queries as rows, as the bias), and one TMA store per warpgroup and step puts them in a [B, H, Sq,
+Sk] buffer; without softcap that tile is also the dQ product's dS operand, in place of ds_smem.
 """
 import dataclasses
 import os
@@ -36,8 +39,8 @@ from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import Features
 
 if AVAILABLE:
-    from ._gluon import (fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load, tma_reduce_add,
-                         to_float32, warpgroup_mma, warpgroup_mma_wait)
+    from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load,
+                         tma_reduce_add, tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
@@ -224,16 +227,17 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
-                  lse_smem, delta_smem, offsets_smem, bias_smem, dk, dv, key0, key, seqlen_k, diag_offset,
-                  window_left, window_right, pre_scale, qk_scale, slope, half: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr,
-                  DQ_MODE: gl.constexpr):
+                  lse_smem, delta_smem, offsets_smem, bias_smem, dbias_desc, i_b, i_h, dk, dv, key0, key, seqlen_k,
+                  diag_offset, window_left, window_right, pre_scale, qk_scale, slope, half: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                  BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr):
         """One query tile of the key block's warpgroup half. The scores in log2 units are S^T * qk_scale, or with a
         softcap tanh(S^T * pre_scale) * qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi, a float
         attn_mask; the scalars of hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi, plus the
         bias * log2(e) (BIAS 1). MASK: the tile needs the band's mask (or the key bound's, or it crosses the
-        diagonal under ALiBi, or a bool attn_mask applies: BIAS 2)."""
+        diagonal under ALiBi, or a bool attn_mask applies: BIAS 2). DBIAS: also write the bias's gradient, dS
+        before softcap's factor, for query head i_h of batch entry i_b (see the DBIAS note in _bwd_kernel)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -301,6 +305,11 @@ if AVAILABLE:
         if not SOFTCAP:
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         dst = pt * (dpt - delta_smem.index(slot).load(s_layout))
+        if DBIAS:
+            # The slot's attn_mask tile was read above and is dead until the slot is released: this warpgroup's
+            # 64 keys of it take the bias's gradient, queries as rows like the bias itself, for one TMA store.
+            db_tile = bias_smem.index(slot).slice(half * 64, 64, dim=1)
+            db_tile.permute((1, 0)).store(dst.to(dtype))
         if SOFTCAP:
             dst = dst * (1.0 - tt * tt)
         dst = dst.to(dtype)
@@ -315,33 +324,47 @@ if AVAILABLE:
         # per key block rather than once per warpgroup. Shares: at d128 (64 query rows) 64 of the columns, at d64
         # (128 query rows) 64 of the rows -- a [64, 64] fp32 tile per warpgroup either way.
         ds_tile = ds_smem.index(t % 2)
-        ds_tile.slice(half * 64, 64).store(dst)
+        # Without softcap the dbias tile is dS itself, [BLOCK_M queries, 128 keys] once both halves are in: the
+        # dQ product reads it as its A operand (keys contiguous: K-major) and ds_smem goes unused.
+        DS_IN_BIAS: gl.constexpr = DBIAS and not SOFTCAP
+        if not DS_IN_BIAS:
+            ds_tile.slice(half * 64, 64).store(dst)
         fence_async_shared()
         gl.thread_barrier()
+        if DBIAS:
+            # Rows past Sq and keys past Sk are clipped by the descriptor's bounds.
+            # (Triton 3.6 reshapes no subslice: the slot's 4-D view, sliced.)
+            tile4 = bias_smem.index(slot).reshape([1, 1, BLOCK_M, 2 * 64])
+            tma_store(dbias_desc, [i_b, i_h, m, key0], tile4.slice(half * 64, 64, dim=3))
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
         mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-        if BLOCK_M == 64:
+        if DS_IN_BIAS:
+            dq_tok = warpgroup_mma(bias_smem.index(slot), k_smem.slice(half * 64, 64, dim=1), dq_zero,
+                                   use_acc=False, is_async=True)
+        elif BLOCK_M == 64:
             dq_tok = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(half * 64, 64, dim=1), dq_zero,
                                    use_acc=False, is_async=True)
         else:
             dq_tok = warpgroup_mma(ds_tile.slice(half * 64, 64, dim=1).permute((1, 0)), k_smem, dq_zero,
                                    use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        if DBIAS:
+            tma.store_wait(pendings=0)  # the store has read the tile: the producer may refill the slot
         mbarrier.arrive(q_empty.index(slot), count=1)
         if DQ_MODE == 2:  # 1 is a probe (benchmarks/bwd_probe.py): the product without its reduction
             _stage_dq(dq, dq_smem, dq_bars, t, half)
         return dk, dv
 
     @gluon.jit
-    def _bwd_partition(half: gl.constexpr, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dq_bars,
-                       k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b,
-                       i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size,
+    def _bwd_partition(half: gl.constexpr, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dbias_desc,
+                       dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
+                       i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size,
                        seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale,
                        stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts,
                        Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr,
-                       DQ_MODE: gl.constexpr):
+                       DBIAS: gl.constexpr, DQ_MODE: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -361,38 +384,38 @@ if AVAILABLE:
         mbarrier.wait(kv_bar, 0)
         t = 0
         for g in range(group_size):
+            i_h = i_hk * group_size + g
             slope = 0.0
             if HAS_ALIBI:
-                slope = gl.load(Alibi + i_b * stride_alibi_b + i_hk * group_size + g) * LOG2E
+                slope = gl.load(Alibi + i_b * stride_alibi_b + i_h) * LOG2E
             if BIAS == 2:
                 # The listed tiles, each masked (_list_row).
-                row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_hk * group_size + g,
-                                            start_n // BLOCK_N)
+                row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
                 for p in range(count):
                     m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
-                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dk, dv, key0, key,
-                                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, slope,
-                                       half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                       HAS_ALIBI, BIAS, DQ_MODE)
+                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
+                                       i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
+                                       pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT,
+                                       MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
                     t += 1
             else:
                 # The masked query tiles first, then the rest (the order of _tile_start).
                 for p in range(0, n_mask):
                     m = m_lo + _masked_tile(p, i_full, i_diag, i_diag_end, i_end) * BLOCK_M
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
-                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dk, dv, key0, key,
-                                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, slope,
-                                       half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                       HAS_ALIBI, BIAS, DQ_MODE)
+                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
+                                       i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
+                                       pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT,
+                                       MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
                     t += 1
                 for j in range(0, n_q - n_mask):
                     m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
-                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dk, dv, key0, key,
-                                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, slope,
-                                       half, HEAD_DIM, BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                       HAS_ALIBI, BIAS, DQ_MODE)
+                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
+                                       i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
+                                       pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, False, MASK_LEFT,
+                                       MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
                     t += 1
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -410,14 +433,20 @@ if AVAILABLE:
                     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
                     seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, pre_scale, qk_scale,
-                    sm_scale, num_heads, num_kv_heads, group_size, Bias, bias_mul_b, bias_mul_h, Counts, Idx,
+                    sm_scale, num_heads, num_kv_heads, group_size, Bias, bias_mul_b, bias_mul_h, DBias, Counts, Idx,
                     stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DQ_MODE: gl.constexpr):
+                    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
+                    DQ_MODE: gl.constexpr):
         # Bias: with BIAS (1 a float bias of q's dtype, 2 a bool mask) a TMA descriptor of [BLOCK_M, BLOCK_N] tiles
         # over the [B|1, H|1, Sq, Sk] attn_mask (hopper_fwd.bias_descriptor; bias_mul_b/_h are 0 along its
         # broadcast dims); Counts, Idx: a bool mask's tile lists (_list_row). Unused (placeholders) without.
+        # DBias: with DBIAS (a float bias that wants its gradient) a TMA descriptor of [BLOCK_M, 64] tiles over a
+        # [B, H, Sq, Sk] buffer of the bias's dtype (attention_backward sums it over the bias's broadcast dims).
+        # dbias = dS, the gradient of the score after softcap (the bias is added after it); every visited tile
+        # (query tile x key block x query head) is stored once, from the ring slot its bias tile came in.
         dtype: gl.constexpr = Q.dtype.element_ty
+        gl.static_assert(not DBIAS or (BIAS == 1 and BLOCK_M == 64))
         # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
         gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
         i_n = gl.program_id(0)
@@ -491,7 +520,10 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], layout)
+        if DBIAS and not SOFTCAP:
+            ds_smem = q_smem  # never read: dS rides in the ring's bias tiles (_bwd_step)
+        else:
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # Per consumer warpgroup w: dq_bars[2w] "staged tile full", dq_bars[2w + 1] "read by the writer".
         dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -522,20 +554,20 @@ if AVAILABLE:
         # (Both consumers' argument lists are written out, as in kernels/hopper_fwd.py: a shared tuple concatenated
         # with the warpgroup index loses its constexpr entries in Triton 3.6.)
         gl.warp_specialize([
-            (_bwd_partition, (0, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dq_bars, k_smem, v_smem,
-                              q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n,
-                              m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
-                              diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
-                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts, Idx,
-                              stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
-                              MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DQ_MODE)),
-            (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dq_bars, k_smem, v_smem,
-                              q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty, i_b, i_hk, start_n,
-                              m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size, seqlen_k,
-                              diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, stride_alibi_b,
-                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts, Idx,
-                              stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
-                              MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DQ_MODE)),
+            (_bwd_partition, (0, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars,
+                              k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
+                              i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
+                              group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
+                              sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)),
+            (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars,
+                              k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
+                              i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
+                              group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
+                              sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, q_smem, do_smem,
                                    k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_full, q_empty, start_n,
                                    i_b, i_hk, num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
@@ -549,8 +581,8 @@ if AVAILABLE:
 
 def features_supported(feats: Features) -> bool:
     """The options this kernel implements: the forward's (kernels/hopper_fwd.features_supported), any sliding
-    window, softcap, ALiBi and sinks, and an attn_mask (a float bias without its gradient, or a bool mask; supports
-    checks its dtype and layout); not varlen or dropout."""
+    window, softcap, ALiBi and sinks, and an attn_mask (a float bias, with its gradient or not, or a bool mask;
+    supports checks its dtype and layout); not varlen or dropout."""
     if feats.attn_bias is not None:
         if feats.dropout_p > 0:
             return False
@@ -594,11 +626,12 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
 
 
 def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, feats: Features,
-                       dq_mode=2):
+                       dbias=None, dq_mode=2):
     """dq, dk, dv: output buffers ([B, S, H, D], any strides); lse_log2, delta: [B, H, Sq_pad] from the portable
     backward's preprocess (kernels/backward.py), the sinks and dLSE already folded in; feats: the call's options
-    (features_supported). dq_mode=1 skips the dQ reductions (dQ comes out wrong): a timing probe for
-    benchmarks/bwd_probe.py."""
+    (features_supported). dbias: None, or a [B, H, Sq, Sk] buffer of the float bias's dtype (unit key stride,
+    16-byte aligned rows) that takes dS; the tiles outside a band are not written. dq_mode=1 skips the dQ
+    reductions (dQ comes out wrong): a timing probe for benchmarks/bwd_probe.py."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = lse_log2.shape[-1]
@@ -616,6 +649,11 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         lists = feats.block_lists(block_m, BLOCK_N, True, seqlen_q, seqlen_k)
         if lists is not None:
             counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = lists
+    dbias_desc = delta
+    if dbias is not None:
+        # Each consumer warpgroup stores its 64 keys of a [BLOCK_M, 128] tile.
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * dbias.element_size(), rank=4)
+        dbias_desc = TensorDescriptor(dbias, list(dbias.shape), list(dbias.stride()), [1, 1, block_m, 64], layout)
     configs._set_tma_allocator(q.device)
     grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
     _bwd_kernel[grid](
@@ -624,9 +662,9 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         *dk.stride()[:3], *dv.stride()[:3], stride_alibi_b,
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
         qk_scale, softmax_scale, num_heads, num_kv_heads, num_heads // num_kv_heads,
-        bias, bias_mul_b, bias_mul_h, counts, indices, stride_cnt_b, stride_cnt_h, n_cols,
+        bias, bias_mul_b, bias_mul_h, dbias_desc, counts, indices, stride_cnt_b, stride_cnt_h, n_cols,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DQ_MODE=dq_mode, num_warps=4)
+        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, num_warps=4)
     dq.copy_((dq_acc[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
     return dq, dk, dv
