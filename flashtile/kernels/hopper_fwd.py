@@ -33,8 +33,8 @@ consumers walk only the band's blocks), softcap, ALiBi, sinks and attn_mask. An 
 inputs' dtype, or a bool mask) comes by TMA through a ring of its own, one [64, 128] tile per warpgroup and block;
 a bool mask walks the list of key blocks it does not hide entirely (Features.block_lists), and blocks it leaves
 entirely visible load no tile. Varlen and dropout run on the portable kernel. ``supports`` is the dispatch rule,
-and tests/test_gluon.py and tests/test_gluon_features.py compare the two kernels on the GPU. Gluon does not run in Triton's interpreter, so
-this module only compiles on a Hopper GPU; importing it anywhere is safe.
+and tests/test_gluon.py and tests/test_gluon_features.py compare the two kernels on the GPU. Gluon does not run
+in Triton's interpreter, so this module only compiles on a Hopper GPU; importing it anywhere is safe.
 """
 # q, out: [B, Sq, H, D]; k, v: [B, Sk, Hk, D]; lse: [B, H, Sq] (fp32, natural log)
 import functools
