@@ -12,6 +12,7 @@ import torch
 import flashtile
 from flashtile.kernels import configs
 from flashtile.kernels.configs import TileConfig
+from flashtile.kernels.features import Features
 from flashtile.reference import naive_attention
 from flashtile.reference.dropout import dropout_mask
 from flashtile.testing import check_against_reference, make_qkv
@@ -544,6 +545,15 @@ def test_mask_tma_path(poison, monkeypatch, kind):
         out, grads = _sdpa(q, k, v, dout, mask)
         check_against_reference((out, None, *grads), q.detach(), k.detach(), v.detach(), dout, d ** -0.5, False, 0,
                                 attn_mask=mask)
+
+
+def test_mask_tma_needs_a_row_stride():
+    """TMA takes no zero stride: a mask expanded along the queries reads its tiles through pointers, while
+    expanded batch and head dims only offset the base and keep the descriptors."""
+    rows = torch.ones((1, 1, 1, 64), dtype=torch.bool, device=DEVICE).expand(2, 2, 48, 64)
+    assert not Features(attn_bias=rows)._bias_tma_ok(True, 48, 64)
+    heads = torch.ones((1, 1, 48, 64), dtype=torch.bool, device=DEVICE).expand(2, 2, 48, 64)
+    assert Features(attn_bias=heads)._bias_tma_ok(True, 48, 64)
 
 
 def test_combination_with_dropout(poison):

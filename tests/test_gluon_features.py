@@ -240,3 +240,23 @@ def test_unaligned_attn_mask_falls_back(spy):
     out = flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=bias)
     assert len(spy) == 0 and out[:, :, 3:].isfinite().all()
+
+
+@pytest.mark.parametrize("kind", ("float", "random"))
+def test_expanded_attn_mask(poison, spy, kind):
+    # Batch and head dims expanded from size 1 (stride 0: no TMA stride) are read as broadcast ones; a mask
+    # expanded along the queries has no valid row stride for TMA and takes the portable kernel.
+    from flashtile.interface import _attention
+    b, sq, sk, h, d = 2, 700, 912, 4, 128
+    q, k, v = make_qkv(b, sq, sk, h, 2, d, torch.bfloat16, device=DEVICE, seed=9, grad=False)
+    bias, name = _attn_mask(kind, (1, 1), sq, sk, torch.bfloat16, seed=10)
+    full = bias.expand(b, h, sq, sk)
+    out, lse, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=full)
+    assert len(spy) == 1
+    check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, False, 0,
+                            **{name: bias})
+    rows = bias[:, :, :1].expand(b, h, sq, sk)  # every query sees the first query's keys
+    out, lse, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=rows)
+    assert len(spy) == 1, "a mask expanded along the queries must take the portable kernel"
+    check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, False, 0,
+                            **{name: rows})

@@ -99,7 +99,9 @@ class Features:
             return False
         size = bias.element_size()
         strides = [st for st, n in zip(bias.stride()[:3], bias.shape[:3]) if n > 1]
-        return (bias.stride(3) == 1 and bias.data_ptr() % configs.TMA_ALIGN_BYTES == 0
+        # The rows' stride is a descriptor stride, and TMA takes no 0 there (a mask expanded along queries); batch
+        # and head strides only offset the base (the Gluon kernels' descriptor narrows expanded ones to size 1).
+        return (bias.stride(3) == 1 and bias.stride(2) != 0 and bias.data_ptr() % configs.TMA_ALIGN_BYTES == 0
                 and all(st * size % configs.TMA_ALIGN_BYTES == 0 for st in strides))
 
     def gluon_bias_ok(self, dtype, seqlen_q, seqlen_k):

@@ -596,18 +596,9 @@ def bias_ok(q, k, feats: Features) -> bool:
     bias = feats.attn_bias
     if bias is None:
         return True
-    if not feats.gluon_bias_ok(q.dtype, q.shape[1], k.shape[1]) or bias.stride(2) == 0:
+    if not feats.gluon_bias_ok(q.dtype, q.shape[1], k.shape[1]):
         return False
     return bias.dtype == torch.bool or q.shape[-1] in FLOAT_BIAS_HEAD_DIMS
-
-
-def _unexpand(bias):
-    """The bias with batch and head dims that are expanded views (stride 0) narrowed to size 1: the descriptor
-    then broadcasts them (TMA takes no zero stride)."""
-    for dim in (0, 1):
-        if bias.shape[dim] > 1 and bias.stride(dim) == 0:
-            bias = bias.narrow(dim, 0, 1)
-    return bias
 
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
@@ -645,7 +636,7 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     bias, bias_mul_b, bias_mul_h = delta, 0, 0
     counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = delta, delta, (0, 0), 0
     if feats.attn_bias is not None:
-        bias, bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(_unexpand(feats.attn_bias), block_m, BLOCK_N)
+        bias, bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(feats.attn_bias, block_m, BLOCK_N)
         lists = feats.block_lists(block_m, BLOCK_N, True, seqlen_q, seqlen_k)
         if lists is not None:
             counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = lists

@@ -694,11 +694,15 @@ def _descriptor(t, rows):
 
 def bias_descriptor(bias, rows, cols):
     """attn_mask tiles for the Gluon kernels (Features.gluon_bias_ok): a 4-D TMA descriptor over the [B|1, H|1, Sq,
-    Sk] bias (a bool mask read as uint8), one [rows, cols] tile of one (batch, head) per copy, and the factors (0
-    or 1) that turn a batch and a head index into the bias's own (0 along a broadcast dimension). Tiles past Sq or
-    Sk are zero-filled: a bool mask's zeros hide those keys."""
+    Sk] bias (a bool mask read as uint8; expanded batch and head dims narrowed to 1), one [rows, cols] tile of one
+    (batch, head) per copy, and the factors (0 or 1) that turn a batch and a head index into the bias's own (0
+    along a broadcast dimension). Tiles past Sq or Sk are zero-filled: a bool mask's zeros hide those keys."""
     if bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)
+    for dim in (0, 1):
+        # An expanded batch or head dim (stride 0, which TMA does not take) is read as a broadcast one.
+        if bias.shape[dim] > 1 and bias.stride(dim) == 0:
+            bias = bias.narrow(dim, 0, 1)
     strides = list(bias.stride())
     for dim in (1, 0):
         # A broadcast dimension is only ever indexed at 0, but its stride must still be a valid TMA stride.
