@@ -13,20 +13,13 @@ import torch
 import triton
 
 import flashtile
+from bwd_mask import DTYPE, D, H, S, _bench, inputs  # same shape, timer and inputs (run from benchmarks/)
 from flashtile.kernels import backward, hopper_bwd
 from flashtile.kernels.features import Features
 
-S, H, D, DTYPE = 16384, 16, 128, torch.bfloat16
-
-
-def _bench(fn):
-    return triton.testing.do_bench(fn, warmup=100, rep=1000, return_mode="median")
-
 
 def main(path):
-    torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(1, S, H, D, device="cuda", dtype=DTYPE) for _ in range(4))
-    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    q, k, v, dout = inputs()
     bias_h = torch.randn(1, H, S, S, device="cuda").to(DTYPE)
     bias_1 = torch.randn(1, 1, S, S, device="cuda").to(DTYPE)
     cases = [  # name, bias, its gradient, Gluon backward
@@ -82,7 +75,6 @@ def main(path):
     reduce_ms = dict(sum_fp32_out_then_cast=_bench(lambda: ds.sum(dim=1, keepdim=True, dtype=torch.float32).to(DTYPE)),
                      sum_16bit_out=_bench(lambda: ds.sum(dim=1, keepdim=True)))
     print("reduce over heads (ms)", reduce_ms, flush=True)
-    del ds
     props = torch.cuda.get_device_properties(0)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=props.name, torch=torch.__version__,
                   triton=triton.__version__, shape=dict(B=1, S=S, H=H, D=D, dtype=str(DTYPE)), rows=rows,

@@ -21,10 +21,16 @@ def _bench(fn):
     return triton.testing.do_bench(fn, warmup=100, rep=1000, return_mode="median")
 
 
-def main(path):
+def inputs():
+    """q, k, v (requiring grad) and dout, [1, S, H, D], seeded."""
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(1, S, H, D, device="cuda", dtype=DTYPE) for _ in range(4))
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    return q, k, v, dout
+
+
+def main(path):
+    q, k, v, dout = inputs()
     causal_mask = torch.ones(S, S, device="cuda", dtype=torch.bool).tril()
     cases = {
         "plain": dict(mask=None, causal=False),

@@ -194,6 +194,12 @@ def _check_masked(got, q, k, v, dout, mask, causal=False, window=(-1, -1), softc
     assert all(not torch.isnan(t).any() for t in got[2:])
 
 
+def _bias_params(cases):
+    """pytest params of (b, sq, sk, h, hk, dtype, bias (B, H) shape) cases, with readable ids."""
+    return [pytest.param(*c, id=f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}-Hk{c[4]}-{DTYPE_IDS[c[5]]}-bias{c[6][0]}x{c[6][1]}")
+            for c in cases]
+
+
 BIAS_CASES = [
     # b, sq, sk, h, hk, dtype, bias shape (B, H broadcast flags)
     (2, 777, 1000, 4, 2, torch.bfloat16, (1, 1)),    # Sq < Sk, GQA
@@ -206,9 +212,7 @@ BIAS_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("b,sq,sk,h,hk,dtype,bshape", [
-    pytest.param(*c, id=f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}-Hk{c[4]}-{DTYPE_IDS[c[5]]}-bias{c[6][0]}x{c[6][1]}")
-    for c in BIAS_CASES])
+@pytest.mark.parametrize("b,sq,sk,h,hk,dtype,bshape", _bias_params(BIAS_CASES))
 def test_float_bias(poison, bwd_spy, b, sq, sk, h, hk, dtype, bshape):
     q, k, v, dout, _, _ = _inputs(b, sq, sk, h, hk, 128, dtype, seed=sq + sk)
     bias = _bias((*bshape, sq, sk), dtype, seed=sq)
@@ -360,9 +364,7 @@ DBIAS_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("b,sq,sk,h,hk,dtype,bshape", [
-    pytest.param(*c, id=f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}-Hk{c[4]}-{DTYPE_IDS[c[5]]}-bias{c[6][0]}x{c[6][1]}")
-    for c in DBIAS_CASES])
+@pytest.mark.parametrize("b,sq,sk,h,hk,dtype,bshape", _bias_params(DBIAS_CASES))
 def test_float_bias_grad(poison, bwd_spy, b, sq, sk, h, hk, dtype, bshape):
     q, k, v, dout, _, _ = _inputs(b, sq, sk, h, hk, 128, dtype, seed=sq + sk + 1)
     bias = _bias((*bshape, sq, sk), dtype, seed=sq + 1).requires_grad_()

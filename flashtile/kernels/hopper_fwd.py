@@ -68,8 +68,9 @@ CONFIGS = {(64, False): (3, 2, True), (64, True): (2, 2, True), (128, False): (2
 # Registers per thread of the two worker consumers when there are three (16 warps: 512 per thread slot in all; the
 # producer's warpgroup keeps 24, the first consumer gets what is left, 168).
 CONSUMER_REGS_3WG = tl.constexpr(160)
-# attn_mask tiles (a float bias or a bool mask) come through a ring of their own, BIAS_STAGES deep; _smem_plan fits
-# it into SMEM_BYTES (of the 227 KB an H100/H200 block may use, what is left beside the barriers).
+# attn_mask tiles (a float bias or a bool mask) come through a ring of their own, BIAS_STAGES deep (at d128 a third
+# 32 KB stage of a 16-bit bias does not fit beside K/V); _smem_plan fits it into SMEM_BYTES (of the 227 KB an
+# H100/H200 block may use, what is left beside the barriers).
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
 # False launches one program per work item instead of persistent ones (the same kernel, no dynamic schedule).
