@@ -30,9 +30,11 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, LseLog2, CuSeqQ,
                            stride_ob, stride_os, stride_oh,
                            stride_dob, stride_dos, stride_doh,
                            stride_lb, stride_lh, stride_dlb, stride_dlh,
-                           seqlen_q, seqlen_q_pad, num_heads,
+                           seqlen_q, seqlen_q_pad, num_heads, delta_scale,
                            HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Delta = rowsum(O * dO) (minus dLSE), times delta_scale (1, or the softmax scale for the Gluon kernel, whose
+    dS carries it: kernels/hopper_bwd._bwd_step), and the LSE in log2 units, as [B, H, Sq_pad] rows."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
@@ -56,7 +58,7 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, Delta, LseLog2, CuSeqQ,
     b_lse = tl.load(p_lse + o_m, mask=m_m, other=float("-inf"))
     # A row that sees no key has LSE = -inf; +inf makes its P = exp2(s - inf) = 0 instead of exp2(-inf + inf) = NaN.
     b_lse_log2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
-    tl.store(Delta + i_bh.to(tl.int64) * seqlen_q_pad + o_m, b_delta)
+    tl.store(Delta + i_bh.to(tl.int64) * seqlen_q_pad + o_m, b_delta * delta_scale)
     tl.store(LseLog2 + i_bh.to(tl.int64) * seqlen_q_pad + o_m, b_lse_log2)
 
 
@@ -412,15 +414,17 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
 
     has_dlse = dlse is not None
     dlse_arg = dlse if has_dlse else lse  # never read when HAS_DLSE is False
+    gluon = hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic)
+    delta_scale = softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in the units of its scaled dS
     _bwd_preprocess_kernel[(seqlen_q_pad // _PREPROCESS_BLOCK_M, batch * num_heads)](
         out, dout, lse, dlse_arg, delta, lse_log2, fargs.cu_q,
         *_batch_strides(out, varlen), *_batch_strides(dout, varlen), *lse_strides, *dlse_strides,
-        seqlen_q, seqlen_q_pad, num_heads,
+        seqlen_q, seqlen_q_pad, num_heads, delta_scale,
         HEAD_DIM_V=head_dim_v, HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M, BLOCK_DV=block_dv,
     )
 
     full_shape = (batch, num_heads, seqlen_q, seqlen_k)
-    if hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic):
+    if gluon:
         # Hopper, 16-bit, d 64/128, no dropout or varlen (an attn_mask is read by TMA): the warp-specialized Gluon
         # kernel (kernels/hopper_bwd.py). Its bias gradient is dS in the bias's dtype, whatever the bias's shape
         # (hopper_bwd.attention_backward's DBIAS note), with rows padded to TMA's 16 bytes; only a band leaves
@@ -437,7 +441,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
             dbias_full = dbias_full[..., :seqlen_k]
         hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset,
                                       feats, dbias=dbias_full)
-        return dq, dk, dv, _reduce_dbias(dbias_full, feats), _sinks_grad(feats, lse_log2, delta)
+        return dq, dk, dv, _reduce_dbias(dbias_full, feats), _sinks_grad(feats, lse_log2, delta, delta_scale)
 
     # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
     # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
@@ -510,10 +514,11 @@ def _reduce_dbias(dbias_full, feats):
     return dbias.to(bias.dtype).contiguous()  # (the Gluon kernel's rows may be padded: a view)
 
 
-def _sinks_grad(feats, lse_log2, delta):
+def _sinks_grad(feats, lse_log2, delta, delta_scale=1.0):
     """The sinks' gradient (None without sinks): d loss / d sink_h = -sum_{b, i} P_sink(b, h, i) * delta(b, h, i),
-    P_sink = exp(sink - lse) (docs/derivation.md#8); padded rows have lse = +inf, so they add 0."""
+    P_sink = exp(sink - lse) (docs/derivation.md#8); padded rows have lse = +inf, so they add 0. delta: as the
+    preprocess stored it, times delta_scale."""
     if feats.sinks is None:
         return None
     p_sink = torch.exp2(feats.sinks.float()[None, :, None] * LOG2E.value - lse_log2)
-    return -(p_sink * delta).sum(dim=(0, 2))
+    return -(p_sink * delta).sum(dim=(0, 2)) / delta_scale

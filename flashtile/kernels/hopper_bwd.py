@@ -179,18 +179,20 @@ if AVAILABLE:
         mbarrier.arrive(dq_bars.index(2 * half), count=1)
 
     @gluon.jit
-    def _reduce_dq(u, row, dq_desc, dq_smem, dq_bars, BLOCK_M: gl.constexpr):
-        """The writer's u-th step: add both warpgroups' staged shares of the dQ tile at dQ row `row`."""
+    def _reduce_dq(u, row, col0, dq_desc, dq_smem, dq_bars, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
+        """The writer's u-th step: add both warpgroups' staged shares of the dQ tile at row `row`, column col0 of
+        the buffer."""
         # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
         for w in gl.static_range(2):
             mbarrier.wait(dq_bars.index(2 * w), u & 1)
             # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64.
-            col = w * 64 if BLOCK_M == 64 else 0
+            col = col0 + w * 64 if BLOCK_M == 64 else col0
             row_w = row if BLOCK_M == 64 else row + w * 64
             # 128-byte swizzled fp32 staging (conflict-free stores from the accumulator layout): 32 columns
-            # per reduction.
-            tma_reduce_add(dq_desc, [row_w, col], dq_smem.index(w).slice(0, 32, dim=1))
-            tma_reduce_add(dq_desc, [row_w, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
+            # per reduction. (DQ_MODE 3, a probe: the hand-offs without the reductions.)
+            if DQ_MODE != 3:
+                tma_reduce_add(dq_desc, [row_w, col], dq_smem.index(w).slice(0, 32, dim=1))
+                tma_reduce_add(dq_desc, [row_w, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
         tma.store_wait(pendings=2)
         mbarrier.arrive(dq_bars.index(1), count=1)
         tma.store_wait(pendings=0)
@@ -198,37 +200,37 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                          i_end, n_mask, shift, group_size, num_heads, seqlen_q_pad, Counts, Idx, stride_cnt_b,
-                          stride_cnt_h, n_cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROTATE: gl.constexpr,
-                          DQ_MODE: gl.constexpr, BIAS: gl.constexpr):
+                          i_end, n_mask, shift, group_size, seqlen_q_pad, Counts, Idx, stride_cnt_b, stride_cnt_h,
+                          n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          ROTATE: gl.constexpr, DQ_MODE: gl.constexpr, BIAS: gl.constexpr):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
         warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
         if BIAS == 2:
-            if DQ_MODE == 2:
+            if DQ_MODE != 1:
                 u = 0
                 for g in range(group_size):
                     i_h = i_hk * group_size + g
                     row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
                     for p in range(count):
                         m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
-                        _reduce_dq(u, (i_b * num_heads + i_h) * seqlen_q_pad + m, dq_desc, dq_smem, dq_bars,
-                                   BLOCK_M)
+                        _reduce_dq(u, i_b * seqlen_q_pad + m, i_h * HEAD_DIM, dq_desc, dq_smem, dq_bars, BLOCK_M,
+                                   DQ_MODE)
                         u += 1
         else:
             n = group_size * n_q
-            if DQ_MODE != 2:
+            if DQ_MODE == 1:
                 n = 0
             for u in range(n):
                 i_h = i_hk * group_size + u // n_q
-                row = ((i_b * num_heads + i_h) * seqlen_q_pad
-                       + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M,
-                                     ROTATE))
-                _reduce_dq(u, row, dq_desc, dq_smem, dq_bars, BLOCK_M)
+                row = i_b * seqlen_q_pad + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
+                                                       n_mask, shift, BLOCK_M, ROTATE)
+                _reduce_dq(u, row, i_h * HEAD_DIM, dq_desc, dq_smem, dq_bars, BLOCK_M, DQ_MODE)
 
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
                   lse_smem, delta_smem, offsets_smem, bias_smem, dbias_desc, i_b, i_h, dk, dv, key0, key, seqlen_k,
-                  diag_offset, window_left, window_right, pre_scale, qk_scale, slope, half: gl.constexpr,
+                  diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, slope,
+                  half: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                   BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr):
@@ -304,12 +306,14 @@ if AVAILABLE:
             pt = gl.where(keep, pt, 0.0)
         if not SOFTCAP:
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-        dst = pt * (dpt - delta_smem.index(slot).load(s_layout))
+        # dS times the softmax scale, which dK = dS^T Q and dQ = dS K both carry, so that the products come out
+        # scaled: delta comes scaled from the preprocess, and the scale costs an FMA in place of a subtraction.
+        dst = pt * (dpt * sm_scale - delta_smem.index(slot).load(s_layout))
         if DBIAS:
             # The slot's attn_mask tile was read above and is dead until the slot is released: this warpgroup's
             # 64 keys of it take the bias's gradient, queries as rows like the bias itself, for one TMA store.
             db_tile = bias_smem.index(slot).slice(half * 64, 64, dim=1)
-            db_tile.permute((1, 0)).store(dst.to(dtype))
+            db_tile.permute((1, 0)).store((dst * (1.0 / sm_scale)).to(dtype))  # dS itself
         if SOFTCAP:
             dst = dst * (1.0 - tt * tt)
         dst = dst.to(dtype)
@@ -337,7 +341,8 @@ if AVAILABLE:
             tile4 = bias_smem.index(slot).reshape([1, 1, BLOCK_M, 2 * 64])
             tma_store(dbias_desc, [i_b, i_h, m, key0], tile4.slice(half * 64, 64, dim=3))
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
-        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        if DQ_MODE != 4:
+            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
         if DS_IN_BIAS:
             dq_tok = warpgroup_mma(bias_smem.index(slot), k_smem.slice(half * 64, 64, dim=1), dq_zero,
                                    use_acc=False, is_async=True)
@@ -351,7 +356,9 @@ if AVAILABLE:
         if DBIAS:
             tma.store_wait(pendings=0)  # the store has read the tile: the producer may refill the slot
         mbarrier.arrive(q_empty.index(slot), count=1)
-        if DQ_MODE == 2:  # 1 is a probe (benchmarks/bwd_probe.py): the product without its reduction
+        if DQ_MODE != 1:
+            if DS_IN_BIAS:
+                dq = dq * sm_scale  # the bias tile holds dS itself
             _stage_dq(dq, dq_smem, dq_bars, t, half)
         return dk, dv
 
@@ -396,8 +403,8 @@ if AVAILABLE:
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT,
-                                       MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
+                                       pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True,
+                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
                     t += 1
             else:
                 # The masked query tiles first, then the rest (the order of _tile_start).
@@ -406,16 +413,16 @@ if AVAILABLE:
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT,
-                                       MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
+                                       pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True,
+                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
                     t += 1
                 for j in range(0, n_q - n_mask):
                     m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, False, MASK_LEFT,
-                                       MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
+                                       pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, False,
+                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
                     t += 1
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -425,7 +432,7 @@ if AVAILABLE:
                 + gl.expand_dims(rows.to(gl.int64) * stride_dks, 1) + dcol)
         p_dv = (dV + i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
                 + gl.expand_dims(rows.to(gl.int64) * stride_dvs, 1) + dcol)
-        gl.store(p_dk, (dk * sm_scale).to(dtype), mask=keep)
+        gl.store(p_dk, dk.to(dtype), mask=keep)
         gl.store(p_dv, dv.to(dtype), mask=keep)
 
     @gluon.jit
@@ -512,9 +519,11 @@ if AVAILABLE:
         delta_desc = tma.make_tensor_descriptor(Delta, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, BLOCK_M],
                                                 row_layout)
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        # dQ accumulates in fp32 rows (batch, head, padded query): [B * H * Sq_pad, D].
-        dq_rows = bh_rows * seqlen_q_pad
-        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, HEAD_DIM], [HEAD_DIM, 1], [64, 32], dq_layout)
+        # dQ accumulates in fp32, laid out as dQ itself with the queries padded: [B, Sq_pad, H, D], seen as rows
+        # (batch, padded query) of H * D columns, so that attention_backward's cast to dQ is a contiguous copy.
+        dq_rows = (gl.num_programs(1) // num_kv_heads) * seqlen_q_pad
+        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, num_heads * HEAD_DIM], [num_heads * HEAD_DIM, 1],
+                                             [64, 32], dq_layout)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
@@ -574,8 +583,8 @@ if AVAILABLE:
                                    n_mask, shift, bias_mul_b, bias_mul_h, Counts, Idx, stride_cnt_b, stride_cnt_h,
                                    n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, not MASK_RIGHT, BIAS)),
             (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                                 i_end, n_mask, shift, group_size, num_heads, seqlen_q_pad, Counts, Idx, stride_cnt_b,
-                                 stride_cnt_h, n_cols, BLOCK_M, BLOCK_N, not MASK_RIGHT, DQ_MODE, BIAS)),
+                                 i_end, n_mask, shift, group_size, seqlen_q_pad, Counts, Idx, stride_cnt_b,
+                                 stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, not MASK_RIGHT, DQ_MODE, BIAS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -619,14 +628,19 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
 def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, feats: Features,
                        dbias=None, dq_mode=2):
     """dq, dk, dv: output buffers ([B, S, H, D], any strides); lse_log2, delta: [B, H, Sq_pad] from the portable
-    backward's preprocess (kernels/backward.py), the sinks and dLSE already folded in; feats: the call's options
+    backward's preprocess (kernels/backward.py), the sinks and dLSE already folded in, delta times softmax_scale
+    (the kernel's dS carries the scale: _bwd_step); feats: the call's options
     (features_supported). dbias: None, or a [B, H, Sq, Sk] buffer of the float bias's dtype (unit key stride,
-    16-byte aligned rows) that takes dS; the tiles outside a band are not written. dq_mode=1 skips the dQ
-    reductions (dQ comes out wrong): a timing probe for benchmarks/bwd_probe.py."""
+    16-byte aligned rows) that takes dS; the tiles outside a band are not written. dq_mode other than 2 gives a
+    wrong dQ on purpose, timing probes for benchmarks/bwd_probe.py: 1 skips the staging and the reductions (and
+    with its result unused the compiler drops the dQ product too: 100 HGMMA instructions instead of 128 at d128),
+    3 the reductions only (the hand-offs to the writer warp stay), 4 the wait of each warpgroup for the other's
+    half of dS (so the warpgroups run free of each other)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     seqlen_q_pad = lse_log2.shape[-1]
-    dq_acc = torch.zeros((batch, num_heads, seqlen_q_pad, head_dim), dtype=torch.float32, device=q.device)
+    # dQ in fp32, scaled in the kernel, as [B, Sq_pad, H, D] (the kernel's dq_desc note).
+    dq_acc = torch.zeros((batch, seqlen_q_pad, num_heads, head_dim), dtype=torch.float32, device=q.device)
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, feats.softcap)
     alibi, stride_alibi_b = feats.alibi_args(delta)  # delta: a placeholder, never read without ALiBi
@@ -657,5 +671,5 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, num_warps=4)
-    dq.copy_((dq_acc[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
+    dq.copy_(dq_acc[:, :seqlen_q])
     return dq, dk, dv
