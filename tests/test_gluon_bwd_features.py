@@ -1,10 +1,13 @@
 """The Hopper Gluon backward (kernels/hopper_bwd.py) with the attention features: sliding windows, softcap, ALiBi,
-sinks and attn_mask (a float bias with its gradient or without, a bool mask), alone and combined, against the float64
-oracle with every buffer NaN-poisoned, and against the portable backward on the same inputs. Each call is asserted
-to have taken the Gluon backward.
+sinks, attn_mask (a float bias with its gradient or without, a bool mask) and varlen batches, alone and combined,
+against the float64 oracle with every buffer NaN-poisoned, and against the portable backward on the same inputs.
+Each call is asserted to have taken the Gluon backward.
 
-Gluon kernels do not run in Triton's interpreter, so all but the last test need a Hopper GPU (`pytest -m gpu`).
+Gluon kernels do not run in Triton's interpreter, so all but the features_supported tests need a Hopper GPU
+(`pytest -m gpu`).
 """
+import itertools
+
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ import flashtile
 from flashtile.interface import _attention
 from flashtile.kernels import hopper_bwd
 from flashtile.kernels.features import Features
-from flashtile.testing import check_against_reference, make_qkv
+from flashtile.testing import check_against_reference, judge, make_qkv, reference_fwd_bwd
 
 # Fixtures bwd_spy / poison: tests/conftest.py.
 DEVICE = "cuda"
@@ -145,6 +148,10 @@ def test_matches_portable_backward(monkeypatch, bwd_spy, d):
     assert (portable[6] - fast[6]).abs().max().item() <= 1e-3 * portable[6].abs().max().item()
 
 
+_CU = torch.tensor([0, 4], dtype=torch.int32)
+_VARLEN = dict(cu_seqlens_q=_CU, cu_seqlens_k=_CU, max_seqlen_q=4, max_seqlen_k=4)
+
+
 @pytest.mark.parametrize("kw,ok", [
     (dict(), True),
     (dict(window_left=100, window_right=0), True),
@@ -157,10 +164,13 @@ def test_matches_portable_backward(monkeypatch, bwd_spy, d):
     (dict(attn_bias=torch.zeros(1, 1, 4, 4)), True),
     (dict(attn_bias=torch.ones(1, 1, 4, 4, dtype=torch.bool), window_right=0, softcap=5.0), True),
     (dict(attn_bias=torch.zeros(1, 1, 4, 4), dropout_p=0.1), False),
-    (dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
-          max_seqlen_q=4, max_seqlen_k=4), False),
+    (dict(_VARLEN), True),
+    (dict(_VARLEN, window_left=100, window_right=0, softcap=5.0, alibi_slopes=torch.ones(2), sinks=torch.zeros(2)),
+     True),
+    (dict(_VARLEN, dropout_p=0.1), False),
+    (dict(_VARLEN, attn_bias=torch.zeros(1, 1, 4, 4)), False),
 ], ids=["plain", "causal-window", "window", "right-window", "softcap", "alibi", "sinks", "dropout", "bias",
-        "mask-causal-softcap", "bias-dropout", "varlen"])
+        "mask-causal-softcap", "bias-dropout", "varlen", "varlen-features", "varlen-dropout", "varlen-bias"])
 def test_features_supported(kw, ok):
     assert hopper_bwd.features_supported(Features(**kw)) is ok
 
@@ -428,3 +438,151 @@ def test_float_bias_grad_matches_portable(monkeypatch, bwd_spy, bshape):
     assert len(bwd_spy) == 1
     for a, b_ in zip(portable[2:6], fast[2:6]):
         assert (a.float() - b_.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Varlen (flash_attn_varlen_func): packed [total, H, D] sequences, each judged alone against the float64 oracle
+# with its own bottom-right alignment. Lengths 0 and 1, lengths that are no multiple of the tiles, total_q != total_k.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cu(lens):
+    return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE)
+
+
+def _varlen_inputs(lens_q, lens_k, h, hk, d, dtype, seed, alibi=None, alibi_scale=1.0, sinks=False):
+    """q, k, v ([total, H, D] leaves), dout, cu_seqlens_q, cu_seqlens_k, and the ALiBi slopes and sinks asked for."""
+    q, k, v = (t[0].detach().requires_grad_()
+               for t in make_qkv(1, sum(lens_q), sum(lens_k), h, hk, d, dtype, device=DEVICE, seed=seed))
+    dout = torch.randn(q.shape, generator=_gen(seed + 1), device=DEVICE).to(dtype)
+    slopes = None
+    if alibi is not None:
+        shape = (h,) if alibi == "H" else (len(lens_q), h)
+        slopes = torch.rand(shape, generator=_gen(seed + 2), device=DEVICE) * alibi_scale
+    sink = torch.randn(h, generator=_gen(seed + 3), device=DEVICE).requires_grad_() if sinks else None
+    return q, k, v, dout, _cu(lens_q), _cu(lens_k), slopes, sink
+
+
+def _run_varlen(q, k, v, dout, cu_q, cu_k, causal, window, softcap, slopes, sink, extra_max=0):
+    """flash_attn_varlen_func forward + backward: (out, lse, dq, dk, dv, dsinks or None). extra_max: added to the
+    max_seqlen arguments (a grid longer than any sequence)."""
+    max_q = int((cu_q[1:] - cu_q[:-1]).max()) + extra_max
+    max_k = int((cu_k[1:] - cu_k[:-1]).max()) + extra_max
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                   window_size=window, softcap=softcap, alibi_slopes=slopes,
+                                                   sinks=sink, return_attn_probs=True)
+    wrt = [q, k, v] + ([sink] if sink is not None else [])
+    grads = torch.autograd.grad((out * dout).sum(), wrt)
+    return out.detach(), lse.detach(), *grads[:3], (grads[3] if sink is not None else None)
+
+
+def _check_varlen(got, q, k, v, dout, cu_q, cu_k, causal, window=(-1, -1), softcap=0.0, slopes=None, sink=None):
+    """Each sequence against the oracle on that sequence alone; a sequence without queries has dK = dV = 0, one
+    without keys out = 0 and dQ = 0. With sinks, their gradient (summed over the sequences) is judged against the
+    oracle's sum, with plain PyTorch's summed the same way as the scale."""
+    out, lse, dq, dk, dv, dsinks = got
+    q, k, v = q.detach(), k.detach(), v.detach()
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    ref_dsinks, plain_dsinks = 0.0, 0.0
+    for i in range(len(bq) - 1):
+        rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        if bq[i + 1] == bq[i]:
+            assert torch.equal(dk[rk], torch.zeros_like(dk[rk])) and torch.equal(dv[rk], torch.zeros_like(dv[rk]))
+            continue
+        if bk[i + 1] == bk[i]:
+            assert torch.equal(out[rq], torch.zeros_like(out[rq])) and torch.equal(dq[rq], torch.zeros_like(dq[rq]))
+            continue
+        seq = lambda t, r: t[r].unsqueeze(0)  # noqa: E731
+        features = dict(window_size=window, softcap=softcap,
+                        alibi_slopes=slopes if slopes is None or slopes.dim() == 1 else slopes[i])
+        if sink is not None:
+            features["sinks"] = sink.detach()
+        args = (seq(q, rq), seq(k, rk), seq(v, rk), seq(dout, rq), q.shape[-1] ** -0.5, causal,
+                (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]))
+        check_against_reference((seq(out, rq), lse[:, rq].unsqueeze(0), seq(dq, rq), seq(dk, rk), seq(dv, rk)),
+                                *args, **features)
+        if sink is not None:
+            features64 = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in features.items()}
+            ref_dsinks = ref_dsinks + reference_fwd_bwd(*(t.double() for t in args[:4]), *args[4:], **features64)[6]
+            plain_dsinks = plain_dsinks + reference_fwd_bwd(*args, **features)[6]
+    if sink is not None:
+        err, bound = judge(dsinks, ref_dsinks, plain_dsinks, sink.dtype)
+        assert err <= bound, f"dsinks: max error {err:.3e} > bound {bound:.3e}"
+
+
+VARLEN_CASES = [
+    # lens_q, lens_k, h, hk, d, dtype, causal, window, softcap, alibi ("H", "BH" or None), sinks
+    ([0, 1, 130, 300, 64, 257], [5, 1, 130, 200, 0, 700], 4, 2, 128, torch.bfloat16, True, (-1, -1), 0.0, None,
+     False),
+    ([77, 0, 513, 1, 200], [300, 129, 64, 1, 200], 4, 1, 64, torch.float16, False, (-1, -1), 0.0, None, False),
+    ([333, 700, 17], [333, 650, 190], 2, 2, 128, torch.float16, False, (100, 20), 0.0, None, False),
+    ([400, 1, 129], [450, 64, 129], 4, 2, 64, torch.bfloat16, True, (64, 0), 0.0, None, False),
+    ([256, 100, 0, 381], [256, 300, 10, 381], 2, 2, 128, torch.bfloat16, False, (-1, -1), 5.0, None, False),
+    ([300, 45, 600], [310, 45, 500], 4, 4, 64, torch.float16, True, (-1, -1), 0.0, "BH", False),
+    ([129, 1000], [1000, 129], 2, 1, 128, torch.float16, False, (-1, -1), 0.0, "H", False),
+    ([200, 0, 450], [200, 33, 451], 4, 2, 128, torch.bfloat16, True, (-1, -1), 0.0, None, True),
+    ([513, 7, 250], [600, 9, 250], 8, 2, 64, torch.float16, True, (200, 0), 3.0, "H", True),       # all at once
+]
+
+
+def _varlen_id(lens_q, lens_k, h, hk, d, dtype, causal, window, softcap, alibi, sinks):
+    head = f"q{'_'.join(map(str, lens_q))}-k{'_'.join(map(str, lens_k))}-"
+    return head + _cid(len(lens_q), sum(lens_q), sum(lens_k), h, hk, d, dtype, causal, window, softcap, alibi, sinks)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("lens_q,lens_k,h,hk,d,dtype,causal,window,softcap,alibi,sinks",
+                         [pytest.param(*c, id=_varlen_id(*c)) for c in VARLEN_CASES])
+def test_varlen_against_reference(poison, bwd_spy, lens_q, lens_k, h, hk, d, dtype, causal, window, softcap, alibi,
+                                  sinks):
+    q, k, v, dout, cu_q, cu_k, slopes, sink = _varlen_inputs(lens_q, lens_k, h, hk, d, dtype, seed=sum(lens_k) + d,
+                                                              alibi=alibi, sinks=sinks)
+    got = _run_varlen(q, k, v, dout, cu_q, cu_k, causal, window, softcap, slopes, sink)
+    assert len(bwd_spy) == 1, "the call did not take the Gluon backward"
+    _check_varlen(got, q, k, v, dout, cu_q, cu_k, causal, window, softcap, slopes, sink)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_varlen_longer_grid(poison, bwd_spy):
+    # max_seqlen larger than every sequence (allowed, as in flash-attn): the extra key blocks have nothing to do,
+    # and delta / LSE are padded to the larger length.
+    q, k, v, dout, cu_q, cu_k, _, _ = _varlen_inputs([90, 0, 300], [100, 20, 260], 4, 2, 128, torch.bfloat16, seed=5)
+    got = _run_varlen(q, k, v, dout, cu_q, cu_k, True, (-1, -1), 0.0, None, None, extra_max=300)
+    assert len(bwd_spy) == 1
+    _check_varlen(got, q, k, v, dout, cu_q, cu_k, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("d", (64, 128))
+def test_varlen_qkvpacked(poison, bwd_spy, d):
+    # One packed qkv (total, 3, H, D): q, k, v and their gradients are strided views (row stride 3 * H * D).
+    lens = [300, 0, 129, 1, 64]
+    cu = _cu(lens)
+    gen = _gen(d)
+    qkv = torch.randn((sum(lens), 3, 4, d), generator=gen, device=DEVICE).to(torch.float16).requires_grad_()
+    dout = torch.randn((sum(lens), 4, d), generator=_gen(d + 1), device=DEVICE).to(torch.float16)
+    out, lse, _ = flashtile.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True, return_attn_probs=True)
+    (dqkv,) = torch.autograd.grad((out * dout).sum(), [qkv])
+    assert len(bwd_spy) == 1
+    q, k, v = qkv.detach().unbind(1)
+    _check_varlen((out.detach(), lse.detach(), *dqkv.unbind(1), None), q, k, v, dout, cu, cu, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("d", (64, 128))
+def test_varlen_matches_portable_backward(monkeypatch, bwd_spy, d):
+    lens_q, lens_k = [1500, 0, 777, 1, 1024, 333], [1600, 50, 777, 1, 900, 1200]
+    q, k, v, dout, cu_q, cu_k, slopes, sink = _varlen_inputs(lens_q, lens_k, 4, 2, d, torch.bfloat16, seed=d,
+                                                              alibi="BH", alibi_scale=0.1, sinks=True)
+    kw = dict(causal=True, window=(700, 0), softcap=10.0, slopes=slopes, sink=sink)
+    fast = _run_varlen(q, k, v, dout, cu_q, cu_k, **kw)
+    assert len(bwd_spy) == 1
+    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    portable = _run_varlen(q, k, v, dout, cu_q, cu_k, **kw)
+    assert len(bwd_spy) == 1
+    for a, b_ in zip(portable[2:5], fast[2:5]):
+        assert (a.float() - b_.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
+    assert (portable[5] - fast[5]).abs().max().item() <= 1e-3 * portable[5].abs().max().item()

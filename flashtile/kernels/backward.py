@@ -425,10 +425,11 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
 
     full_shape = (batch, num_heads, seqlen_q, seqlen_k)
     if gluon:
-        # Hopper, 16-bit, d 64/128, no dropout or varlen (an attn_mask is read by TMA): the warp-specialized Gluon
-        # kernel (kernels/hopper_bwd.py). Its bias gradient is dS in the bias's dtype, whatever the bias's shape
-        # (hopper_bwd.attention_backward's DBIAS note), with rows padded to TMA's 16 bytes; only a band leaves
-        # tiles unwritten.
+        # Hopper, 16-bit, d 64/128, no dropout (an attn_mask is read by TMA; varlen batches come without one): the
+        # warp-specialized Gluon kernel (kernels/hopper_bwd.py), which reads delta and lse_log2 as the portable
+        # kernels do ([B, H, Sq_pad], varlen rows by position in the sequence). Its bias gradient is dS in the
+        # bias's dtype, whatever the bias's shape (hopper_bwd.attention_backward's DBIAS note), with rows padded to
+        # TMA's 16 bytes; only a band leaves tiles unwritten.
         dbias_full = None
         if bias_grad:
             dtype = feats.attn_bias.dtype

@@ -18,6 +18,9 @@ Coverage: fp16/bf16, head dims 64 and 128, GQA (the key block loops over the que
 dV are written once, without atomics), and as constexpr variants of the same loops: sliding windows (causal is the
 right bound 0, bottom-right aligned), softcap and ALiBi (docs/derivation.md#8), and sinks (they only change the
 LSE, which the forward folded them into; their gradient is computed from LSE and delta in kernels/backward.py).
+Varlen batches (VARLEN: packed [total, H, D] sequences, flash_attn_varlen_func) run the same loops per sequence:
+each program reads its sequence's bounds, bases its descriptors at the sequence's first row with its own length
+(TMA zero-fills and clips at the sequence's end) and aligns the band to the sequence's own bottom-right corner.
 Each key block visits only the query tiles inside the band, the ones the band's edges cross with the mask.
 An attn_mask (BIAS: 1 a float bias of the inputs' dtype, at d128; 2 a bool mask) rides in the ring: the producer
 loads each step's [BLOCK_M queries, 128 keys] tile by TMA into the slot of its Q and dO, and each consumer reads
@@ -200,11 +203,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                          i_end, n_mask, shift, group_size, seqlen_q_pad, Counts, Idx, stride_cnt_b, stride_cnt_h,
+                          i_end, n_mask, shift, group_size, dq_batch_rows, Counts, Idx, stride_cnt_b, stride_cnt_h,
                           n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           ROTATE: gl.constexpr, DQ_MODE: gl.constexpr, BIAS: gl.constexpr):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
-        warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
+        warpgroups never wait on one (the steps and tiles mirror _bwd_partition's). Query tile m of batch entry i_b
+        is row i_b * dq_batch_rows + m of the buffer's descriptor."""
         if BIAS == 2:
             if DQ_MODE != 1:
                 u = 0
@@ -213,7 +217,7 @@ if AVAILABLE:
                     row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
                     for p in range(count):
                         m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
-                        _reduce_dq(u, i_b * seqlen_q_pad + m, i_h * HEAD_DIM, dq_desc, dq_smem, dq_bars, BLOCK_M,
+                        _reduce_dq(u, i_b * dq_batch_rows + m, i_h * HEAD_DIM, dq_desc, dq_smem, dq_bars, BLOCK_M,
                                    DQ_MODE)
                         u += 1
         else:
@@ -222,7 +226,7 @@ if AVAILABLE:
                 n = 0
             for u in range(n):
                 i_h = i_hk * group_size + u // n_q
-                row = i_b * seqlen_q_pad + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
+                row = i_b * dq_batch_rows + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
                                                        n_mask, shift, BLOCK_M, ROTATE)
                 _reduce_dq(u, row, i_h * HEAD_DIM, dq_desc, dq_smem, dq_bars, BLOCK_M, DQ_MODE)
 
@@ -436,7 +440,7 @@ if AVAILABLE:
         gl.store(p_dv, dv.to(dtype), mask=keep)
 
     @gluon.jit
-    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi,
+    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK,
                     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
                     seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, pre_scale, qk_scale,
@@ -444,7 +448,12 @@ if AVAILABLE:
                     stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
-                    DQ_MODE: gl.constexpr):
+                    DQ_MODE: gl.constexpr, VARLEN: gl.constexpr):
+        # VARLEN: Q, dOut, K, V, dK, dV and DqAcc are packed sequences ([total, H, D]; the host passes batch strides
+        # of 0): batch entry i_b is rows [CuSeqQ[i_b], CuSeqQ[i_b + 1]) of the query-side tensors and
+        # [CuSeqK[i_b], CuSeqK[i_b + 1]) of the key-side ones; seqlen_q / seqlen_k are the longest sequences (the
+        # grid's), replaced below by this sequence's own. LseLog2 and Delta stay [B, H, Sq_pad] rows, indexed by
+        # the query's position in its sequence. CuSeqQ, CuSeqK are unused without.
         # Bias: with BIAS (1 a float bias of q's dtype, 2 a bool mask) a TMA descriptor of [BLOCK_M, BLOCK_N] tiles
         # over the [B|1, H|1, Sq, Sk] attn_mask (hopper_fwd.bias_descriptor; bias_mul_b/_h are 0 along its
         # broadcast dims); Counts, Idx: a bool mask's tile lists (_list_row). Unused (placeholders) without.
@@ -461,6 +470,28 @@ if AVAILABLE:
         i_b = i_bh // num_kv_heads
         i_hk = i_bh % num_kv_heads
         start_n = i_n * BLOCK_N
+        q_rows = seqlen_q  # rows of the query-side descriptors
+        if VARLEN:
+            # This sequence alone: its own lengths and bottom-right diagonal (kernels/_common._seq_bounds), every
+            # tensor based at its first row, and descriptors of its own length, so that TMA zero-fills (loads) and
+            # clips (dQ reductions) at the sequence's end, never touching a neighbour's rows.
+            q_start = gl.load(CuSeqQ + i_b)
+            seqlen_q = gl.load(CuSeqQ + i_b + 1) - q_start
+            k_start = gl.load(CuSeqK + i_b)
+            seqlen_k = gl.load(CuSeqK + i_b + 1) - k_start
+            diag_offset = seqlen_k - seqlen_q
+            if start_n >= seqlen_k:  # the grid covers the longest sequence; this key block is past this one's end
+                return
+            Q += q_start.to(gl.int64) * stride_qs
+            dOut += q_start.to(gl.int64) * stride_dos
+            DqAcc += q_start.to(gl.int64) * (num_heads * HEAD_DIM)
+            K += k_start.to(gl.int64) * stride_ks
+            V += k_start.to(gl.int64) * stride_vs
+            dK += k_start.to(gl.int64) * stride_dks
+            dV += k_start.to(gl.int64) * stride_dvs
+            # A sequence without queries still writes its keys' dK, dV (zeros: it visits no query tile); a
+            # descriptor takes no empty dimension, and this one is never read then.
+            q_rows = gl.maximum(seqlen_q, 1)
 
         # Query rows that see this key block (kernels/_common._query_range): query i sees key j iff
         # j - diag - window_right <= i <= j - diag + window_left. Tiles m_lo + i * BLOCK_M, i < n_q.
@@ -501,10 +532,10 @@ if AVAILABLE:
         # One descriptor per tensor: rows are sequence positions, columns (head, dim), so every head of the batch
         # entry is a column offset. supports() checks that the heads of a row are contiguous.
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_desc = tma.make_tensor_descriptor(Q + i_b.to(gl.int64) * stride_qb, [seqlen_q, num_heads * HEAD_DIM],
+        q_desc = tma.make_tensor_descriptor(Q + i_b.to(gl.int64) * stride_qb, [q_rows, num_heads * HEAD_DIM],
                                             [stride_qs, 1], [BLOCK_M, HEAD_DIM], layout)
         do_desc = tma.make_tensor_descriptor(dOut + i_b.to(gl.int64) * stride_dob,
-                                             [seqlen_q, num_heads * HEAD_DIM], [stride_dos, 1],
+                                             [q_rows, num_heads * HEAD_DIM], [stride_dos, 1],
                                              [BLOCK_M, HEAD_DIM], layout)
         k_desc = tma.make_tensor_descriptor(K + i_b.to(gl.int64) * stride_kb, [seqlen_k, num_kv_heads * HEAD_DIM],
                                             [stride_ks, 1], [BLOCK_N, HEAD_DIM], layout)
@@ -521,7 +552,12 @@ if AVAILABLE:
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         # dQ accumulates in fp32, laid out as dQ itself with the queries padded: [B, Sq_pad, H, D], seen as rows
         # (batch, padded query) of H * D columns, so that attention_backward's cast to dQ is a contiguous copy.
+        # VARLEN: [total_q, H, D] unpadded, this sequence's rows (the reductions clip the tiles at its end).
         dq_rows = (gl.num_programs(1) // num_kv_heads) * seqlen_q_pad
+        dq_batch_rows = seqlen_q_pad
+        if VARLEN:
+            dq_rows = q_rows
+            dq_batch_rows = 0
         dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, num_heads * HEAD_DIM], [num_heads * HEAD_DIM, 1],
                                              [64, 32], dq_layout)
 
@@ -583,19 +619,23 @@ if AVAILABLE:
                                    n_mask, shift, bias_mul_b, bias_mul_h, Counts, Idx, stride_cnt_b, stride_cnt_h,
                                    n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, not MASK_RIGHT, BIAS)),
             (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                                 i_end, n_mask, shift, group_size, seqlen_q_pad, Counts, Idx, stride_cnt_b,
+                                 i_end, n_mask, shift, group_size, dq_batch_rows, Counts, Idx, stride_cnt_b,
                                  stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, not MASK_RIGHT, DQ_MODE, BIAS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 def features_supported(feats: Features) -> bool:
     """The options this kernel implements: the forward's (kernels/hopper_fwd.features_supported), any sliding
-    window, softcap, ALiBi and sinks, and an attn_mask (a float bias, with its gradient or not, or a bool mask;
-    supports checks its dtype and layout); not varlen or dropout."""
+    window, softcap, ALiBi and sinks, an attn_mask (a float bias, with its gradient or not, or a bool mask;
+    supports checks its dtype and layout), and varlen batches (VARLEN, without an attn_mask); not dropout."""
     if feats.attn_bias is not None:
-        if feats.dropout_p > 0:
+        if feats.dropout_p > 0 or feats.varlen:
             return False
         feats = dataclasses.replace(feats, attn_bias=None)  # the rest as the forward has it
+    if feats.varlen:
+        if feats.dropout_p > 0:
+            return False
+        feats = dataclasses.replace(feats, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0)
     return hopper_fwd.features_supported(feats)
 
 
@@ -613,34 +653,56 @@ def bias_ok(q, k, feats: Features) -> bool:
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
     """Whether this kernel computes the request: the forward's input conditions (kernels/hopper_fwd.inputs_ok),
     features_supported, not deterministic, and every tensor's heads contiguous within a sequence row (one
-    descriptor spans them)."""
+    descriptor spans them): [B, S, H, D], or [total, H, D] for varlen."""
     if not (ENABLED and not deterministic and hopper_fwd.inputs_ok(q, k, v, softmax_scale)):
         return False
     if not (features_supported(feats) and bias_ok(q, k, feats)):
         return False
-    if k.shape[1] < MIN_SEQLEN_K[q.shape[-1]]:
+    if feats.varlen:
+        # The mean key length stands for Sk (MIN_SEQLEN_K was measured at fixed length only).
+        seqlen_k = k.shape[0] / max(feats.cu_seqlens_k.numel() - 1, 1)
+    else:
+        seqlen_k = k.shape[1]
+    if seqlen_k < MIN_SEQLEN_K[q.shape[-1]]:
         return False
     if dout.dtype != q.dtype or not configs._tma_ok((dout,)):
         return False
-    return all(t.stride(2) == t.shape[-1] and t.stride(3) == 1 for t in (q, k, v, dout))
+    return all(t.stride(-2) == t.shape[-1] and t.stride(-1) == 1 for t in (q, k, v, dout))
 
 
 def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, feats: Features,
                        dbias=None, dq_mode=2):
-    """dq, dk, dv: output buffers ([B, S, H, D], any strides); lse_log2, delta: [B, H, Sq_pad] from the portable
-    backward's preprocess (kernels/backward.py), the sinks and dLSE already folded in, delta times softmax_scale
-    (the kernel's dS carries the scale: _bwd_step); feats: the call's options
-    (features_supported). dbias: None, or a [B, H, Sq, Sk] buffer of the float bias's dtype (unit key stride,
-    16-byte aligned rows) that takes dS; the tiles outside a band are not written. dq_mode other than 2 gives a
-    wrong dQ on purpose, timing probes for benchmarks/bwd_probe.py: 1 skips the staging and the reductions (and
-    with its result unused the compiler drops the dQ product too: 100 HGMMA instructions instead of 128 at d128),
-    3 the reductions only (the hand-offs to the writer warp stay), 4 the wait of each warpgroup for the other's
-    half of dS (so the warpgroups run free of each other)."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    """q, k, v, dout: [B, S, H, D], or [total, H, D] packed sequences with feats.varlen (diagonal_offset is then
+    unused: the kernel aligns each sequence to its own corner). dq, dk, dv: output buffers (their shapes, any
+    strides); lse_log2, delta: [B, H, Sq_pad] (Sq_pad from max_seqlen_q for varlen) from the portable backward's
+    preprocess (kernels/backward.py), the sinks and dLSE already folded in, delta times softmax_scale (the kernel's
+    dS carries the scale: _bwd_step); feats: the call's options (features_supported). dbias: None, or a [B, H, Sq,
+    Sk] buffer of the float bias's dtype (unit key stride, 16-byte aligned rows) that takes dS; the tiles outside a
+    band are not written. dq_mode other than 2 gives a wrong dQ on purpose, timing probes for
+    benchmarks/bwd_probe.py: 1 skips the staging and the reductions (and with its result unused the compiler drops
+    the dQ product too: 100 HGMMA instructions instead of 128 at d128), 3 the reductions only (the hand-offs to the
+    writer warp stay), 4 the wait of each warpgroup for the other's half of dS (so the warpgroups run free of each
+    other)."""
+    varlen = feats.varlen
+    num_heads, head_dim = q.shape[-2:]
+    num_kv_heads = k.shape[-2]
     seqlen_q_pad = lse_log2.shape[-1]
-    # dQ in fp32, scaled in the kernel, as [B, Sq_pad, H, D] (the kernel's dq_desc note).
-    dq_acc = torch.zeros((batch, seqlen_q_pad, num_heads, head_dim), dtype=torch.float32, device=q.device)
+    if varlen:
+        batch = feats.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k  # the grid's; each program reads its own
+        cu_q, cu_k = feats.cu_seqlens_q, feats.cu_seqlens_k
+        # (batch, row) strides of the inputs, (batch, row, head) of the outputs: a packed tensor's batch stride is
+        # 0 (the kernel bases each at its sequence's first row).
+        strides = [(0, t.stride(0)) for t in (q, k, v, dout)] + [(0,) + t.stride()[:2] for t in (dk, dv)]
+        # dQ in fp32, scaled in the kernel, as [total_q, H, D]: each sequence's reductions stop at its end.
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        batch, seqlen_q = q.shape[:2]
+        seqlen_k = k.shape[1]
+        cu_q = cu_k = delta  # placeholders, never read
+        strides = [t.stride()[:2] for t in (q, k, v, dout)] + [t.stride()[:3] for t in (dk, dv)]
+        # dQ in fp32, scaled in the kernel, as [B, Sq_pad, H, D] (the kernel's dq_desc note).
+        dq_acc = torch.zeros((batch, seqlen_q_pad, num_heads, head_dim), dtype=torch.float32, device=q.device)
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, feats.softcap)
     alibi, stride_alibi_b = feats.alibi_args(delta)  # delta: a placeholder, never read without ALiBi
@@ -662,14 +724,13 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     configs._set_tma_allocator(q.device)
     grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
     _bwd_kernel[grid](
-        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
-        *dk.stride()[:3], *dv.stride()[:3], stride_alibi_b,
+        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k,
+        *(st for t in strides for st in t), stride_alibi_b,
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
         qk_scale, softmax_scale, num_heads, num_kv_heads, num_heads // num_kv_heads,
         bias, bias_mul_b, bias_mul_h, dbias_desc, counts, indices, stride_cnt_b, stride_cnt_h, n_cols,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, num_warps=4)
-    dq.copy_(dq_acc[:, :seqlen_q])
+        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, VARLEN=varlen, num_warps=4)
+    dq.copy_(dq_acc if varlen else dq_acc[:, :seqlen_q])
     return dq, dk, dv
