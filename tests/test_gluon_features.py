@@ -260,3 +260,94 @@ def test_expanded_attn_mask(poison, spy, kind):
     assert len(spy) == 1, "a mask expanded along the queries must take the portable kernel"
     check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, False, 0,
                             **{name: rows})
+
+
+# Varlen: packed [total, H, D] sequences, each judged against the oracle on that sequence alone.
+
+def _varlen_qkv(lens_q, lens_k, h, hk, d, dtype, seed):
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    q, k, v = make_qkv(1, sum(lens_q), sum(lens_k), h, hk, d, dtype, device=DEVICE, seed=seed, grad=False)
+    return q[0], k[0], v[0], cu_q, cu_k
+
+
+def _check_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, alibi_slopes=None, **kw):
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        sq_, sk_ = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        if bq[i + 1] == bq[i]:
+            continue
+        if bk[i + 1] == bk[i]:
+            # No key: the rows output 0 with LSE -inf (with a sink: LSE = the sink).
+            assert torch.equal(out[sq_], torch.zeros_like(out[sq_]))
+            if "sinks" not in kw:
+                assert torch.isneginf(lse[:, sq_]).all()
+            continue
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[i]
+        seq = lambda t, s: t[s].unsqueeze(0)  # noqa: E731
+        check_against_reference((seq(out, sq_), lse[:, sq_].unsqueeze(0), None, None, None), seq(q, sq_),
+                                seq(k, sk_), seq(v, sk_), torch.zeros_like(seq(q, sq_)), q.shape[-1] ** -0.5, causal,
+                                (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]), alibi_slopes=slopes, **kw)
+
+
+_RAND = torch.Generator().manual_seed(5)
+VARLEN_CASES = [
+    # lens_q, lens_k, h, hk, d, causal, dtype, features
+    ([300, 0, 1, 1000, 129, 64, 700], [300, 17, 1, 1000, 500, 0, 650], 4, 2, 128, True, torch.bfloat16, {}),
+    ([300, 0, 1, 1000, 129, 64, 700], [300, 17, 1, 1000, 500, 0, 650], 4, 2, 128, False, torch.float16, {}),
+    # Plain d64: 192-row tiles over three warpgroups, and a band.
+    ([191, 192, 193, 5, 900], [200, 192, 1, 5, 1000], 4, 1, 64, False, torch.bfloat16, dict(window_size=(100, 20))),
+    ([191, 192, 193, 5, 900], [200, 192, 1, 5, 1000], 2, 2, 64, True, torch.float16,
+     dict(softcap=10.0, alibi="bh", sinks=True)),
+    ([77, 640, 1, 333], [1000, 640, 64, 1], 4, 2, 128, True, torch.bfloat16,
+     dict(window_size=(150, 0), alibi="h", sinks=True)),
+    # Many sequences and heads: more items than SMs, and the map's count over several chunks.
+    (torch.randint(0, 400, (90,), generator=_RAND).tolist(), torch.randint(0, 400, (90,), generator=_RAND).tolist(),
+     16, 4, 128, False, torch.bfloat16, {}),
+    (torch.randint(0, 300, (70,), generator=_RAND).tolist(), torch.randint(0, 300, (70,), generator=_RAND).tolist(),
+     8, 8, 64, True, torch.bfloat16, dict(softcap=30.0)),
+]
+
+
+@pytest.mark.parametrize("lens_q,lens_k,h,hk,d,causal,dtype,feats", VARLEN_CASES,
+                         ids=[f"varlen{i}-D{c[4]}-{'causal' if c[5] else 'full'}" for i, c in enumerate(VARLEN_CASES)])
+def test_varlen_against_reference(poison, spy, lens_q, lens_k, h, hk, d, causal, dtype, feats):
+    q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, h, hk, d, dtype, seed=len(lens_q) + d)
+    kw = _features(len(lens_q), h, d, **feats)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                   return_attn_probs=True, **kw)
+    assert len(spy) == 1, "the call did not take the Gluon forward"
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0])
+    _check_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, **kw)
+
+
+def test_varlen_matches_portable_and_padded(monkeypatch, spy):
+    """The same sequences through the portable varlen kernel and, one at a time, the fixed-length Gluon kernel."""
+    lens = [500, 3, 1, 257, 128, 1000]
+    q, k, v, cu_q, cu_k = _varlen_qkv(lens, lens, 4, 2, 128, torch.bfloat16, seed=9)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 1000, 1000, causal=True,
+                                                   return_attn_probs=True)
+    bounds = cu_q.tolist()
+    for i in range(len(lens)):
+        s = slice(bounds[i], bounds[i + 1])
+        o_i, lse_i, _ = flashtile.flash_attn_func(q[s][None], k[s][None], v[s][None], causal=True,
+                                                  return_attn_probs=True)
+        assert torch.equal(out[s], o_i[0]) and torch.equal(lse[:, s], lse_i[0])
+    assert len(spy) == 1 + len(lens)
+    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    out_p, lse_p, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 1000, 1000, causal=True,
+                                                       return_attn_probs=True)
+    assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7
+    assert (lse - lse_p).abs().max().item() <= 1e-3
+
+
+def test_varlen_packed_qkv(poison, spy):
+    """flash_attn_varlen_qkvpacked_func: q, k, v are strided views of one [total, 3, H, D] tensor."""
+    lens = [130, 0, 700, 64]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    qkv = torch.randn(sum(lens), 3, 4, 64, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    out, lse, _ = flashtile.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True,
+                                                             return_attn_probs=True)
+    assert len(spy) == 1
+    _check_varlen_forward(out, lse, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, True)

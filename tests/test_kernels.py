@@ -161,3 +161,29 @@ def test_nonpositive_softmax_scale(poison, scale):
     dout = torch.randn(q.shape, device=DEVICE)
     got = _run(q, k, v, dout, causal=True, softmax_scale=scale)
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, scale, True, 7)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The varlen work list of the Hopper forward (a plain Triton kernel: it runs in the interpreter too)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_m,reverse", [(64, False), (128, True), (192, False), (192, True)])
+def test_varlen_tile_map(block_m, reverse):
+    """Every query tile of every sequence listed once, in sequence order, with its sequence's bounds; rows past
+    the last tile carry sequence -1. 150 sequences: more than one chunk of the kernel's count."""
+    from flashtile.kernels.hopper_fwd import varlen_tile_map
+    rng = random.Random(block_m + reverse)
+    lens_q = [rng.choice([0, 1, 63, 64, 65, 191, 192, 193, rng.randrange(400)]) for _ in range(150)]
+    lens_k = [rng.randrange(300) for _ in range(150)]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    tile_map, n_upper = varlen_tile_map(cu_q, cu_k, sum(lens_q), block_m, reverse)
+    expect = []
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        n = -(-lq // block_m)
+        for m in (reversed(range(n)) if reverse else range(n)):
+            expect.append([b, m * block_m, int(cu_q[b]), lq, int(cu_k[b]), lk, 0, 0])
+    assert n_upper >= len(expect)
+    got = tile_map.cpu().tolist()
+    assert got[:len(expect)] == expect
+    assert all(row[0] == -1 for row in got[len(expect):])

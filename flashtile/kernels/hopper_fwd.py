@@ -32,7 +32,8 @@ dims 64 and 128, GQA included, and as constexpr variants of the same loops: slid
 consumers walk only the band's blocks), softcap, ALiBi, sinks and attn_mask. An attn_mask (a float bias of the
 inputs' dtype, or a bool mask) comes by TMA through a ring of its own, one [64, 128] tile per warpgroup and block;
 a bool mask walks the list of key blocks it does not hide entirely (Features.block_lists), and blocks it leaves
-entirely visible load no tile. Varlen and dropout run on the portable kernel. ``supports`` is the dispatch rule,
+entirely visible load no tile. Varlen batches (packed sequences) take the same loops, their items listed by
+``varlen_tile_map``; dropout runs on the portable kernel. ``supports`` is the dispatch rule,
 and tests/test_gluon.py and tests/test_gluon_features.py compare the two kernels on the GPU. Gluon does not run
 in Triton's interpreter, so this module only compiles on a Hopper GPU; importing it anywhere is safe.
 """
@@ -135,69 +136,59 @@ if AVAILABLE:
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         tile_smem.store(gl.full([1], tile, gl.int32, layout))
 
+    # Varlen (VARLEN): q, k, v, out are [total, H, D] packed sequences, read through 4-D descriptors over
+    # [1, total, H, D], so a tile may run into the next sequence's rows: keys past a sequence's end are masked by its
+    # own Sk, queries past it computed and dropped, and the outputs of its last query tile stored from registers
+    # under a mask. Work items are (compact query tile c, head), item = head * n_upper + c; varlen_tile_map lists
+    # per c its sequence and that sequence's bounds (n_upper bounds the tiles: the map's rows past the last tile
+    # have batch -1, and the producer skips them). The producer hands the consumers each item's fields through
+    # tile_smem, one entry each after the item's index (ITEM_FIELDS).
+
+    ITEM_FIELDS = gl.constexpr(8)  # tile_smem entries per query buffer under VARLEN: the index, then _varlen_item's
+
+    @gluon.jit
+    def _varlen_item(TileMap, tile, n_upper):
+        """Work item -> (batch (-1: no tile), first query row, q_start, Sq, k_start, Sk, head) from its map row."""
+        row = TileMap + (tile % n_upper) * 8
+        return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4),
+                gl.load(row + 5), tile // n_upper)
+
     @gluon.jit
     def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem, Counter,
-                        q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads,
-                        group_size, seqlen_k, diag_offset, left_offset, bias_mul_b, bias_mul_h, Counts, Idx,
-                        stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                        TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
+                        num_heads, group_size, seqlen_k, diag_offset, left_offset, bias_mul_b, bias_mul_h, Counts,
+                        Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         MASK_LEFT: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                        DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+                        DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
         c = 0  # blocks loaded so far by this program: slot c % STAGES, pass c // STAGES through the ring
         bc = 0  # attn_mask tiles loaded so far (its own ring: slot bc % BSTAGES)
         it = 0  # work items so far
         tile = gl.program_id(0)
         while tile < n_tiles:
-            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
-            i_hk = i_h // group_size
-            j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts,
-                                                   Idx, stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
-                                                   MASK_LEFT, BIAS == 2)
-            # A fresh barrier has completed no phase, so the first wait on an "empty" barrier (parity 1) does not
-            # block; after that, each wait needs every consumer's release of the previous use.
-            qb = it % QBUF
-            mbarrier.wait(q_empty.index(qb), ((it // QBUF) & 1) ^ 1)
-            if DYNAMIC:
-                # The consumers read the item's index once its query tile has arrived (the barrier's completion
-                # orders this store before their read); they are done with this slot's previous index (q_empty).
-                _write_tile(tile_smem.index(qb), tile)
-            mbarrier.expect(q_full.index(qb), NUM_WG * q_desc.block_type.nbytes)
-            for part in gl.static_range(NUM_WG):
-                tma_load(q_desc, [i_b, start_m + part * PART_M, i_h, 0], q_full.index(qb),
-                         q_smem.index(qb * NUM_WG + part).reshape([1, PART_M, 1, HEAD_DIM]))
-            # K runs one block ahead of V, the order the consumers use them in: step j reads K_j (and its bias
-            # tile) and V_{j-1}.
-            for j in range(n_blocks + 1):
-                if j < n_blocks:
-                    blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
-                    col = blk * BLOCK_N
-                    slot = (c + j) % STAGES
-                    mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
-                    mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                    tma_load(k_desc, [i_b, col, i_hk, 0], k_full.index(slot),
-                             k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
-                    if BIAS != 0:
-                        if partial:
-                            # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
-                            slot = bc % BSTAGES
-                            mbarrier.wait(b_empty.index(slot), ((bc // BSTAGES) & 1) ^ 1)
-                            mbarrier.expect(b_full.index(slot), NUM_WG * bias_desc.block_type.nbytes)
-                            for part in gl.static_range(NUM_WG):
-                                tma_load(bias_desc,
-                                         [i_b * bias_mul_b, i_h * bias_mul_h, start_m + part * PART_M, col],
-                                         b_full.index(slot),
-                                         bias_smem.index(slot * NUM_WG + part).reshape([1, 1, PART_M, BLOCK_N]))
-                            bc += 1
-                if j > 0:
-                    blk, partial = _block_at(j_lo, j - 1, idx_row, BIAS == 2)
-                    col = blk * BLOCK_N
-                    slot = (c + j - 1) % STAGES
-                    mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
-                    mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                    tma_load(v_desc, [i_b, col, i_hk, 0], v_full.index(slot),
-                             v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
-            c += n_blocks
-            it += 1
+            if VARLEN:
+                # n_m is n_upper here; the item's sequence and its own bottom-right offsets.
+                i_b, start_m, q_start, seqlen_q_i, k_start, seqlen_k_i, i_h = _varlen_item(TileMap, tile, n_m)
+                offset = seqlen_k_i - seqlen_q_i
+                t_b = 0  # the descriptors' batch index
+                valid = i_b >= 0
+            else:
+                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
+                q_start = 0
+                k_start = 0
+                seqlen_k_i = seqlen_k
+                offset = 0
+                t_b = i_b
+                seqlen_q_i = 0  # (not read)
+                valid = True
+            if valid:
+                c, bc, it = _load_item(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem,
+                                       tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty,
+                                       c, bc, it, tile, start_m, i_b, i_h, t_b, q_start, seqlen_q_i,
+                                       k_start, group_size, seqlen_k_i, diag_offset + offset, left_offset + offset,
+                                       bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                       BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
+                                       DYNAMIC, QBUF, VARLEN)
             if DYNAMIC:
                 # Items after the first one per program come from a global counter, in list order. Taken here,
                 # after this item's loads are issued, its latency hides behind the wait for a free query buffer.
@@ -208,8 +199,77 @@ if AVAILABLE:
             # No item left: hand the consumers n_tiles in place of an index.
             qb = it % QBUF
             mbarrier.wait(q_empty.index(qb), ((it // QBUF) & 1) ^ 1)
-            _write_tile(tile_smem.index(qb), n_tiles)
+            _write_tile(tile_smem.index(qb * (ITEM_FIELDS if VARLEN else 1)), n_tiles)
             mbarrier.arrive(q_full.index(qb), count=1)
+
+    @gluon.jit
+    def _load_item(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem, q_full, q_empty,
+                   k_full, k_empty, v_full, v_empty, b_full, b_empty, c, bc, it, tile, start_m, i_b, i_h, t_b,
+                   q_start, seqlen_q, k_start, group_size, seqlen_k, diag_offset, left_offset, bias_mul_b,
+                   bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   MASK_LEFT: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
+                   DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
+        """The producer's loads for one work item (query rows from start_m of batch i_b, head i_h; the descriptors'
+        rows offset by q_start / k_start and their batch index t_b under VARLEN). Returns the ring counters."""
+        i_hk = i_h // group_size
+        j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts,
+                                               Idx, stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
+                                               MASK_LEFT, BIAS == 2)
+        # A fresh barrier has completed no phase, so the first wait on an "empty" barrier (parity 1) does not
+        # block; after that, each wait needs every consumer's release of the previous use.
+        qb = it % QBUF
+        mbarrier.wait(q_empty.index(qb), ((it // QBUF) & 1) ^ 1)
+        if DYNAMIC:
+            # The consumers read the item's index once its query tile has arrived (the barrier's completion
+            # orders this store before their read); they are done with this slot's previous index (q_empty).
+            if VARLEN:
+                base = qb * ITEM_FIELDS
+                _write_tile(tile_smem.index(base), tile)
+                _write_tile(tile_smem.index(base + 1), i_b)
+                _write_tile(tile_smem.index(base + 2), start_m)
+                _write_tile(tile_smem.index(base + 3), q_start)
+                _write_tile(tile_smem.index(base + 4), seqlen_q)
+                _write_tile(tile_smem.index(base + 5), seqlen_k)
+                _write_tile(tile_smem.index(base + 6), i_h)
+            else:
+                _write_tile(tile_smem.index(qb), tile)
+        mbarrier.expect(q_full.index(qb), NUM_WG * q_desc.block_type.nbytes)
+        for part in gl.static_range(NUM_WG):
+            tma_load(q_desc, [t_b, q_start + start_m + part * PART_M, i_h, 0], q_full.index(qb),
+                     q_smem.index(qb * NUM_WG + part).reshape([1, PART_M, 1, HEAD_DIM]))
+        # K runs one block ahead of V, the order the consumers use them in: step j reads K_j (and its bias
+        # tile) and V_{j-1}.
+        for j in range(n_blocks + 1):
+            if j < n_blocks:
+                blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
+                col = blk * BLOCK_N
+                slot = (c + j) % STAGES
+                mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+                tma_load(k_desc, [t_b, k_start + col, i_hk, 0], k_full.index(slot),
+                         k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+                if BIAS != 0:
+                    if partial:
+                        # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
+                        slot = bc % BSTAGES
+                        mbarrier.wait(b_empty.index(slot), ((bc // BSTAGES) & 1) ^ 1)
+                        mbarrier.expect(b_full.index(slot), NUM_WG * bias_desc.block_type.nbytes)
+                        for part in gl.static_range(NUM_WG):
+                            tma_load(bias_desc,
+                                     [i_b * bias_mul_b, i_h * bias_mul_h, start_m + part * PART_M, col],
+                                     b_full.index(slot),
+                                     bias_smem.index(slot * NUM_WG + part).reshape([1, 1, PART_M, BLOCK_N]))
+                        bc += 1
+            if j > 0:
+                blk, partial = _block_at(j_lo, j - 1, idx_row, BIAS == 2)
+                col = blk * BLOCK_N
+                slot = (c + j - 1) % STAGES
+                mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
+                mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+                tma_load(v_desc, [t_b, k_start + col, i_hk, 0], v_full.index(slot),
+                         v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+        return c + n_blocks, bc, it + 1
 
     @gluon.jit
     def _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF: gl.constexpr):
@@ -414,6 +474,24 @@ if AVAILABLE:
         return bc
 
     @gluon.jit
+    def _stage_o(o, o_buf, o_desc, i_b, row0, i_h):
+        """Store a warpgroup's output rows through its staging buffer by TMA (rows past the descriptor's end are
+        clipped); the previous store from the buffer must have read it first."""
+        tma.store_wait(pendings=0)
+        o_buf.store(o)
+        fence_async_shared()
+        tma_store(o_desc, [i_b, row0, i_h, 0], o_buf.reshape([1, o_buf.shape[0], 1, o_buf.shape[1]]))
+
+    @gluon.jit
+    def _store_o(o, Out, i_b, i_h, q_start, row, seqlen_q, stride_ob, stride_os, stride_oh, o_layout: gl.constexpr):
+        """Store a warpgroup's output rows (those below seqlen_q) from registers."""
+        o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
+        o_ptr = (Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
+                 + gl.expand_dims((q_start + o_rows).to(gl.int64) * stride_os, 1) + gl.expand_dims(o_cols, 0))
+        gl.store(o_ptr, o, mask=gl.expand_dims(o_rows < seqlen_q, 1))
+
+    @gluon.jit
     def _read_tile(tile_smem):
         """The work item the producer wrote for this warpgroup (dynamic schedule)."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -429,7 +507,7 @@ if AVAILABLE:
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
                            SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
                            BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr,
-                           DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+                           DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -445,37 +523,56 @@ if AVAILABLE:
         if DYNAMIC:
             # The producer writes each item's index before its query tile arrives, and n_tiles after the last.
             mbarrier.wait(q_full.index(0), 0)
-            tile = _read_tile(tile_smem.index(0))
+            tile = _read_tile(tile_smem.index(0))  # (entry 0 of buffer 0 under VARLEN too)
         else:
             tile = gl.program_id(0)
         while tile < n_tiles:
-            start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
-            j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts,
-                                                   Idx, stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
+            if VARLEN:
+                # The item's row from the producer (_varlen_item): its sequence's bounds and own offsets.
+                base = (it % QBUF) * ITEM_FIELDS
+                i_b = _read_tile(tile_smem.index(base + 1))
+                start_m = _read_tile(tile_smem.index(base + 2))
+                q_start = _read_tile(tile_smem.index(base + 3))
+                seqlen_q_i = _read_tile(tile_smem.index(base + 4))
+                seqlen_k_i = _read_tile(tile_smem.index(base + 5))
+                i_h = _read_tile(tile_smem.index(base + 6))
+                offset = seqlen_k_i - seqlen_q_i
+                o_b = 0
+            else:
+                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
+                q_start = 0
+                seqlen_q_i = seqlen_q
+                seqlen_k_i = seqlen_k
+                offset = 0
+                o_b = i_b
+            diag_i = diag_offset + offset
+            left_i = left_offset + offset
+            j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k_i, diag_i, left_i, Counts, Idx,
+                                                   stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
                                                    MASK_LEFT, BIAS == 2)
             row_start = start_m + part * PART_M
             row = row_start + gl.arange(0, PART_M, layout=row_layout)
             # Blocks from full_lo to below n_full (counted from the item's first block) are visible to every row of
             # this part and lie inside Sk: no mask there.
-            n_full = seqlen_k // BLOCK_N
+            n_full = seqlen_k_i // BLOCK_N
             if CAUSAL:
-                n_full = gl.minimum(n_full, gl.maximum(row_start + diag_offset + 1, 0) // BLOCK_N)
+                n_full = gl.minimum(n_full, gl.maximum(row_start + diag_i + 1, 0) // BLOCK_N)
             n_full -= j_lo
             full_lo = 0
             if MASK_LEFT:
-                full_lo = gl.cdiv(gl.maximum(row_start + PART_M - 1 + left_offset, 0), BLOCK_N) - j_lo
+                full_lo = gl.cdiv(gl.maximum(row_start + PART_M - 1 + left_i, 0), BLOCK_N) - j_lo
             # ALiBi (_score_mod): the slope in score units and i + a per row.
             slope = 0.0
             arow = gl.zeros([PART_M], gl.float32, layout=row_layout)
             if HAS_ALIBI:
                 slope = gl.load(Alibi + i_b * stride_alibi_b + i_h) * mod_unit
-                arow = (row + alibi_offset).to(gl.float32)
+                arow = (row + (alibi_offset + offset)).to(gl.float32)
 
             qb = it % QBUF
             q = q_smem.index(qb * NUM_WG + part)
             if not DYNAMIC:
                 mbarrier.wait(q_full.index(qb), (it // QBUF) & 1)
-            if row_start >= seqlen_q:
+            if row_start >= seqlen_q_i:
                 # Every row of this part lies past Sq (the last query tile): follow the ring, compute nothing.
                 bc = _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty.index(qb), c, bc,
                                   n_blocks, j_lo, idx_row, STAGES, BIAS, BSTAGES)
@@ -486,7 +583,7 @@ if AVAILABLE:
                 if n_blocks > 0:
                     acc, m_i, l_i, bc = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
                                                      bias_smem, b_full, b_empty, q_empty.index(qb), c, bc, n_blocks,
-                                                     acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset,
+                                                     acc, m_i, l_i, s_zero, row, seqlen_k_i, diag_i, left_i,
                                                      qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope,
                                                      pre_scale, mod_unit, part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
                                                      SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, dot_a)
@@ -507,28 +604,29 @@ if AVAILABLE:
                 l_safe = gl.where(empty, 1.0, l_i)
                 lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
                 acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-                lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
-                gl.store(lse_base + row, lse, mask=row < seqlen_q)
+                # (Varlen: lse is [H, total_q], stride_lb 0; the sequence's rows start at q_start.)
+                lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + q_start
+                gl.store(lse_base + row, lse, mask=row < seqlen_q_i)
                 if STAGE_O:
-                    # The previous tile's output store must have read the buffer before it is overwritten.
-                    tma.store_wait(pendings=0)
-                    o_buf = o_smem.index(part)
-                    o_buf.store(acc.to(dtype))
-                    fence_async_shared()
-                    # Rows past Sq are clipped by the descriptor's bounds.
-                    tma_store(o_desc, [i_b, row_start, i_h, 0], o_buf.reshape([1, PART_M, 1, HEAD_DIM]))
+                    if VARLEN:
+                        # A descriptor clips rows past Sq, but under VARLEN the rows past a sequence's end belong
+                        # to the next one: a part that runs past it is stored from registers.
+                        if row_start + PART_M <= seqlen_q_i:
+                            _stage_o(acc.to(dtype), o_smem.index(part), o_desc, o_b, q_start + row_start, i_h)
+                        else:
+                            _store_o(acc.to(dtype), Out, i_b, i_h, q_start, row, seqlen_q_i, stride_ob, stride_os,
+                                     stride_oh, o_layout)
+                    else:
+                        _stage_o(acc.to(dtype), o_smem.index(part), o_desc, o_b, q_start + row_start, i_h)
                 else:
-                    # No staging buffer (its shared memory holds attn_mask tiles): stores from the registers.
-                    o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
-                    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                    o_ptr = (Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
-                             + gl.expand_dims(o_rows.to(gl.int64) * stride_os, 1) + gl.expand_dims(o_cols, 0))
-                    gl.store(o_ptr, acc.to(dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+                    # No staging buffer (its shared memory holds attn_mask tiles).
+                    _store_o(acc.to(dtype), Out, i_b, i_h, q_start, row, seqlen_q_i, stride_ob, stride_os, stride_oh,
+                             o_layout)
             c += n_blocks
             it += 1
             if DYNAMIC:
                 mbarrier.wait(q_full.index(it % QBUF), (it // QBUF) & 1)
-                tile = _read_tile(tile_smem.index(it % QBUF))
+                tile = _read_tile(tile_smem.index((it % QBUF) * (ITEM_FIELDS if VARLEN else 1)))
             else:
                 tile += gl.num_programs(0)
         tma.store_wait(pendings=0)
@@ -536,14 +634,17 @@ if AVAILABLE:
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, Alibi, Sinks, Counts, Idx,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Counts, Idx,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_alibi_b, bias_mul_b, bias_mul_h,
                     stride_cb, stride_ch, idx_cols, seqlen_q, seqlen_k, diag_offset, left_offset, alibi_offset,
                     qk_scale, mod_unit, pre_scale, num_heads, group_size, n_m, n_tiles,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                     HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr,
-                    NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):
+                    NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
+        # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
+        # come from the counter (the producer skips the map's empty rows), and nothing else changes.
+        gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
         PART_M: gl.constexpr = BLOCK_M // NUM_WG
         dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -554,7 +655,9 @@ if AVAILABLE:
             o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, PART_M, HEAD_DIM], layout)
         else:
             o_smem = q_smem  # not read: the epilogue stores from registers
-        tile_smem = gl.allocate_shared_memory(gl.int32, [QBUF, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # Per query buffer, the item's index (dynamic schedule), and with VARLEN its fields (_varlen_item).
+        tile_smem = gl.allocate_shared_memory(gl.int32, [QBUF * ITEM_FIELDS if VARLEN else QBUF, 1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_full = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -594,27 +697,31 @@ if AVAILABLE:
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
+                                      VARLEN)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
+                                      VARLEN)),
                 (_softmax_partition, (2, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
+                                      VARLEN)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
-                                   Counter, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty,
+                                   Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
+                                   b_empty,
                                    n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
                                    bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
-                                   DYNAMIC, QBUF)),
+                                   DYNAMIC, QBUF, VARLEN)),
             ], [4, 4, 1], [CONSUMER_REGS_3WG, CONSUMER_REGS_3WG, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -624,20 +731,23 @@ if AVAILABLE:
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
+                                      VARLEN)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF)),
+                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
+                                      VARLEN)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
-                                   Counter, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty,
+                                   Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
+                                   b_empty,
                                    n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
                                    bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
-                                   DYNAMIC, QBUF)),
+                                   DYNAMIC, QBUF, VARLEN)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -656,15 +766,29 @@ def inputs_ok(q, k, v, softmax_scale) -> bool:
 
 
 def features_supported(feats: Features) -> bool:
-    """The options this kernel implements: causal and sliding-window masks, softcap, ALiBi, sinks and attn_mask
-    (a float bias or a bool mask, where TMA can read it: supports checks that); not varlen or dropout."""
+    """The options of a fixed-length call this kernel implements: causal and sliding-window masks, softcap, ALiBi,
+    sinks and attn_mask (a float bias or a bool mask, where TMA can read it: supports checks that); not dropout.
+    (Varlen calls: varlen_supported.)"""
     return not (feats.varlen or feats.dropout_p > 0)
 
 
+def varlen_supported(feats: Features) -> bool:
+    """Varlen calls this kernel implements: every option of features_supported except attn_mask (which varlen
+    does not take anywhere), on the persistent kernel (its items come from the dynamic schedule)."""
+    return feats.varlen and feats.dropout_p == 0 and feats.attn_bias is None and PERSISTENT
+
+
 def supports(q, k, v, feats: Features, softmax_scale) -> bool:
-    """Whether this kernel computes the request (inputs_ok, features_supported, and an attn_mask that
-    Features.gluon_bias_ok accepts). Anything else (and FLASHTILE_GLUON=0) takes the portable kernel."""
-    if not (ENABLED and inputs_ok(q, k, v, softmax_scale) and features_supported(feats)):
+    """Whether this kernel computes the request (inputs_ok, features_supported or varlen_supported, and an
+    attn_mask that Features.gluon_bias_ok accepts). Anything else (and FLASHTILE_GLUON=0) takes the portable
+    kernel."""
+    if not (ENABLED and inputs_ok(q, k, v, softmax_scale)):
+        return False
+    if feats.varlen:
+        # (No descriptor over an empty packed tensor: a call with no queries or no keys at all takes the portable
+        # kernel.)
+        return varlen_supported(feats) and q.shape[0] > 0 and k.shape[0] > 0
+    if not features_supported(feats):
         return False
     return feats.attn_bias is None or feats.gluon_bias_ok(q.dtype, q.shape[1], k.shape[1])
 
@@ -714,6 +838,61 @@ def bias_descriptor(bias, rows, cols):
     return desc, int(bias.shape[0] > 1), int(bias.shape[1] > 1)
 
 
+@triton.jit
+def _varlen_tile_map_kernel(CuSeqQ, CuSeqK, Map, batch, n_upper, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr,
+                            BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
+    """Row c of Map: [sequence b, first query row, q_start, Sq, k_start, Sk, 0, 0] of the c-th query tile of BLOCK_M
+    rows over all sequences in order (b = -1 past the last tile). A sequence's tiles are listed last first with
+    REVERSE. The tile's sequence is the number of sequences whose tiles all come before c, counted CHUNK at a
+    time."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    seq = tl.zeros([BLOCK_C], tl.int32)  # sequences wholly before tile c
+    start = tl.zeros([BLOCK_C], tl.int32)  # and their tiles
+    done = tl.full([], 0, tl.int32)  # tiles of the chunks so far
+    for i in range(0, batch, CHUNK):
+        b = i + tl.arange(0, CHUNK)
+        in_batch = b < batch
+        lo = tl.load(CuSeqQ + b, mask=in_batch, other=0)
+        tiles = (tl.load(CuSeqQ + b + 1, mask=in_batch, other=0) - lo + BLOCK_M - 1) // BLOCK_M
+        before = ((done + tl.cumsum(tiles, 0))[None, :] <= c[:, None]) & in_batch[None, :]
+        seq += tl.sum(before.to(tl.int32), 1)
+        start += tl.sum(tl.where(before, tiles[None, :], 0), 1)
+        done += tl.sum(tiles, 0)
+    valid = seq < batch
+    q_lo = tl.load(CuSeqQ + seq, mask=valid, other=0)
+    seqlen_q = tl.load(CuSeqQ + seq + 1, mask=valid, other=0) - q_lo
+    k_lo = tl.load(CuSeqK + seq, mask=valid, other=0)
+    seqlen_k = tl.load(CuSeqK + seq + 1, mask=valid, other=0) - k_lo
+    m = c - start
+    if REVERSE:
+        m = (seqlen_q + BLOCK_M - 1) // BLOCK_M - 1 - m
+    row = Map + c * 8
+    keep = c < n_upper
+    tl.store(row, tl.where(valid, seq, -1), mask=keep)
+    tl.store(row + 1, m * BLOCK_M, mask=keep)
+    tl.store(row + 2, q_lo, mask=keep)
+    tl.store(row + 3, seqlen_q, mask=keep)
+    tl.store(row + 4, k_lo, mask=keep)
+    tl.store(row + 5, seqlen_k, mask=keep)
+    tl.store(row + 6, tl.zeros_like(m), mask=keep)
+    tl.store(row + 7, tl.zeros_like(m), mask=keep)
+
+
+def varlen_tile_map(cu_seqlens_q, cu_seqlens_k, total_q, block_m, reverse=False):
+    """The work list of a varlen forward without reading the lengths on the host: (map, n_upper). n_upper =
+    cdiv(total_q, block_m) + batch bounds the number of query tiles (sum of cdiv(len_b, block_m)); map is
+    [n_upper, 8] int32, row c the c-th tile's [sequence (-1 past the last tile), first query row within it,
+    q_start, Sq, k_start, Sk, 0, 0], tiles in sequence order (each sequence's last first with reverse)."""
+    batch = cu_seqlens_q.numel() - 1
+    n_upper = triton.cdiv(total_q, block_m) + batch
+    tile_map = torch.empty((n_upper, 8), dtype=torch.int32, device=cu_seqlens_q.device)
+    block_c = 64
+    _varlen_tile_map_kernel[(triton.cdiv(n_upper, block_c), )](
+        cu_seqlens_q, cu_seqlens_k, tile_map, batch, n_upper, BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=block_c,
+        CHUNK=64)
+    return tile_map, n_upper
+
+
 def mod_scalars(softmax_scale, softcap):
     """(qk_scale, pre_scale, mod_unit) for _score_mod: with a softcap the scores become tanh(pre_scale s) and
     qk_scale = softcap log2(e) turns them into log2 units; without, qk_scale = scale log2(e). ALiBi slopes and a
@@ -726,10 +905,28 @@ def mod_scalars(softmax_scale, softcap):
 
 def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     """Same contract as kernels.forward.attention_forward for the cases `supports` accepts."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
-    lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
+    varlen = feats.varlen
+    if varlen:
+        # Packed [total, H, D] sequences (kernel note at _varlen_item): 4-D views [1, total, H, D] for the
+        # descriptors, lse [H, total_q]; each item adds its sequence's own Sk - Sq to the offsets below.
+        total_q, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        batch = feats.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
+        out = _common.empty((total_q, num_heads, head_dim), q.dtype, q.device)
+        lse = _common.empty((num_heads, total_q), torch.float32, q.device)
+        diagonal_offset = 0
+        q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
+        out_strides = (0, out.stride(0), out.stride(1))
+        lse_strides = (0, lse.stride(0))
+    else:
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+        out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+        lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
+        q4, k4, v4, o4 = q, k, v, out
+        out_strides = (out.stride(0), out.stride(1), out.stride(2))
+        lse_strides = (lse.stride(0), lse.stride(1))
     # The kernel's right bound is i + diag_offset (CAUSAL): causal, or a right window folded into the offset; its
     # left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (feats.window_right if feats.mask_right else 0)
@@ -756,7 +953,12 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
             counts, indices, count_strides, idx_cols = feats.block_lists(block_m, BLOCK_N, False, seqlen_q,
                                                                          seqlen_k, mark_full=not feats.banded)
     n_m = triton.cdiv(seqlen_q, block_m)
-    n_tiles = n_m * batch * num_heads
+    tile_map = lse  # a placeholder, never read without varlen
+    if varlen:
+        # Items: (tile of the map, head); the producer skips the map's rows past the last tile.
+        tile_map, n_m = varlen_tile_map(feats.cu_seqlens_q, feats.cu_seqlens_k, total_q, block_m, feats.mask_right)
+        dynamic = True
+    n_tiles = n_m * batch * num_heads if not varlen else n_m * num_heads
     dynamic = PERSISTENT and dynamic
     persistent = PERSISTENT and (dynamic or not feats.banded)
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
@@ -764,13 +966,13 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap)
     _fwd_kernel[grid](
-        _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, WG_M), bias_desc,
-        out, lse, counter, alibi, lse if feats.sinks is None else feats.sinks, counts, indices,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), stride_alibi_b, bias_mul_b,
+        _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o4, WG_M), bias_desc,
+        out, lse, counter, tile_map, alibi, lse if feats.sinks is None else feats.sinks, counts, indices,
+        *out_strides, *lse_strides, stride_alibi_b, bias_mul_b,
         bias_mul_h, *count_strides, idx_cols, seqlen_q, seqlen_k, right_offset, left_offset, diagonal_offset,
         qk_scale, mod_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
         MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, BSTAGES=BIAS_STAGES, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, num_warps=4)
+        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen, num_warps=4)
     return out, lse
