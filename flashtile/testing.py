@@ -3,6 +3,8 @@
 Against the naive reference in float64, the error must be at most K times the error of plain PyTorch computing the
 same thing in the input dtype, plus the error of merely rounding the oracle to that dtype.
 """
+import itertools
+
 import torch
 
 from .reference import attention_backward, naive_attention
@@ -177,3 +179,47 @@ def check_against_reference(got, q, k, v, dout, softmax_scale, causal, diagonal_
     for name, (err, bound) in judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse,
                                         **features).items():
         assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+
+
+def cu_seqlens(lens, device="cpu"):
+    """flash_attn_varlen_func's offsets for packed sequences of these lengths: int32 (B + 1,), starting at 0."""
+    return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
+
+
+def check_varlen_against_reference(got, q, k, v, dout, cu_q, cu_k, causal, alibi_slopes=None, dsinks=None,
+                                   **features):
+    """Assert that a packed varlen result passes: each sequence against check_against_reference on that sequence
+    alone, aligned to its own bottom-right corner (softmax scale d^-1/2). got = (out, lse [H, total_q], dq, dk, dv),
+    gradients None to judge the forward only (dout then unused: None). alibi_slopes: (H,) or (B, H). A sequence
+    without queries must have dk = dv = 0, one without keys out = 0 and dq = 0 (and LSE -inf without sinks).
+    dsinks: the sinks' gradient, a sum over the sequences, judged against the oracle's sum with plain PyTorch's,
+    summed the same way, as the scale."""
+    out, lse, dq, dk, dv = got
+    q, k, v = q.detach(), k.detach(), v.detach()
+    if dout is None:
+        dout = torch.zeros_like(q)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    zero = lambda t, r: t is None or torch.equal(t[r], torch.zeros_like(t[r]))  # noqa: E731
+    seq = lambda t, r: None if t is None else t[r].unsqueeze(0)  # noqa: E731
+    ref_dsinks, plain_dsinks = 0.0, 0.0
+    for i in range(len(bq) - 1):
+        rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        if bq[i + 1] == bq[i]:
+            assert zero(dk, rk) and zero(dv, rk), f"sequence {i} has no queries but nonzero dk or dv"
+            continue
+        if bk[i + 1] == bk[i]:
+            assert zero(out, rq) and zero(dq, rq), f"sequence {i} has no keys but nonzero out or dq"
+            assert features.get("sinks") is not None or torch.isneginf(lse[:, rq]).all()
+            continue
+        seq_features = dict(features, alibi_slopes=alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
+                            else alibi_slopes[i])
+        args = (seq(q, rq), seq(k, rk), seq(v, rk), seq(dout, rq), q.shape[-1] ** -0.5, causal,
+                (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]))
+        check_against_reference((seq(out, rq), lse[:, rq].unsqueeze(0), seq(dq, rq), seq(dk, rk), seq(dv, rk)),
+                                *args, **seq_features)
+        if dsinks is not None:
+            ref_dsinks = ref_dsinks + reference_fwd_bwd(*(t.double() for t in args[:4]), *args[4:],
+                                                        **_float64_features(seq_features))[6]
+            plain_dsinks = plain_dsinks + reference_fwd_bwd(*args, **seq_features)[6]
+    if dsinks is not None:
+        assert_close("dsinks", dsinks, ref_dsinks, plain_dsinks, features["sinks"].dtype)

@@ -15,7 +15,7 @@ from flashtile.kernels.configs import TileConfig
 from flashtile.kernels.features import Features
 from flashtile.reference import naive_attention
 from flashtile.reference.dropout import dropout_mask
-from flashtile.testing import check_against_reference, make_qkv
+from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -259,30 +259,9 @@ def test_mask_tiles_skipped(poison, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _varlen_inputs(lens_q, lens_k, h, hk, d, dtype, seed):
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    q, k, v = make_qkv(1, int(cu_q[-1]), int(cu_k[-1]), h, hk, d, dtype, device=DEVICE, seed=seed, grad=False)
+    cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
+    q, k, v = make_qkv(1, sum(lens_q), sum(lens_k), h, hk, d, dtype, device=DEVICE, seed=seed, grad=False)
     return [t[0].requires_grad_() for t in (q, k, v)], cu_q, cu_k
-
-
-def _check_varlen_per_sequence(got, q, k, v, dout, cu_q, cu_k, causal, slopes=None, **features):
-    """Each sequence of the packed result against the reference on that sequence alone."""
-    out, lse, dq, dk, dv = got
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(bq) - 1):
-        sq_, sk_ = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
-        if bq[i + 1] == bq[i]:
-            assert torch.equal(dk[sk_], torch.zeros_like(dk[sk_])) and torch.equal(dv[sk_], torch.zeros_like(dv[sk_]))
-            continue
-        if bk[i + 1] == bk[i]:
-            assert torch.equal(out[sq_], torch.zeros_like(out[sq_])) and torch.isneginf(lse[:, sq_]).all()
-            continue
-        seq_slopes = slopes if slopes is None or slopes.dim() == 1 else slopes[i]
-        seq = lambda t, s: t[s].unsqueeze(0)  # noqa: E731
-        check_against_reference(
-            (seq(out, sq_), lse[:, sq_].unsqueeze(0), seq(dq, sq_), seq(dk, sk_), seq(dv, sk_)),
-            seq(q, sq_).detach(), seq(k, sk_).detach(), seq(v, sk_).detach(), seq(dout, sq_), q.shape[-1] ** -0.5,
-            causal, (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]), alibi_slopes=seq_slopes, **features)
 
 
 VARLEN_CASES = [
@@ -304,7 +283,7 @@ def test_varlen(poison, lens_q, lens_k, causal, window):
                                                    window_size=window, return_attn_probs=True)
     assert lse.shape == (h, q.shape[0])
     grads = torch.autograd.grad((out * dout).sum(), [q, k, v])
-    _check_varlen_per_sequence((out.detach(), lse.detach(), *grads), q, k, v, dout, cu_q, cu_k, causal,
+    check_varlen_against_reference((out.detach(), lse.detach(), *grads), q, k, v, dout, cu_q, cu_k, causal,
                                window_size=window)
 
 
@@ -316,8 +295,8 @@ def test_varlen_alibi_softcap(poison):
     out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 33, causal=True, softcap=2.0,
                                                    alibi_slopes=slopes, return_attn_probs=True)
     grads = torch.autograd.grad((out * dout).sum(), [q, k, v])
-    _check_varlen_per_sequence((out.detach(), lse.detach(), *grads), q, k, v, dout, cu_q, cu_k, True,
-                               slopes=slopes, softcap=2.0)
+    check_varlen_against_reference((out.detach(), lse.detach(), *grads), q, k, v, dout, cu_q, cu_k, True,
+                               alibi_slopes=slopes, softcap=2.0)
 
 
 def test_varlen_dropout(poison):

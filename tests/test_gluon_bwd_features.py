@@ -6,7 +6,6 @@ Each call is asserted to have taken the Gluon backward.
 Gluon kernels do not run in Triton's interpreter, so all but the features_supported tests need a Hopper GPU
 (`pytest -m gpu`).
 """
-import itertools
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import flashtile
 from flashtile.interface import _attention
 from flashtile.kernels import hopper_bwd
 from flashtile.kernels.features import Features
-from flashtile.testing import check_against_reference, judge, make_qkv, reference_fwd_bwd
+from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
 
 # Fixtures bwd_spy / poison: tests/conftest.py.
 DEVICE = "cuda"
@@ -445,10 +444,6 @@ def test_float_bias_grad_matches_portable(monkeypatch, bwd_spy, bshape):
 # with its own bottom-right alignment. Lengths 0 and 1, lengths that are no multiple of the tiles, total_q != total_k.
 # ---------------------------------------------------------------------------------------------------------------
 
-def _cu(lens):
-    return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE)
-
-
 def _varlen_inputs(lens_q, lens_k, h, hk, d, dtype, seed, alibi=None, alibi_scale=1.0, sinks=False):
     """q, k, v ([total, H, D] leaves), dout, cu_seqlens_q, cu_seqlens_k, and the ALiBi slopes and sinks asked for."""
     q, k, v = (t[0].detach().requires_grad_()
@@ -459,7 +454,7 @@ def _varlen_inputs(lens_q, lens_k, h, hk, d, dtype, seed, alibi=None, alibi_scal
         shape = (h,) if alibi == "H" else (len(lens_q), h)
         slopes = torch.rand(shape, generator=_gen(seed + 2), device=DEVICE) * alibi_scale
     sink = torch.randn(h, generator=_gen(seed + 3), device=DEVICE).requires_grad_() if sinks else None
-    return q, k, v, dout, _cu(lens_q), _cu(lens_k), slopes, sink
+    return q, k, v, dout, cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE), slopes, sink
 
 
 def _run_varlen(q, k, v, dout, cu_q, cu_k, causal, window, softcap, slopes, sink, extra_max=0):
@@ -476,37 +471,11 @@ def _run_varlen(q, k, v, dout, cu_q, cu_k, causal, window, softcap, slopes, sink
 
 
 def _check_varlen(got, q, k, v, dout, cu_q, cu_k, causal, window=(-1, -1), softcap=0.0, slopes=None, sink=None):
-    """Each sequence against the oracle on that sequence alone; a sequence without queries has dK = dV = 0, one
-    without keys out = 0 and dQ = 0. With sinks, their gradient (summed over the sequences) is judged against the
-    oracle's sum, with plain PyTorch's summed the same way as the scale."""
-    out, lse, dq, dk, dv, dsinks = got
-    q, k, v = q.detach(), k.detach(), v.detach()
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    ref_dsinks, plain_dsinks = 0.0, 0.0
-    for i in range(len(bq) - 1):
-        rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
-        if bq[i + 1] == bq[i]:
-            assert torch.equal(dk[rk], torch.zeros_like(dk[rk])) and torch.equal(dv[rk], torch.zeros_like(dv[rk]))
-            continue
-        if bk[i + 1] == bk[i]:
-            assert torch.equal(out[rq], torch.zeros_like(out[rq])) and torch.equal(dq[rq], torch.zeros_like(dq[rq]))
-            continue
-        seq = lambda t, r: t[r].unsqueeze(0)  # noqa: E731
-        features = dict(window_size=window, softcap=softcap,
-                        alibi_slopes=slopes if slopes is None or slopes.dim() == 1 else slopes[i])
-        if sink is not None:
-            features["sinks"] = sink.detach()
-        args = (seq(q, rq), seq(k, rk), seq(v, rk), seq(dout, rq), q.shape[-1] ** -0.5, causal,
-                (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]))
-        check_against_reference((seq(out, rq), lse[:, rq].unsqueeze(0), seq(dq, rq), seq(dk, rk), seq(dv, rk)),
-                                *args, **features)
-        if sink is not None:
-            features64 = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in features.items()}
-            ref_dsinks = ref_dsinks + reference_fwd_bwd(*(t.double() for t in args[:4]), *args[4:], **features64)[6]
-            plain_dsinks = plain_dsinks + reference_fwd_bwd(*args, **features)[6]
-    if sink is not None:
-        err, bound = judge(dsinks, ref_dsinks, plain_dsinks, sink.dtype)
-        assert err <= bound, f"dsinks: max error {err:.3e} > bound {bound:.3e}"
+    """got = (out, lse, dq, dk, dv, dsinks or None), judged per sequence (flashtile.testing); the sinks' gradient,
+    summed over the sequences, against the oracle's sum."""
+    sinks = {} if sink is None else dict(sinks=sink.detach())
+    check_varlen_against_reference(got[:5], q, k, v, dout, cu_q, cu_k, causal, alibi_slopes=slopes, dsinks=got[5],
+                                   window_size=window, softcap=softcap, **sinks)
 
 
 VARLEN_CASES = [
@@ -559,7 +528,7 @@ def test_varlen_longer_grid(poison, bwd_spy):
 def test_varlen_qkvpacked(poison, bwd_spy, d):
     # One packed qkv (total, 3, H, D): q, k, v and their gradients are strided views (row stride 3 * H * D).
     lens = [300, 0, 129, 1, 64]
-    cu = _cu(lens)
+    cu = cu_seqlens(lens, DEVICE)
     gen = _gen(d)
     qkv = torch.randn((sum(lens), 3, 4, d), generator=gen, device=DEVICE).to(torch.float16).requires_grad_()
     dout = torch.randn((sum(lens), 4, d), generator=_gen(d + 1), device=DEVICE).to(torch.float16)

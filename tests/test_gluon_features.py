@@ -9,7 +9,7 @@ import torch
 
 import flashtile
 from flashtile.kernels import hopper_fwd
-from flashtile.testing import check_against_reference, make_qkv
+from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
 
 # Fixtures spy / poison: tests/conftest.py.
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
@@ -265,29 +265,8 @@ def test_expanded_attn_mask(poison, spy, kind):
 # Varlen: packed [total, H, D] sequences, each judged against the oracle on that sequence alone.
 
 def _varlen_qkv(lens_q, lens_k, h, hk, d, dtype, seed):
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
     q, k, v = make_qkv(1, sum(lens_q), sum(lens_k), h, hk, d, dtype, device=DEVICE, seed=seed, grad=False)
-    return q[0], k[0], v[0], cu_q, cu_k
-
-
-def _check_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, alibi_slopes=None, **kw):
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(bq) - 1):
-        sq_, sk_ = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
-        if bq[i + 1] == bq[i]:
-            continue
-        if bk[i + 1] == bk[i]:
-            # No key: the rows output 0 with LSE -inf (with a sink: LSE = the sink).
-            assert torch.equal(out[sq_], torch.zeros_like(out[sq_]))
-            if "sinks" not in kw:
-                assert torch.isneginf(lse[:, sq_]).all()
-            continue
-        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[i]
-        seq = lambda t, s: t[s].unsqueeze(0)  # noqa: E731
-        check_against_reference((seq(out, sq_), lse[:, sq_].unsqueeze(0), None, None, None), seq(q, sq_),
-                                seq(k, sk_), seq(v, sk_), torch.zeros_like(seq(q, sq_)), q.shape[-1] ** -0.5, causal,
-                                (bk[i + 1] - bk[i]) - (bq[i + 1] - bq[i]), alibi_slopes=slopes, **kw)
+    return q[0], k[0], v[0], cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
 
 
 _RAND = torch.Generator().manual_seed(5)
@@ -318,7 +297,7 @@ def test_varlen_against_reference(poison, spy, lens_q, lens_k, h, hk, d, causal,
                                                    return_attn_probs=True, **kw)
     assert len(spy) == 1, "the call did not take the Gluon forward"
     assert out.shape == q.shape and lse.shape == (h, q.shape[0])
-    _check_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, **kw)
+    check_varlen_against_reference((out, lse, None, None, None), q, k, v, None, cu_q, cu_k, causal, **kw)
 
 
 def test_varlen_matches_portable_and_padded(monkeypatch, spy):
@@ -344,10 +323,10 @@ def test_varlen_matches_portable_and_padded(monkeypatch, spy):
 def test_varlen_packed_qkv(poison, spy):
     """flash_attn_varlen_qkvpacked_func: q, k, v are strided views of one [total, 3, H, D] tensor."""
     lens = [130, 0, 700, 64]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu = cu_seqlens(lens, DEVICE)
     gen = torch.Generator(DEVICE).manual_seed(4)
     qkv = torch.randn(sum(lens), 3, 4, 64, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     out, lse, _ = flashtile.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True,
                                                              return_attn_probs=True)
     assert len(spy) == 1
-    _check_varlen_forward(out, lse, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, True)
+    check_varlen_against_reference((out, lse, None, None, None), *qkv.unbind(1), None, cu, cu, True)

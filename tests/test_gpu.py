@@ -9,7 +9,7 @@ import torch
 import flashtile
 from flashtile.kernels import configs
 
-from flashtile.testing import assert_close, check_against_reference, make_qkv, max_err, reference_fwd_bwd
+from flashtile.testing import assert_close, check_against_reference, cu_seqlens, make_qkv, max_err, reference_fwd_bwd
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -232,7 +232,7 @@ def test_dropout_large():
 
 def test_varlen_large():
     lens = [1, 0, 1500, 777, 3000, 64]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu = cu_seqlens(lens, DEVICE)
     total, h, hk, d = sum(lens), 8, 2, 128
     gen = torch.Generator(DEVICE).manual_seed(7)
     q = torch.randn((total, h, d), device=DEVICE, generator=gen).to(torch.bfloat16).requires_grad_()

@@ -12,7 +12,7 @@ import flashtile
 from flashtile.kernels import configs
 from flashtile.kernels.configs import TileConfig
 
-from flashtile.testing import check_against_reference, make_qkv
+from flashtile.testing import check_against_reference, cu_seqlens, make_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEQLENS = (1, 17, 64, 129, 257)
@@ -175,8 +175,7 @@ def test_varlen_tile_map(block_m, reverse):
     rng = random.Random(block_m + reverse)
     lens_q = [rng.choice([0, 1, 63, 64, 65, 191, 192, 193, rng.randrange(400)]) for _ in range(150)]
     lens_k = [rng.randrange(300) for _ in range(150)]
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
     tile_map, n_upper = varlen_tile_map(cu_q, cu_k, sum(lens_q), block_m, reverse)
     expect = []
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):

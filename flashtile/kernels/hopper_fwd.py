@@ -717,8 +717,7 @@ if AVAILABLE:
                                       VARLEN)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
-                                   b_empty,
-                                   n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
+                                   b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
                                    bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
                                    DYNAMIC, QBUF, VARLEN)),
@@ -743,8 +742,7 @@ if AVAILABLE:
                                       VARLEN)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
-                                   b_empty,
-                                   n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
+                                   b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
                                    bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
                                    DYNAMIC, QBUF, VARLEN)),
@@ -886,10 +884,12 @@ def varlen_tile_map(cu_seqlens_q, cu_seqlens_k, total_q, block_m, reverse=False)
     batch = cu_seqlens_q.numel() - 1
     n_upper = triton.cdiv(total_q, block_m) + batch
     tile_map = torch.empty((n_upper, 8), dtype=torch.int32, device=cu_seqlens_q.device)
-    block_c = 64
+    # 64 tiles per program against 64 sequences at a time: a [64, 64] comparison per step, small enough for the
+    # default 4 warps without spilling.
+    block_c = chunk = 64
     _varlen_tile_map_kernel[(triton.cdiv(n_upper, block_c), )](
         cu_seqlens_q, cu_seqlens_k, tile_map, batch, n_upper, BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=block_c,
-        CHUNK=64)
+        CHUNK=chunk)
     return tile_map, n_upper
 
 
