@@ -271,7 +271,9 @@ def _attn_fwd_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _attn_fwd_backward(ctx, dout, dlse):
+def _attn_fwd_backward(ctx, dout, dlse, backward=None):
+    """attn_fwd's backward: attn_bwd through the dispatcher (so that tracers see it), or the given implementation
+    (_AttnFunction: eager calls)."""
     q, k, v, out, lse, alibi_slopes, attn_bias, sinks, seed, cu_q, cu_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -279,9 +281,9 @@ def _attn_fwd_backward(ctx, dout, dlse):
         dout = dout.contiguous()
     softmax_scale, causal, diagonal_offset, window_left, window_right, softcap = ctx.scalars
     bias_requires_grad = attn_bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
-    grads = attn_bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset, window_left,
-                     window_right, softcap, alibi_slopes, attn_bias, bias_requires_grad, sinks, ctx.dropout_p, seed,
-                     cu_q, cu_k, *ctx.max_seqlens, ctx.deterministic)
+    grads = (backward or attn_bwd)(dout, q, k, v, out, lse, dlse, softmax_scale, causal, diagonal_offset,
+                                   window_left, window_right, softcap, alibi_slopes, attn_bias, bias_requires_grad,
+                                   sinks, ctx.dropout_p, seed, cu_q, cu_k, *ctx.max_seqlens, ctx.deterministic)
     result = [None] * _NUM_INPUTS
     n_main = sum(t is not None for t in (q, k, v))
     result[:n_main] = grads[:n_main]
@@ -291,6 +293,44 @@ def _attn_fwd_backward(ctx, dout, dlse):
     if sinks is not None:
         result[_SINKS_INPUT] = rest.pop(0)
     return tuple(result)
+
+
+class _AttnFunction(torch.autograd.Function):
+    """attn_fwd with its autograd, without the dispatcher: what eager calls run (see eager). The op's schema
+    handling in torch's register_autograd (fill_defaults re-reads the schema once per argument) and the dispatcher
+    cost ~0.2 ms of host time per call on the GPU machines' hosts, as long as a small call's kernel
+    (benchmarks/NOTES.md, "host overhead")."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _attn_fwd_impl(*inputs)
+        _attn_fwd_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _attn_fwd_backward(ctx, dout, dlse, _attn_bwd_impl)
+
+
+# False: every call goes through the dispatcher (for comparisons: benchmarks/NOTES.md).
+EAGER_DIRECT = True
+
+
+def eager(*tensors):
+    """True when a call may run _AttnFunction instead of the op: plain tensors (None allowed) and nothing tracing
+    (torch.compile, FakeTensor and other dispatch modes, functorch transforms), all of which still see the op.
+    Torch-function modes are not consulted: torch.set_default_device installs one, and no tracer relies on one to
+    see a custom op."""
+    return (EAGER_DIRECT and all(t is None or type(t) is torch.Tensor for t in tensors)
+            and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def attention(*inputs):
+    """attn_fwd(*inputs) with its autograd: through _AttnFunction when eager(q, k, v), else through the op."""
+    if eager(*inputs[:3]):
+        return _AttnFunction.apply(*inputs)
+    return attn_fwd(*inputs)
 
 
 for _device in ("CPU", "CUDA"):

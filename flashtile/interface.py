@@ -89,7 +89,7 @@ def _attention(q, k, v, scale, causal, diagonal_offset, *, window=(-1, -1), soft
     seed = _draw_seed(q, dropout_p)
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
-    out, lse = _ops.attn_fwd(q, k, v, scale, causal, diagonal_offset, window[0], window[1], softcap,
+    out, lse = _ops.attention(q, k, v, scale, causal, diagonal_offset, window[0], window[1], softcap,
                              alibi_slopes, attn_bias, sinks, dropout_p, seed, cu_q, cu_k, max_q, max_k,
                              deterministic)
     return out, lse, seed

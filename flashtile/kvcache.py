@@ -9,6 +9,7 @@ TRITON_INTERPRET=1, else the pure-PyTorch reference (flashtile.reference.kvcache
 import torch
 
 from ._ops import _use_kernels, _warn_cpu_fallback
+from ._ops import eager as _ops_eager
 from ._validate import (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, check_alibi,
                         check_softcap, check_window, resolve_scale)
 from .kernels import decode as _decode
@@ -96,14 +97,10 @@ kvcache_attn = torch.ops.flashtile.kvcache_attn.default
 
 
 def _eager(q, k_cache, v_cache):
-    """True when the call may run the ops' implementations directly instead of through the dispatcher: plain
-    tensors and nothing tracing (torch.compile, FakeTensor and other dispatch modes, functorch transforms), which
-    all still see the ops. Going through torch.ops costs ~4 us of host time per op (measured on the CPU), as much
-    as a small decode step takes on the GPU. Torch-function modes are not consulted: torch.set_default_device
-    installs one, and no tracer relies on one to see a custom op."""
-    return (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
-            and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._are_functorch_transforms_active())
+    """True when the call may run the ops' implementations directly instead of through the dispatcher (_ops.eager:
+    plain tensors, nothing tracing). Going through torch.ops costs ~4 us of host time per op (measured on the CPU),
+    as much as a small decode step takes on the GPU."""
+    return _ops_eager(q, k_cache, v_cache)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -661,6 +661,67 @@ def test_opcheck_attn_bwd(shape, causal, with_dlse, gen):
                            (dout, q, k, v, out, lse, dlse, scale, causal, offset))
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_skip_the_dispatcher(gen, monkeypatch):
+    """Eager calls run the op's implementation through _AttnFunction, bit-identical to the op (forward, the
+    gradients of q, k, v, a float bias and the sinks); dispatch modes, FakeTensors and EAGER_DIRECT = False see the
+    op itself."""
+    from flashtile import _ops
+    q = _randn((1, 17, 2, 16), gen, requires_grad=True)
+    k, v = (_randn((1, 23, 1, 16), gen, requires_grad=True) for _ in range(2))
+    bias = _randn((1, 2, 17, 23), gen, requires_grad=True)
+    sinks = _randn((2,), gen, requires_grad=True)
+    assert _ops.eager(q, k, v) and _ops.eager(q, None, None)
+    with _OpLog() as log:
+        assert not _ops.eager(q, k, v)
+        flashtile.flash_attn_func(q.detach(), k.detach(), v.detach())
+    assert torch.ops.flashtile.attn_fwd.default in log.ops
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        assert not _ops.eager(mode.from_tensor(q), k, v)
+
+    def run():
+        out = flashtile.flash_attn_func(q, k, v, causal=True, sinks=sinks)
+        out_b = flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       attn_mask=bias, enable_gqa=True)
+        loss = out.square().sum() + out_b.square().sum()
+        return (out, out_b) + torch.autograd.grad(loss, (q, k, v, bias, sinks))
+
+    calls = []
+    monkeypatch.setattr(_ops._AttnFunction, "apply", lambda *a, _apply=_ops._AttnFunction.apply: (
+        calls.append(1), _apply(*a))[1])
+    direct = run()
+    assert calls, "the eager call did not take _AttnFunction"
+    monkeypatch.setattr(_ops, "EAGER_DIRECT", False)
+    calls.clear()
+    through_op = run()
+    assert not calls
+    for name, a, b in zip(("out", "out_bias", "dq", "dk", "dv", "dbias", "dsinks"), direct, through_op):
+        assert torch.equal(a, b), name
+
+
+def test_launch_key_is_at_least_as_fine_as_tritons():
+    """kernels._launch keys: integers by width, value 1 and divisibility by 16 (Triton's specialization);
+    tensors by dtype and 16-byte alignment; floats by type only."""
+    from flashtile.kernels._launch import _arg_key
+    assert _arg_key(32) == _arg_key(48) != _arg_key(40) == _arg_key(24)
+    assert _arg_key(1) != _arg_key(3) and _arg_key(2 ** 31 + 16) != _arg_key(32) == _arg_key(-32)
+    assert _arg_key(True) != _arg_key(1) and _arg_key(True) != _arg_key(False)
+    assert _arg_key(0.5) == _arg_key(2.0)
+    t = torch.zeros(64, dtype=torch.float16)
+    assert _arg_key(t) == _arg_key(t[8:]) != _arg_key(t[1:]) and _arg_key(t) != _arg_key(t.float())
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 7. Autograd through the returned LSE
 # --------------------------------------------------------------------------------------------------------------

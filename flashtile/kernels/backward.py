@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from . import _common
+from . import _common, _launch, configs
 from . import hopper_bwd
 from ._common import (LOG2E, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
                       _query_range, _score_mod, _seq_bounds, _slice_base, _store_tile, _tile_view, _visible)
@@ -416,12 +415,12 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     dlse_arg = dlse if has_dlse else lse  # never read when HAS_DLSE is False
     gluon = hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic)
     delta_scale = softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in the units of its scaled dS
-    _bwd_preprocess_kernel[(seqlen_q_pad // _PREPROCESS_BLOCK_M, batch * num_heads)](
+    _launch.launch(_bwd_preprocess_kernel, (seqlen_q_pad // _PREPROCESS_BLOCK_M, batch * num_heads), (
         out, dout, lse, dlse_arg, delta, lse_log2, fargs.cu_q,
         *_batch_strides(out, varlen), *_batch_strides(dout, varlen), *lse_strides, *dlse_strides,
-        seqlen_q, seqlen_q_pad, num_heads, delta_scale,
-        HEAD_DIM_V=head_dim_v, HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M, BLOCK_DV=block_dv,
-    )
+        seqlen_q, seqlen_q_pad, num_heads, delta_scale), dict(
+        HEAD_DIM_V=head_dim_v, HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M, BLOCK_DV=block_dv),
+        q.device.index)
 
     full_shape = (batch, num_heads, seqlen_q, seqlen_k)
     if gluon:
@@ -469,32 +468,30 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     def launch_dkdv(cfg):
         lists = feats.block_lists(cfg.block_m, cfg.block_n, True, seqlen_q, seqlen_k)
         counts, indices, map_strides, map_cols = lists if lists is not None else (fargs.cu_q, fargs.cu_q, (0, 0), 0)
-        return _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads)](
+        return _launch.launch(_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads), (
             q, k, v, dout, dk, dv, lse_log2, delta, fargs.alibi, fargs.bias, counts, indices, fargs.seed, fargs.cu_q,
             fargs.cu_k,
             *_batch_strides(q, varlen), *_batch_strides(k, varlen), *_batch_strides(v, varlen),
             *_batch_strides(dout, varlen), *_batch_strides(dk, varlen), *_batch_strides(dv, varlen),
             fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, map_cols,
-            *scalars, num_kv_heads, group_size, *feature_scalars,
-            BLOCK_SKIP=lists is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        )
+            *scalars, num_kv_heads, group_size, *feature_scalars),
+            dict(common, BLOCK_SKIP=lists is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+            q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def launch_dq(cfg):
         lists = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
         counts, indices, map_strides, map_cols = lists if lists is not None else (fargs.cu_q, fargs.cu_q, (0, 0), 0)
         even_n = not feats.banded and not varlen and seqlen_k % cfg.block_n == 0
-        return _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)](
+        return _launch.launch(_bwd_dq_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads), (
             q, k, v, dout, dq, lse_log2, delta, fargs.alibi, fargs.bias, counts, indices,
             fargs.alibi if dbias_full is None else dbias_full, fargs.seed, fargs.cu_q, fargs.cu_k,
             *_batch_strides(q, varlen), *_batch_strides(k, varlen), *_batch_strides(v, varlen),
             *_batch_strides(dout, varlen), *_batch_strides(dq, varlen),
             fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, map_cols, *dbias_strides,
-            *scalars, num_heads, group_size, *feature_scalars,
-            EVEN_N=even_n, BLOCK_SKIP=lists is not None, DBIAS=dbias_full is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        )
+            *scalars, num_heads, group_size, *feature_scalars),
+            dict(common, EVEN_N=even_n, BLOCK_SKIP=lists is not None, DBIAS=dbias_full is not None,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+            q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     key = (max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec, feats.variant() + (bias_grad, fargs.bias_kind))
     configs.launch_first_that_compiles(("bwd_dkdv",) + key, dkdv_candidates, launch_dkdv)

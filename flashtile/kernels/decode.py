@@ -39,8 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, configs
+from . import _common, _launch, configs
 from ._common import LN2, LOG2E, _mma, _tanh
+from ._launch import fast_stream, off_device
 from .configs import TileConfig
 
 # tl.dot needs at least 16 rows: a q_len-1 decode with G = 4 query heads per kv head pads its 4 rows to 16.
@@ -83,9 +84,6 @@ FP8_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0 ** 14)
 # row; 1030 instead of 700 SASS instructions per loop iteration at pages of 16, sm90), kept for page sizes that do
 # not nest and for the sweep's comparison.
 PAGE_SLABS = True
-# Launch the compiled kernels directly once a plan has compiled them (see _Launch); False: always through Triton's
-# JITFunction, which re-derives the specialization of every argument on each call.
-FAST_LAUNCH = True
 # Plans kept (one per distinct shape / dtype / flag combination); past this many the cache starts over.
 MAX_PLANS = 1024
 
@@ -628,27 +626,6 @@ def _settings_key(q):
     return tile_override, PAGE_SLABS, tf32
 
 
-def _hook_set(hook):
-    # Triton >= 3.5 keeps launch hooks in a HookChain (never None; empty while nobody listens).
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def fast_stream(device_index):
-    """The current stream's handle when launches may go straight to the compiled kernels: FAST_LAUNCH, a CUDA
-    tensor on the current device, and no launch hooks (profilers get the full JITFunction path). Else None."""
-    if not FAST_LAUNCH or device_index < 0 or not hasattr(triton, "knobs"):
-        return None
-    runtime = triton.knobs.runtime
-    if _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook):
-        return None
-    return torch._C._cuda_getCurrentRawStream(device_index)
-
-
-def off_device(device_index):
-    """True when q's GPU is not the current device: Triton launches on the current one, so switch first."""
-    return device_index >= 0 and torch.cuda.current_device() != device_index
-
-
 class _Launch:
     """One kernel launch whose grid, scalar arguments and constexprs are fixed by its plan's key; a call passes the
     tensors (and the per-step cache length).
@@ -682,8 +659,7 @@ class _Launch:
             return compiled
         compiled = self.kernel[self.grid](*dynamic, *self.static, **self.constexprs, **self.options)
         # The interpreter returns no compiled kernel; an asynchronously compiling one (a future) is not used either.
-        if FAST_LAUNCH and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) \
-                and not hasattr(compiled, "result"):
+        if _launch.usable(compiled):
             self.compiled = compiled
         return compiled
 

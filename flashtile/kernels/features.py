@@ -5,6 +5,7 @@ its code. `Features` turns the public options into what a launch passes: flags, 
 placeholder where a feature is off, since a kernel argument cannot be None and still be indexed).
 """
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -120,14 +121,13 @@ class Features:
         return alibi, alibi.stride(0) if alibi.dim() == 2 else 0
 
     def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0):
-        placeholder = q.new_empty((1,), dtype=torch.float32)
+        placeholder, seed_placeholder, cu_placeholder = _placeholders(q.device)
         alibi, stride_alibi_b = self.alibi_args(placeholder)
         bias, bias_strides = placeholder, (0, 0, 0, 0)
         if self.attn_bias is not None:
             bias = self.attn_bias.view(torch.uint8) if self.attn_bias.dtype == torch.bool else self.attn_bias
             bias_strides = tuple(st if n > 1 else 0 for st, n in zip(bias.stride(), bias.shape))
-        seed = self.seed if self.dropout_p > 0 else q.new_zeros((1,), dtype=torch.int64)
-        cu_placeholder = q.new_zeros((1,), dtype=torch.int32)
+        seed = self.seed if self.dropout_p > 0 else seed_placeholder
         return KernelArgs(
             alibi=alibi, stride_alibi_b=stride_alibi_b, has_alibi=self.alibi_slopes is not None,
             bias=bias, bias_strides=bias_strides,
@@ -168,6 +168,15 @@ class Features:
             strides = (h * rows if b > 1 else 0, rows if h > 1 else 0)
             self._maps[key] = (counts, indices, strides, indices.shape[-1])
         return self._maps[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholders(device):
+    """Stand-ins for absent tensor arguments (fp32, int64 and int32): a kernel takes their pointers but never reads
+    or writes them while the feature's flag is off. Made once per device (a call would otherwise pay for three
+    allocations and two fills)."""
+    return (torch.zeros((1,), dtype=torch.float32, device=device), torch.zeros((1,), dtype=torch.int64, device=device),
+            torch.zeros((1,), dtype=torch.int32, device=device))
 
 
 # Eight mask bytes (each 0 or 1) per int64 word: a word is 0 iff its bytes all are, and ALL_ONES iff they all are 1.

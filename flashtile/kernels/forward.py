@@ -11,9 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from . import _common
-from . import hopper_fwd
+from . import _common, _launch, configs, hopper_fwd
 from ._common import (LN2, LOG2E, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma, _mod_unit,
                       _score_mod, _seq_bounds, _slice_base, _store_tile, _tile_view, _visible)
 from .features import Features
@@ -246,22 +244,21 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
                   and not (q.dtype == torch.float32 and spec.precision == "tf32"))
         lists = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
         counts, indices, map_strides, map_cols = lists if lists is not None else (fargs.cu_q, fargs.cu_q, (0, 0), 0)
-        return _attn_fwd_kernel[grid](
+        return _launch.launch(_attn_fwd_kernel, grid, (
             q, k, v, out, lse, fargs.alibi, fargs.bias, counts, indices, fargs.sinks, fargs.seed, fargs.cu_q,
             fargs.cu_k,
             *strides[0], *strides[1], *strides[2], *strides[3], *lse_strides,
             fargs.stride_alibi_b, *fargs.bias_strides, *map_strides, map_cols,
             seqlen_q, seqlen_k, diagonal_offset, softmax_scale, softmax_scale * LOG2E.value, num_heads,
             num_heads // num_kv_heads, feats.window_left, feats.window_right, feats.softcap,
-            fargs.dropout_threshold, 1.0 - feats.dropout_p,
+            fargs.dropout_threshold, 1.0 - feats.dropout_p), dict(
             HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, MASK_LEFT=feats.mask_left, MASK_RIGHT=feats.mask_right,
             EVEN_N=even_n, SOFTCAP=feats.softcap_mode(q.dtype), HAS_ALIBI=fargs.has_alibi, BIAS=fargs.bias_kind,
             BLOCK_SKIP=lists is not None, HAS_SINKS=fargs.has_sinks, DROPOUT=feats.dropout_p > 0,
             VARLEN=feats.varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=spec.block_d(head_dim),
             BLOCK_DV=spec.block_d(head_dim_v), USE_TMA=spec.use_tma, PRECISION=spec.precision,
-            DOT_UPCAST=spec.dot_upcast, WARP_SPECIALIZE=cfg.warp_specialize and even_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+            DOT_UPCAST=spec.dot_upcast, WARP_SPECIALIZE=cfg.warp_specialize and even_n),
+            q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     configs.launch_first_that_compiles(("fwd", max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
                                         feats.variant(), fargs.bias_kind), candidates, launch)

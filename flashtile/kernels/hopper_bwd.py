@@ -36,7 +36,7 @@ import os
 import torch
 import triton
 
-from . import configs, hopper_fwd
+from . import _launch, configs, hopper_fwd
 from ._common import LOG2E
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import Features
@@ -719,18 +719,18 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     dbias_desc = delta
     if dbias is not None:
         # Each consumer warpgroup stores its 64 keys of a [BLOCK_M, 128] tile.
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * dbias.element_size(), rank=4)
-        dbias_desc = TensorDescriptor(dbias, list(dbias.shape), list(dbias.stride()), [1, 1, block_m, 64], layout)
+        dbias_desc = TensorDescriptor(dbias, list(dbias.shape), list(dbias.stride()), [1, 1, block_m, 64],
+                                      hopper_fwd._layout(8 * dbias.element_size(), 4))
     configs._set_tma_allocator(q.device)
     grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
-    _bwd_kernel[grid](
+    _launch.launch(_bwd_kernel, grid, (
         q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k,
         *(st for t in strides for st in t), stride_alibi_b,
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
         qk_scale, softmax_scale, num_heads, num_kv_heads, num_heads // num_kv_heads,
-        bias, bias_mul_b, bias_mul_h, dbias_desc, counts, indices, stride_cnt_b, stride_cnt_h, n_cols,
+        bias, bias_mul_b, bias_mul_h, dbias_desc, counts, indices, stride_cnt_b, stride_cnt_h, n_cols), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, VARLEN=varlen, num_warps=4)
+        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, VARLEN=varlen), q.device.index, num_warps=4)
     dq.copy_(dq_acc if varlen else dq_acc[:, :seqlen_q])
     return dq, dk, dv

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, configs
+from . import _common, _launch, configs
 from ._common import LN2, LOG2E
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import BIAS_BOOL, Features
@@ -808,11 +808,17 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _layout(bits, rank):
+    """The 128-byte swizzled shared layout of TMA tiles of bits-wide elements (built once: a launch makes several
+    descriptors)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=rank)
+
+
 def _descriptor(t, rows):
     """A 4-D TMA descriptor over a [B, S, H, D] tensor with its own strides, one [rows, D] tile of one (batch,
     head) per copy: rows past S are zero-filled on loads and dropped on stores, whatever the layout."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]], layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]], _layout(16, 4))
 
 
 def bias_descriptor(bias, rows, cols):
@@ -831,8 +837,7 @@ def bias_descriptor(bias, rows, cols):
         # A broadcast dimension is only ever indexed at 0, but its stride must still be a valid TMA stride.
         if bias.shape[dim] == 1:
             strides[dim] = strides[dim + 1] * bias.shape[dim + 1]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * bias.element_size(), rank=4)
-    desc = TensorDescriptor(bias, list(bias.shape), strides, [1, 1, rows, cols], layout)
+    desc = TensorDescriptor(bias, list(bias.shape), strides, [1, 1, rows, cols], _layout(8 * bias.element_size(), 4))
     return desc, int(bias.shape[0] > 1), int(bias.shape[1] > 1)
 
 
@@ -887,9 +892,9 @@ def varlen_tile_map(cu_seqlens_q, cu_seqlens_k, total_q, block_m, reverse=False)
     # 64 tiles per program against 64 sequences at a time: a [64, 64] comparison per step, small enough for the
     # default 4 warps without spilling.
     block_c = chunk = 64
-    _varlen_tile_map_kernel[(triton.cdiv(n_upper, block_c), )](
-        cu_seqlens_q, cu_seqlens_k, tile_map, batch, n_upper, BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=block_c,
-        CHUNK=chunk)
+    _launch.launch(_varlen_tile_map_kernel, (triton.cdiv(n_upper, block_c), ),
+                   (cu_seqlens_q, cu_seqlens_k, tile_map, batch, n_upper),
+                   dict(BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=block_c, CHUNK=chunk), tile_map.device.index)
     return tile_map, n_upper
 
 
@@ -965,14 +970,14 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     # The dynamic schedule's item counter (items after each program's first); unused otherwise.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap)
-    _fwd_kernel[grid](
+    _launch.launch(_fwd_kernel, grid, (
         _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o4, WG_M), bias_desc,
         out, lse, counter, tile_map, alibi, lse if feats.sinks is None else feats.sinks, counts, indices,
         *out_strides, *lse_strides, stride_alibi_b, bias_mul_b,
         bias_mul_h, *count_strides, idx_cols, seqlen_q, seqlen_k, right_offset, left_offset, diagonal_offset,
-        qk_scale, mod_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles,
+        qk_scale, mod_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
         MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, BSTAGES=BIAS_STAGES, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen, num_warps=4)
+        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen), q.device.index, num_warps=4)
     return out, lse
