@@ -317,10 +317,12 @@ if AVAILABLE:
         attn_mask's tile (BIAS 1) is read for every block. Both branches hold a whole softmax, so the wait that
         follows a call starts a basic block of its own and ptxas cannot hoist it above the exponentials."""
         b = 0.0
-        if BIAS == 1:
+        # A float attn_mask is added here only after a softcap; without one it is already in s (_issue_scores).
+        BIAS_MOD: gl.constexpr = BIAS if SOFTCAP else BIAS & 2
+        if BIAS_MOD == 1:
             b = _read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS)
             bc += 1
-        s = _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP, HAS_ALIBI, BIAS)
+        s = _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP, HAS_ALIBI, BIAS_MOD)
         KEEP_NEG_INF: gl.constexpr = MASK_LEFT | (BIAS != 0)
         if mask:
             # Columns col0 + (0 .. BLOCK_N-1): compare the block-relative column with one limit per row (the
@@ -348,6 +350,23 @@ if AVAILABLE:
         slot = i % STAGES
         mbarrier.wait(k_full.index(slot), (i // STAGES) & 1)
         return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_buf, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _issue_scores(q, k_smem, k_full, i, s_zero, bias_smem, b_full, b_empty, bc, mod_unit, part: gl.constexpr,
+                      STAGES: gl.constexpr, SOFTCAP: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
+                      NUM_WG: gl.constexpr):
+        """_issue_s, except that a float attn_mask without softcap starts the accumulator at its tile (times
+        mod_unit; read here, the next one in the ring, bc): the tensor cores add it, and the softmax, which bounds
+        the loop, does not. Returns (the product's token, bc)."""
+        if BIAS == 1 and not SOFTCAP:
+            b = _read_bias(bias_smem, b_full, b_empty, bc, s_zero, part, NUM_WG, BSTAGES, BIAS)
+            slot = i % STAGES
+            mbarrier.wait(k_full.index(slot), (i // STAGES) & 1)
+            tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), to_float32(b) * mod_unit, use_acc=True,
+                                is_async=True)
+            return tok, bc + 1
+        else:
+            return _issue_s(q, k_smem, k_full, i, s_zero, STAGES), bc
 
     @gluon.jit
     def _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES: gl.constexpr):
@@ -418,7 +437,8 @@ if AVAILABLE:
         """All key blocks of one work item (n_blocks >= 1; block j is _block_at(j_lo, j, idx_row)) for one
         warpgroup: returns O (unnormalized), m, l and the attn_mask tile count bc. Blocks j below full_lo or from
         n_full on are masked (with a bool attn_mask: those with a mask tile)."""
-        s_tok = _issue_s(q, k_smem, k_full, c, s_zero, STAGES)
+        s_tok, bc = _issue_scores(q, k_smem, k_full, c, s_zero, bias_smem, b_full, b_empty, bc, mod_unit, part, STAGES,
+                                  SOFTCAP, BIAS, BSTAGES, NUM_WG)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(c % STAGES), count=1)
         # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
@@ -434,7 +454,8 @@ if AVAILABLE:
                                                BSTAGES, NUM_WG)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         for j in range(1, n_blocks):
-            s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES)
+            s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, mod_unit, part,
+                                      STAGES, SOFTCAP, BIAS, BSTAGES, NUM_WG)
             p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem,
                                                        b_full, b_empty, j, c, bc, p, alpha, acc, m_i, l_i, row,
                                                        seqlen_k, diag_offset, left_offset, qk_scale, n_full,
