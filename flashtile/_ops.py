@@ -7,6 +7,9 @@ Where each op runs:
   this is how the CI tests the kernels).
 - CPU tensors otherwise: the pure-PyTorch reference (flashtile.reference), with a one-time warning.
 
+Eager calls (plain tensors, nothing tracing) reach the same implementations through _AttnFunction (`attention`),
+without the dispatcher; whatever traces sees the ops.
+
 Packed inputs: with k None, q is a packed qkv tensor (..., 3, H, D); with v None, k is a packed kv (..., 2, Hk, D).
 The backward then returns one gradient for the packed tensor, written in place by the kernels (no concatenation).
 """

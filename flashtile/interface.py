@@ -2,7 +2,9 @@
 torch's `scaled_dot_product_attention`.
 
 Each validates its arguments, then calls the `flashtile::attn_fwd` custom op (flashtile._ops), which runs the
-Triton kernels on CUDA tensors and is differentiable.
+Triton kernels on CUDA tensors and is differentiable. Eager calls run the op's implementation and backward through an
+autograd.Function instead (`_ops.attention`: the same code without the dispatcher's host time); torch.compile,
+dispatch modes and functorch transforms see the op.
 """
 import torch
 
