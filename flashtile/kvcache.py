@@ -8,8 +8,7 @@ TRITON_INTERPRET=1, else the pure-PyTorch reference (flashtile.reference.kvcache
 """
 import torch
 
-from ._ops import _use_kernels, _warn_cpu_fallback
-from ._ops import eager as _ops_eager
+from ._ops import _use_kernels, _warn_cpu_fallback, eager
 from ._validate import (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, check_alibi,
                         check_softcap, check_window, resolve_scale)
 from .kernels import decode as _decode
@@ -96,13 +95,6 @@ kvcache_append = torch.ops.flashtile.kvcache_append.default
 kvcache_attn = torch.ops.flashtile.kvcache_attn.default
 
 
-def _eager(q, k_cache, v_cache):
-    """True when the call may run the ops' implementations directly instead of through the dispatcher (_ops.eager:
-    plain tensors, nothing tracing). Going through torch.ops costs ~4 us of host time per op (measured on the CPU),
-    as much as a small decode step takes on the GPU."""
-    return _ops_eager(q, k_cache, v_cache)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Repeated calls. A decode loop calls with the same shapes, strides, dtypes and options every step; the checks and
 # the kernels' launch plans depend on nothing else, so a call whose arguments match a validated one in all of that
@@ -123,7 +115,7 @@ def _call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     """Everything flash_attn_with_kvcache's checks and launch plans depend on, or None when the call cannot take
     the repeated-call path (tracing, tensor subclasses, arguments of unexpected types: those get the full checks).
     The values of int cache_seqlens are not part of it (they change every step); _Call.run checks their range."""
-    if not _eager(q, k_cache, v_cache):
+    if not eager(q, k_cache, v_cache):
         return None
     try:
         seqlens = _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens)
@@ -413,7 +405,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                      num_splits, k_descale, v_descale)
     (q, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
      alibi_slopes, k_descale, v_descale, seqlen_new, scale, window_left, window_right, softcap) = args
-    if _eager(q, k_cache, v_cache):
+    # Eager calls skip the dispatcher: going through torch.ops costs ~4 us of host time per op (measured on the CPU),
+    # as much as a small decode step takes on the GPU.
+    if eager(q, k_cache, v_cache):
         append, attn = _kvcache_append_impl, _kvcache_attn_impl
     else:
         append, attn = kvcache_append, kvcache_attn

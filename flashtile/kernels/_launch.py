@@ -71,8 +71,7 @@ def _arg_key(a):
         return float
     if hasattr(a, "block_shape"):  # a host-side TMA descriptor
         return (a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None), a.padding,
-                tuple(map(_int_key, a.shape)),
-                tuple(map(_int_key, a.strides)))
+                tuple(map(_int_key, a.shape)), tuple(map(_int_key, a.strides)))
     return a
 
 
@@ -80,9 +79,10 @@ def launch(kernel, grid, args, constexprs, device_index, **options):
     """kernel[grid](*args, **constexprs, **options), through the compiled kernel's launcher when a launch with the
     same key (every argument's _arg_key, the constexprs and the options) has compiled it before. constexprs: the
     kernel's remaining parameters by name (those left out take their defaults). device_index: the tensors' GPU
-    (torch.device.index: None for CPU tensors). Returns what the JIT launch returns (the compiled kernel), or the cached compiled kernel."""
+    (torch.device.index: None for CPU tensors). Returns what the JIT launch returns (the compiled kernel), or the
+    cached compiled kernel."""
     stream = fast_stream(device_index)
-    if stream is None or torch.cuda.current_device() != device_index:
+    if stream is None or off_device(device_index):
         return kernel[grid](*args, **constexprs, **options)
     key = (kernel, tuple(map(_arg_key, args)), tuple(constexprs.items()), tuple(options.items()))
     entry = _COMPILED.get(key)

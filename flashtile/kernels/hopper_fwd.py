@@ -344,12 +344,12 @@ if AVAILABLE:
         return p, alpha, m_n, l_n, bc
 
     @gluon.jit
-    def _issue_s(q, k_smem, k_full, i, s_buf, STAGES: gl.constexpr):
+    def _issue_s(q, k_smem, k_full, i, s_buf, STAGES: gl.constexpr, USE_ACC: gl.constexpr):
         """Issue S = Q K_i^T for the program's block i (a running count: slot i % STAGES) into the registers of
-        s_buf (its values are not read)."""
+        s_buf: S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read."""
         slot = i % STAGES
         mbarrier.wait(k_full.index(slot), (i // STAGES) & 1)
-        return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_buf, use_acc=False, is_async=True)
+        return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
 
     @gluon.jit
     def _issue_scores(q, k_smem, k_full, i, s_zero, bias_smem, b_full, b_empty, bc, mod_unit, part: gl.constexpr,
@@ -360,13 +360,9 @@ if AVAILABLE:
         the loop, does not. Returns (the product's token, bc)."""
         if BIAS == 1 and not SOFTCAP:
             b = _read_bias(bias_smem, b_full, b_empty, bc, s_zero, part, NUM_WG, BSTAGES, BIAS)
-            slot = i % STAGES
-            mbarrier.wait(k_full.index(slot), (i // STAGES) & 1)
-            tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), to_float32(b) * mod_unit, use_acc=True,
-                                is_async=True)
-            return tok, bc + 1
+            return _issue_s(q, k_smem, k_full, i, to_float32(b) * mod_unit, STAGES, True), bc + 1
         else:
-            return _issue_s(q, k_smem, k_full, i, s_zero, STAGES), bc
+            return _issue_s(q, k_smem, k_full, i, s_zero, STAGES, False), bc
 
     @gluon.jit
     def _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES: gl.constexpr):
