@@ -4,7 +4,10 @@
 
 bf16, head dim 128, 16 heads, seqlen 16k, batch 1 (the issue's shape). For each feature: forward and forward +
 backward time (median of triton.testing.do_bench) next to the plain kernel with the same causal setting, and the
-cost = time / plain time - 1 (the bar is <= 10%). Sliding windows are reported as speedups over full attention
+cost = time / plain time - 1 (the bar is <= 10%). A cost is measured in pairs: the row and its plain kernel are timed
+alternately, ROUNDS times each, and the cost compares their medians, since the GPU's clock drifts as it warms (the
+first timing of a process can read ~10% faster than the same kernel a minute later), and a plain time taken once
+at the start would charge that drift to every row after it. Sliding windows are reported as speedups over full attention
 (the bar: w = 1024 runs >= 5x faster). Varlen runs random lengths summing to 16k and is compared by TFLOP/s (its
 work is sum(len^2), not 16k^2) with the plain kernel at 16k and at the mean length. Writes
 <date>-<gpu>-features.json to --out.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,8 +33,21 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
 
-def _time(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+ROUNDS = 3
+
+
+def _time(fn, rep=100):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def _paired(fn, base_fn):
+    """(median of fn's times, median of base_fn's) over ROUNDS alternations: adjacent in time, so both see the
+    same clock."""
+    times, base_times = [], []
+    for _ in range(ROUNDS):
+        base_times.append(_time(base_fn, rep=200))
+        times.append(_time(fn, rep=200))
+    return statistics.median(times), statistics.median(base_times)
 
 
 def _fwd_bwd(fn, inputs):
@@ -58,20 +75,33 @@ def run(seqlen, heads, head_dim, out_dir, backward=True):
     q, k, v = _inputs(b, s, h, d)
     rows = []
 
+    calls = {}  # row name -> (forward, forward + backward or None): a later row's base
+
     def measure(name, fn, base=None, flops=None, inputs=(q, k, v), bwd=True):
         bwd = bwd and backward
-        fwd_ms = _time(fn)
-        fb_ms = _time(_fwd_bwd(fn, list(inputs))) if bwd else None
-        row = dict(name=name, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms)
+        fb = _fwd_bwd(fn, list(inputs)) if bwd else None
+        calls[name] = (fn, fb)
+        row = dict(name=name)
+        if base is None:
+            row["fwd_ms"] = _time(fn)
+            row["fwd_bwd_ms"] = _time(fb) if bwd else None
+        else:
+            # Paired with the base's own calls (_paired); the base's times from these pairs are kept beside.
+            base_fn, base_fb = calls[base["name"]]
+            row["vs"] = base["name"]
+            row["fwd_ms"], row["base_fwd_ms"] = _paired(fn, base_fn)
+            row["fwd_cost"] = row["fwd_ms"] / row["base_fwd_ms"] - 1
+            row["fwd_bwd_ms"] = None
+            if bwd and base_fb is not None:
+                row["fwd_bwd_ms"], row["base_fwd_bwd_ms"] = _paired(fb, base_fb)
+                row["fwd_bwd_cost"] = row["fwd_bwd_ms"] / row["base_fwd_bwd_ms"] - 1
+            elif bwd:
+                row["fwd_bwd_ms"] = _time(fb)
+        fwd_ms, fb_ms = row["fwd_ms"], row["fwd_bwd_ms"]
         if flops is not None:
             row["fwd_tflops"] = flops / fwd_ms * 1e-9
             if fb_ms is not None:
                 row["fwd_bwd_tflops"] = 3.5 * flops / fb_ms * 1e-9
-        if base is not None:
-            row["vs"] = base["name"]
-            row["fwd_cost"] = fwd_ms / base["fwd_ms"] - 1
-            if fb_ms is not None and base["fwd_bwd_ms"] is not None:
-                row["fwd_bwd_cost"] = fb_ms / base["fwd_bwd_ms"] - 1
         rows.append(row)
         print(_fmt(row), flush=True)
         return row
@@ -152,7 +182,8 @@ def run(seqlen, heads, head_dim, out_dir, backward=True):
     row["tflops_vs_plain_mean_len"] = row["fwd_tflops"] / padded["fwd_tflops"]
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=datetime.date.today().isoformat(), dtype="bf16", batch=b, heads=h, head_dim=d, seqlen=s)
+                date=datetime.date.today().isoformat(), dtype="bf16", batch=b, heads=h, head_dim=d, seqlen=s,
+                cost_method=f"paired: row and base alternated {ROUNDS}x, medians of do_bench medians (rep 200 ms)")
     tag = torch.cuda.get_device_name().split()[-1].lower()
     path = Path(out_dir) / f"{meta['date']}-{tag}-features{'' if backward else '-fwd'}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -242,6 +242,24 @@ def test_unaligned_attn_mask_falls_back(spy):
     assert len(spy) == 0 and out[:, :, 3:].isfinite().all()
 
 
+
+@pytest.mark.parametrize("kind,softcap", [("float", 0.0), ("float", 20.0), ("random", 0.0)])
+def test_attn_mask_reads_are_repeatable(spy, kind, softcap):
+    # The mask ring's slots are refilled by TMA as soon as the consumers release them. A mask broadcast over
+    # batch and heads stays in L2, so refills come back fast: a release that does not order the tile's read
+    # before the refill (hopper_fwd._read_bias) gives rows of the next tile's values, differing run to run. Each
+    # path once: the bias as the accumulator's start, the bias after a softcap, a bool mask.
+    from flashtile.interface import _attention
+    b, s, h, d = 2, 2048, 16, 128
+    q, k, v = make_qkv(b, s, s, h, h, d, torch.bfloat16, device=DEVICE, seed=11, grad=False)
+    bias, _ = _attn_mask(kind, (1, 1), s, s, torch.bfloat16, seed=12)
+    first, _, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
+    first = first.clone()
+    for _ in range(10):
+        out, _, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
+        assert torch.equal(out, first)
+    assert len(spy) == 11
+
 @pytest.mark.parametrize("kind", ("float", "random"))
 def test_expanded_attn_mask(poison, spy, kind):
     # Batch and head dims expanded from size 1 (stride 0: no TMA stride) are read as broadcast ones; a mask

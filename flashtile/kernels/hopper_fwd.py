@@ -320,7 +320,7 @@ if AVAILABLE:
         # A float attn_mask is added here only after a softcap; without one it is already in s (_issue_scores).
         BIAS_MOD: gl.constexpr = BIAS if SOFTCAP else BIAS & 2
         if BIAS_MOD == 1:
-            b = _read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS)
+            b = _read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS, True)
             bc += 1
         s = _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP, HAS_ALIBI, BIAS_MOD)
         KEEP_NEG_INF: gl.constexpr = MASK_LEFT | (BIAS != 0)
@@ -336,7 +336,8 @@ if AVAILABLE:
             if MASK_LEFT:
                 keep = keep & (gl.expand_dims(rel, 0) >= gl.expand_dims(row + left_offset - col0, 1))
             if BIAS == 2:
-                keep = keep & (_read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS) != 0)
+                keep = keep & (_read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS,
+                                          True) != 0)
                 bc += 1
             p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, KEEP_NEG_INF)
         else:
@@ -359,8 +360,11 @@ if AVAILABLE:
         mod_unit; read here, the next one in the ring, bc): the tensor cores add it, and the softmax, which bounds
         the loop, does not. Returns (the product's token, bc)."""
         if BIAS == 1 and not SOFTCAP:
-            b = _read_bias(bias_smem, b_full, b_empty, bc, s_zero, part, NUM_WG, BSTAGES, BIAS)
-            return _issue_s(q, k_smem, k_full, i, to_float32(b) * mod_unit, STAGES, True), bc + 1
+            b = _read_bias(bias_smem, b_full, b_empty, bc, s_zero, part, NUM_WG, BSTAGES, BIAS, False)
+            tok = _issue_s(q, k_smem, k_full, i, to_float32(b) * mod_unit, STAGES, True)
+            # The product's issue needed the tile in registers: its read is complete, the slot may be refilled.
+            mbarrier.arrive(b_empty.index(bc % BSTAGES), count=1)
+            return tok, bc + 1
         else:
             return _issue_s(q, k_smem, k_full, i, s_zero, STAGES, False), bc
 
@@ -374,14 +378,22 @@ if AVAILABLE:
 
     @gluon.jit
     def _read_bias(bias_smem, b_full, b_empty, i, s, part: gl.constexpr, NUM_WG: gl.constexpr,
-                   BSTAGES: gl.constexpr, BIAS: gl.constexpr):
+                   BSTAGES: gl.constexpr, BIAS: gl.constexpr, RELEASE: gl.constexpr):
         """This warpgroup's attn_mask tile of the program's i-th tile (slot i % BSTAGES), in the layout of the
-        scores s (0.0: no attn_mask)."""
+        scores s (0.0: no attn_mask). RELEASE: hand the slot back to the producer here, behind a proxy fence;
+        otherwise the caller releases it once an instruction has consumed the tile.
+
+        The fence matters: the tile is read by the generic proxy and the slot refilled by TMA (the async proxy),
+        and the warpgroup barrier before the arrive does not order the two. Without it, with the refill arriving
+        from L2 soon after the release, the H100 read the next tile's values into some rows in 6-10 of 12 runs
+        (benchmarks/NOTES.md, "The bias ring's release")."""
         if BIAS != 0:
             slot = i % BSTAGES
             mbarrier.wait(b_full.index(slot), (i // BSTAGES) & 1)
             b = bias_smem.index(slot * NUM_WG + part).load(s.type.layout)
-            mbarrier.arrive(b_empty.index(slot), count=1)
+            if RELEASE:
+                fence_async_shared()
+                mbarrier.arrive(b_empty.index(slot), count=1)
             return b
         else:
             return 0.0
