@@ -384,9 +384,10 @@ if AVAILABLE:
         otherwise the caller releases it once an instruction has consumed the tile.
 
         The fence matters: the tile is read by the generic proxy and the slot refilled by TMA (the async proxy),
-        and the warpgroup barrier before the arrive does not order the two. Without it, with the refill arriving
-        from L2 soon after the release, the H100 read the next tile's values into some rows in 6-10 of 12 runs
-        (benchmarks/NOTES.md, "The bias ring's release")."""
+        and the warpgroup barrier before the arrive does not order the two. In a trial where the producer refilled
+        sooner (the tile loaded before K and prefetched into L2), releasing without the fence read the next
+        tile's values into some rows in 6-10 of 12 runs on an H100 (benchmarks/NOTES.md, "The bias ring's
+        release")."""
         if BIAS != 0:
             slot = i % BSTAGES
             mbarrier.wait(b_full.index(slot), (i // BSTAGES) & 1)
