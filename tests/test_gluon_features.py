@@ -242,7 +242,6 @@ def test_unaligned_attn_mask_falls_back(spy):
     assert len(spy) == 0 and out[:, :, 3:].isfinite().all()
 
 
-
 @pytest.mark.parametrize("kind,softcap", [("float", 0.0), ("float", 20.0), ("random", 0.0)])
 def test_attn_mask_reads_are_repeatable(spy, kind, softcap):
     # The mask ring's slots are refilled by TMA as soon as the consumers release them. A mask broadcast over
@@ -259,6 +258,7 @@ def test_attn_mask_reads_are_repeatable(spy, kind, softcap):
         out, _, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
         assert torch.equal(out, first)
     assert len(spy) == 11
+
 
 @pytest.mark.parametrize("kind", ("float", "random"))
 def test_expanded_attn_mask(poison, spy, kind):
