@@ -219,6 +219,27 @@ def test_float_bias_with_grad(poison, shape):
                             d ** -0.5, False, 0, attn_bias=bias)
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 5, 37, 70), (3, 1, 37, 70), (1, 1, 37, 70), (3, 5, 37, 70)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
+def test_dbias_sum_over_broadcast_dims(bias_shape, dtype):
+    """backward._reduce_dbias sums dS [B, H, Sq, Sk] (rows padded, as the Gluon backward leaves them) over the
+    bias's broadcast batch/head dims in fp32 and rounds once to the bias's dtype: within one ulp of the float64
+    sum (Triton's interpreter truncates fp32 -> bf16) plus fp32's rounding of the partial sums, and the same on
+    every call."""
+    from flashtile.kernels.backward import _reduce_dbias
+    full = torch.randn(3, 5, 37, 72, generator=_gen(61), device=DEVICE).to(dtype)[..., :70]
+    bias = torch.zeros(bias_shape, dtype=dtype, device=DEVICE)
+    out = _reduce_dbias(full, Features(attn_bias=bias))
+    assert out.shape == bias.shape and out.dtype == dtype and out.is_contiguous()
+    dims = tuple(i for i in range(2) if bias_shape[i] == 1)
+    ref = full.double().sum(dim=dims, keepdim=True) if dims else full.double()
+    mag = full.double().abs().sum(dim=dims, keepdim=True) if dims else full.double().abs()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    assert ((out.double() - ref).abs() <= ref.abs() * ulp + mag * 15 * 2.0 ** -24).all()
+    assert torch.equal(out, _reduce_dbias(full, Features(attn_bias=bias)))
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 45, 60), (2, 1, 45, 60), (45, 60)], ids=lambda s: "x".join(map(str, s)))
 def test_bool_mask(poison, shape):
     b, sq, sk, h, d = 2, 45, 60, 4, 32

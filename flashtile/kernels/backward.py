@@ -500,16 +500,57 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     return dq, dk, dv, _reduce_dbias(dbias_full, feats), _sinks_grad(feats, lse_log2, delta)
 
 
+@triton.jit
+def _dbias_sum_kernel(X, Out, seqlen_q, seqlen_k, n_out_h, n_sum_b, n_sum_h, stride_xb, stride_xh, stride_xm,
+                      stride_ob, stride_oh, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Out[b', h', i, j] = sum over the summed batch and head entries of X[b, h, i, j], in fp32, stored once in Out's
+    dtype. Program (tile, b' * n_out_h + h'); a summed dim has n_out 1 and n_sum its size, a kept one n_sum 1.
+    Keys are contiguous in both (stride 1). One pass over X at the memory's rate, in a fixed order: deterministic."""
+    pid_t = tl.program_id(0)
+    pid_o = tl.program_id(1)
+    n_tn = tl.cdiv(seqlen_k, BLOCK_N)
+    r_m = (pid_t // n_tn) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_n = (pid_t % n_tn) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r_m < seqlen_q)[:, None] & (r_n < seqlen_k)[None, :]
+    b0 = pid_o // n_out_h
+    h0 = pid_o % n_out_h
+    tile = r_m[:, None].to(tl.int64) * stride_xm + r_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for rb in range(n_sum_b):
+        for rh in range(n_sum_h):
+            base = (b0 + rb).to(tl.int64) * stride_xb + (h0 + rh).to(tl.int64) * stride_xh
+            acc += tl.load(X + base + tile, mask=mask, other=0.0).to(tl.float32)
+    out = Out + b0.to(tl.int64) * stride_ob + h0.to(tl.int64) * stride_oh
+    tl.store(out + r_m[:, None].to(tl.int64) * stride_om + r_n[None, :], acc.to(Out.dtype.element_ty), mask=mask)
+
+
+_DBIAS_SUM_BLOCK = (32, 128)
+
+
 def _reduce_dbias(dbias_full, feats):
     """The bias's gradient from dS over [B, H, Sq, Sk] (None without one): summed over the bias's broadcast
-    dimensions in fp32, in the bias's dtype. (A 16-bit sum that returns fp32 then casts took 5.0 ms for the
-    Gluon backward's [1, 16, 16k, 16k] bf16 on an H200, 5.4 ms returning bf16: benchmarks/bwd_dbias.py.)"""
+    dimensions in fp32, in the bias's dtype. A sum over batch and/or heads is one pass of _dbias_sum_kernel (torch's
+    16-bit sum over a strided dim of 16, returning fp32 for the cast, took 5.0 ms for the Gluon backward's [1, 16,
+    16k, 16k] bf16 on an H200: benchmarks/bwd_dbias.py); a bias broadcast along Sq or Sk is summed by torch."""
     if dbias_full is None:
         return None
     bias = feats.attn_bias
     dims = tuple(i for i in range(4) if bias.shape[i] == 1 and dbias_full.shape[i] != 1)
-    dbias = dbias_full.sum(dim=dims, keepdim=True, dtype=torch.float32) if dims else dbias_full
-    return dbias.to(bias.dtype).contiguous()  # (the Gluon kernel's rows may be padded: a view)
+    if not dims:
+        return dbias_full.to(bias.dtype).contiguous()  # (the Gluon kernel's rows may be padded: a view)
+    if 2 in dims or 3 in dims or dbias_full.stride(3) != 1:
+        return dbias_full.sum(dim=dims, keepdim=True, dtype=torch.float32).to(bias.dtype).contiguous()
+    batch, heads, seqlen_q, seqlen_k = dbias_full.shape
+    out_b = 1 if 0 in dims else batch
+    out_h = 1 if 1 in dims else heads
+    out = torch.empty((out_b, out_h, seqlen_q, seqlen_k), dtype=bias.dtype, device=dbias_full.device)
+    block_m, block_n = _DBIAS_SUM_BLOCK
+    grid = (triton.cdiv(seqlen_q, block_m) * triton.cdiv(seqlen_k, block_n), out_b * out_h)
+    _launch.launch(_dbias_sum_kernel, grid, (
+        dbias_full, out, seqlen_q, seqlen_k, out_h, batch // out_b, heads // out_h, dbias_full.stride(0),
+        dbias_full.stride(1), dbias_full.stride(2), out.stride(0), out.stride(1), out.stride(2)),
+        dict(BLOCK_M=block_m, BLOCK_N=block_n), dbias_full.device.index, num_warps=4)
+    return out
 
 
 def _sinks_grad(feats, lse_log2, delta, delta_scale=1.0):
