@@ -84,6 +84,20 @@ def test_strided_inputs(spy):
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
+def test_strided_inputs_backward(poison, spy, bwd_spy):
+    # SDPA's (B, H, S, D) tensors seen as (B, S, H, D), with grad: the Gluon backward copies them into rows whose
+    # heads are contiguous (hopper_bwd._rows) instead of leaving them to the portable kernels.
+    b, s, h, d = 2, 700, 4, 128
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    q, k, v, dout = (torch.randn(b, h, s, d, device=DEVICE, generator=gen).to(torch.bfloat16).transpose(1, 2)
+                     for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    got = _fwd_bwd(q, k, v, dout, True)
+    assert len(spy) == 1 and len(bwd_spy) == 1
+    assert all(g.shape == t.shape for g, t in zip(got[2:], (q, k, v)))
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, True, 0)
+
+
 def test_repeatable(spy):
     q, k, v = make_qkv(1, 3000, 3000, 8, 8, 128, torch.bfloat16, device=DEVICE, seed=5, grad=False)
     first = flashtile.flash_attn_func(q, k, v, causal=True)

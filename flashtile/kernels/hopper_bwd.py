@@ -652,8 +652,8 @@ def bias_ok(q, k, feats: Features) -> bool:
 
 def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
     """Whether this kernel computes the request: the forward's input conditions (kernels/hopper_fwd.inputs_ok),
-    features_supported, not deterministic, and every tensor's heads contiguous within a sequence row (one
-    descriptor spans them): [B, S, H, D], or [total, H, D] for varlen."""
+    features_supported, not deterministic, and a TMA-aligned dout of q's dtype. Any strides: attention_backward
+    copies inputs whose heads are not contiguous within a sequence row (_rows)."""
     if not (ENABLED and not deterministic and hopper_fwd.inputs_ok(q, k, v, softmax_scale)):
         return False
     if not (features_supported(feats) and bias_ok(q, k, feats)):
@@ -665,24 +665,30 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
         seqlen_k = k.shape[1]
     if seqlen_k < MIN_SEQLEN_K[q.shape[-1]]:
         return False
-    if dout.dtype != q.dtype or not configs._tma_ok((dout,)):
-        return False
-    return all(t.stride(-2) == t.shape[-1] and t.stride(-1) == 1 for t in (q, k, v, dout))
+    return dout.dtype == q.dtype and configs._tma_ok((dout,))
+
+
+def _rows(t):
+    """t, or a copy of it whose heads are contiguous within each sequence row ([B, S, H, D] or [total, H, D] in
+    memory): the kernel's descriptors span a row's heads. SDPA's (B, H, S, D) tensors, seen as (B, S, H, D), are
+    copied; that costs ~1% of the backward at 16k (4 reads and writes of a q-sized tensor), against ~1.3x for the
+    portable kernels they took before."""
+    return t if t.stride(-2) == t.shape[-1] and t.stride(-1) == 1 else t.contiguous()
 
 
 def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, feats: Features,
                        dbias=None, dq_mode=2):
-    """q, k, v, dout: [B, S, H, D], or [total, H, D] packed sequences with feats.varlen (diagonal_offset is then
-    unused: the kernel aligns each sequence to its own corner). dq, dk, dv: output buffers (their shapes, any
-    strides); lse_log2, delta: [B, H, Sq_pad] (Sq_pad from max_seqlen_q for varlen) from the portable backward's
-    preprocess (kernels/backward.py), the sinks and dLSE already folded in, delta times softmax_scale (the kernel's
-    dS carries the scale: _bwd_step); feats: the call's options (features_supported). dbias: None, or a [B, H, Sq,
-    Sk] buffer of the float bias's dtype (unit key stride, 16-byte aligned rows) that takes dS; the tiles outside a
-    band are not written. dq_mode other than 2 gives a wrong dQ on purpose, timing probes for
-    benchmarks/bwd_probe.py: 1 skips the staging and the reductions (and with its result unused the compiler drops
-    the dQ product too: 100 HGMMA instructions instead of 128 at d128), 3 the reductions only (the hand-offs to the
-    writer warp stay), 4 the wait of each warpgroup for the other's half of dS (so the warpgroups run free of each
-    other)."""
+    """q, k, v, dout: [B, S, H, D], or [total, H, D] packed sequences with feats.varlen (diagonal_offset is then unused:
+    the kernel aligns each sequence to its own corner), any strides (_rows). dq, dk, dv: output buffers (their shapes,
+    any strides); lse_log2, delta: [B, H, Sq_pad] (Sq_pad from max_seqlen_q for varlen) from the portable backward's
+    preprocess (kernels/backward.py), the sinks and dLSE already folded in, delta times softmax_scale (the kernel's dS
+    carries the scale: _bwd_step); feats: the call's options (features_supported). dbias: None, or a [B, H, Sq, Sk]
+    buffer of the float bias's dtype (unit key stride, 16-byte aligned rows) that takes dS; the tiles outside a band are
+    not written. dq_mode other than 2 gives a wrong dQ on purpose, timing probes for benchmarks/bwd_probe.py: 1 skips
+    the staging and the reductions (and with its result unused the compiler drops the dQ product too: 100 HGMMA
+    instructions instead of 128 at d128), 3 the reductions only (the hand-offs to the writer warp stay), 4 the wait of
+    each warpgroup for the other's half of dS (so the warpgroups run free of each other)."""
+    q, k, v, dout = (_rows(t) for t in (q, k, v, dout))
     varlen = feats.varlen
     num_heads, head_dim = q.shape[-2:]
     num_kv_heads = k.shape[-2]
