@@ -524,6 +524,8 @@ def _dbias_sum_kernel(X, Out, seqlen_q, seqlen_k, n_out_h, n_sum_b, n_sum_h, str
     tl.store(out + r_m[:, None].to(tl.int64) * stride_om + r_n[None, :], acc.to(Out.dtype.element_ty), mask=mask)
 
 
+# (BLOCK_M, BLOCK_N) of _dbias_sum_kernel: 128 keys are 256-byte rows of a 16-bit buffer per load, and 32 rows
+# keep the fp32 sum at 32 registers a thread with 4 warps.
 _DBIAS_SUM_BLOCK = (32, 128)
 
 

@@ -353,7 +353,7 @@ if AVAILABLE:
         return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
 
     @gluon.jit
-    def _issue_scores(q, k_smem, k_full, i, s_zero, bias_smem, b_full, b_empty, bc, mod_unit, part: gl.constexpr,
+    def _issue_scores(q, k_smem, k_full, i, s_zero, bias_smem, b_full, b_empty, bc, part: gl.constexpr,
                       STAGES: gl.constexpr, SOFTCAP: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
                       NUM_WG: gl.constexpr):
         """_issue_s, except that a float attn_mask without softcap starts the accumulator at its tile (read here,
@@ -461,7 +461,7 @@ if AVAILABLE:
         """All key blocks of one work item (n_blocks >= 1; block j is _block_at(j_lo, j, idx_row)) for one
         warpgroup: returns O (unnormalized), m, l and the attn_mask tile count bc. Blocks j below full_lo or from
         n_full on are masked (with a bool attn_mask: those with a mask tile)."""
-        s_tok, bc = _issue_scores(q, k_smem, k_full, c, s_zero, bias_smem, b_full, b_empty, bc, mod_unit, part, STAGES,
+        s_tok, bc = _issue_scores(q, k_smem, k_full, c, s_zero, bias_smem, b_full, b_empty, bc, part, STAGES,
                                   SOFTCAP, BIAS, BSTAGES, NUM_WG)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(c % STAGES), count=1)
@@ -478,7 +478,7 @@ if AVAILABLE:
                                                BSTAGES, NUM_WG)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         for j in range(1, n_blocks):
-            s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, mod_unit, part,
+            s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, part,
                                       STAGES, SOFTCAP, BIAS, BSTAGES, NUM_WG)
             p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem,
                                                        b_full, b_empty, j, c, bc, p, alpha, acc, m_i, l_i, row,
