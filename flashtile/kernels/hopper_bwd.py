@@ -467,6 +467,21 @@ if AVAILABLE:
         gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
         i_n = gl.program_id(0)
         i_bh = gl.program_id(1)
+        if MASK_RIGHT and not VARLEN:
+            # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is, and programs start
+            # in launch order (i_n fastest): each head's heaviest block would start no earlier than its lightest
+            # ones of the heads before, and the last heads' heavy blocks would run alone at the end. So the
+            # launch index is remapped: heads go in groups of GROUP, and a group launches its key blocks heaviest
+            # first across its heads (block 0 of each head, then block 1, ...). GROUP * n_blocks >= 128 keeps about
+            # one group in flight at a time (its Q, dO and dQ rows stay in L2, as before).
+            n_blocks = gl.num_programs(0)
+            pid = i_bh * n_blocks + i_n
+            group = gl.cdiv(128, n_blocks)
+            g0 = (pid // (group * n_blocks)) * group
+            size = gl.minimum(group, gl.num_programs(1) - g0)
+            r = pid - g0 * n_blocks
+            i_n = r // size
+            i_bh = g0 + r % size
         i_b = i_bh // num_kv_heads
         i_hk = i_bh % num_kv_heads
         start_n = i_n * BLOCK_N
