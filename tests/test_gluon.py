@@ -98,6 +98,27 @@ def test_strided_inputs_backward(poison, spy, bwd_spy):
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, True, 0)
 
 
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
+def test_dq_reductions_hold_no_race(bwd_spy, d, causal):
+    # dQ's partial tiles go through one staging tile per warpgroup, which the writer warp's bulk reduction reads
+    # asynchronously; a warpgroup that restages before the read has finished corrupts a partial. The reductions'
+    # order varies between runs, so dQ does too, but only by rounding: one bf16 ulp of the element, plus the fp32
+    # sums' own spread (at most 64 terms here, each under max|dQ|: < 2^-18 max|dQ|; 2^-16 allowed) for elements
+    # that cancel to near 0. A staging race moved elements of magnitude ~2 by 2.5 ulp (0.02) in a 4k backward.
+    # Many programs at once, several runs: a guard, not a proof.
+    q, k, v = make_qkv(4, 4096, 4096, 8, 8, d, torch.bfloat16, device=DEVICE, seed=11 + d + causal)
+    out = flashtile.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, q, dout, retain_graph=True)[0].float()
+    for _ in range(6):
+        dq = torch.autograd.grad(out, q, dout, retain_graph=True)[0].float()
+        # bf16 keeps 8 significant bits: one ulp of x is 2^(e - 8) for x = m * 2^e, 0.5 <= m < 1.
+        ulp = torch.ldexp(torch.ones_like(dq), torch.frexp(torch.maximum(dq.abs(), first.abs()))[1] - 8)
+        excess = ((dq - first).abs() - ulp - first.abs().max() * 2.0 ** -16).max().item()
+        assert excess <= 0, f"dQ moved by {excess:.3g} beyond rounding between two runs"
+    assert len(bwd_spy) == 7
+
+
 def test_repeatable(spy):
     q, k, v = make_qkv(1, 3000, 3000, 8, 8, 128, torch.bfloat16, device=DEVICE, seed=5, grad=False)
     first = flashtile.flash_attn_func(q, k, v, causal=True)

@@ -35,6 +35,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 from . import _launch, configs, hopper_fwd
 from ._common import LOG2E
@@ -61,6 +62,45 @@ MIN_SEQLEN_K = {64: 2048, 128: 0}
 # 64 KB more than the 194 KB in use, so a float bias at d64 takes the portable kernels. A bool mask's tiles are
 # half the size: [128, 128] uint8 fits at d64 too (226 KB).
 FLOAT_BIAS_HEAD_DIMS = (128,)
+
+@triton.jit
+def _dq_from_tiles_kernel(Acc, dQ, stride_b, stride_s, stride_h, seqlen_q, seqlen_q_pad, num_heads,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dQ from the kernel's fp32 tile buffer ([B, H, Sq_pad / BLOCK_M, 2, 4096], _bwd_kernel's dq_desc note): one
+    program per warpgroup share of a query tile and (batch, head), cast to dQ's dtype. Each share is a [64, 64]
+    accumulator stored by _stage_dq in the order [i, j, w, r, q, e] for row w*16 + i*8 + r, column j*8 + q*2 + e;
+    the share is columns 64*share of the tile's 64 rows at d128, rows 64*share of its 128 at d64."""
+    i_share = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // num_heads
+    i_h = i_bh % num_heads
+    tile = i_share // 2
+    share = i_share % 2
+    row = tl.arange(0, 64)[:, None]
+    col = tl.arange(0, 64)[None, :]
+    offset = (((row // 8) % 2 * 8 + col // 8) * 128 + row // 16 * 32 + row % 8 * 4 + col // 2 % 4) * 2 + col % 2
+    base = (i_bh.to(tl.int64) * seqlen_q_pad + tile * BLOCK_M) * HEAD_DIM + share * 4096
+    x = tl.load(Acc + base + offset)
+    if HEAD_DIM == 128:
+        query = tile * BLOCK_M + row
+        dim = share * 64 + col
+    else:
+        query = tile * BLOCK_M + share * 64 + row
+        dim = col
+    ptr = dQ + i_b.to(tl.int64) * stride_b + query.to(tl.int64) * stride_s + i_h * stride_h + dim
+    tl.store(ptr, x.to(dQ.dtype.element_ty), mask=query < seqlen_q)
+
+
+def dq_from_tiles(acc, dq, seqlen_q_pad):
+    """Write dq ([B, Sq, H, D]) from the Gluon backward's fp32 tile buffer (_dq_from_tiles_kernel)."""
+    batch, seqlen_q, num_heads, head_dim = dq.shape
+    block_m = BLOCK_M[head_dim]
+    grid = (2 * seqlen_q_pad // block_m, batch * num_heads)
+    _launch.launch(_dq_from_tiles_kernel, grid, (acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q,
+                                                 seqlen_q_pad, num_heads), dict(HEAD_DIM=head_dim, BLOCK_M=block_m),
+                   dq.device.index, num_warps=4)
+    return dq
+
 
 if AVAILABLE:
 
@@ -172,43 +212,58 @@ if AVAILABLE:
                              q_empty, HEAD_DIM, BLOCK_M, STAGES, BIAS)
 
     @gluon.jit
-    def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr):
+    def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr, FLAT: gl.constexpr):
         """Hand a partial dQ tile to the writer warp (_bwd_dq_partition) through this warpgroup's staging tile:
-        wait until the writer's previous reduction has read the tile, store, then signal it."""
+        wait until the writer's previous reduction has read the tile, store, then signal it. FLAT: the [64, 64]
+        share goes to a plain [16, 256] tile in the order of the product's accumulator fragments (_dq_from_tiles_kernel
+        reads it back)."""
         mbarrier.wait(dq_bars.index(2 * half + 1), (u & 1) ^ 1)
-        dq_smem.store(dq)
+        if FLAT:
+            # Rows w*16 + i*8 + r, columns j*8 + q*2 + e (w the warp, r and q the lane's row and column in it,
+            # i, j, e register indices in wgmma's fragment) to [i, j | w, r, q, e]: each thread's two adjacent
+            # values are 8 bytes of a warp's 256 contiguous ones, so every store is two full wavefronts. (The
+            # 128-byte swizzled [64, 64] tile took four: the rows r, r ^ 1 of a half-warp hit the same banks.)
+            dq_smem.store(dq.reshape([4, 2, 8, 8, 4, 2]).permute((1, 3, 0, 2, 4, 5)).reshape([16, 256]))
+        else:
+            dq_smem.store(dq)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(dq_bars.index(2 * half), count=1)
 
     @gluon.jit
-    def _reduce_dq(u, row, col0, dq_desc, dq_smem, dq_bars, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
-        """The writer's u-th step: add both warpgroups' staged shares of the dQ tile at row `row`, column col0 of
-        the buffer."""
+    def _reduce_dq(u, i_b, i_h, m, num_heads, dq_batch_rows, dq_desc, dq_smem, dq_bars, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr):
+        """The writer's u-th step: add both warpgroups' staged shares of query head i_h's dQ tile at query m of
+        batch entry i_b into the buffer (the kernel's dq_desc note)."""
         # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
         for w in gl.static_range(2):
             mbarrier.wait(dq_bars.index(2 * w), u & 1)
-            # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64.
-            col = col0 + w * 64 if BLOCK_M == 64 else col0
-            row_w = row if BLOCK_M == 64 else row + w * 64
-            # 128-byte swizzled fp32 staging (conflict-free stores from the accumulator layout): 32 columns
-            # per reduction. (DQ_MODE 3, a probe: the hand-offs without the reductions.)
+            # (DQ_MODE 3, a probe: the hand-offs without the reductions.)
             if DQ_MODE != 3:
-                tma_reduce_add(dq_desc, [row_w, col], dq_smem.index(w).slice(0, 32, dim=1))
-                tma_reduce_add(dq_desc, [row_w, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
-        tma.store_wait(pendings=2)
+                if FLAT:
+                    # The tile's two shares are 32 consecutive rows of 256 (dq_batch_rows: Sq_pad here).
+                    row = (i_b * num_heads + i_h) * (dq_batch_rows * HEAD_DIM // 256) + m * HEAD_DIM // 256 + w * 16
+                    tma_reduce_add(dq_desc, [row, 0], dq_smem.index(w))
+                else:
+                    # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64,
+                    # from 128-byte swizzled staging: 32 columns per reduction.
+                    col = i_h * HEAD_DIM + w * 64 if BLOCK_M == 64 else i_h * HEAD_DIM
+                    row = i_b * dq_batch_rows + m + (0 if BLOCK_M == 64 else w * 64)
+                    tma_reduce_add(dq_desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
+                    tma_reduce_add(dq_desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
+        # Warpgroup 0's reductions are the first 1 (FLAT) or 2 bulk groups: its tile is free once they have read it.
+        tma.store_wait(pendings=1 if FLAT else 2)
         mbarrier.arrive(dq_bars.index(1), count=1)
         tma.store_wait(pendings=0)
         mbarrier.arrive(dq_bars.index(3), count=1)
 
     @gluon.jit
     def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                          i_end, n_mask, shift, group_size, dq_batch_rows, Counts, Idx, stride_cnt_b, stride_cnt_h,
-                          n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          ROTATE: gl.constexpr, DQ_MODE: gl.constexpr, BIAS: gl.constexpr):
+                          i_end, n_mask, shift, group_size, num_heads, dq_batch_rows, Counts, Idx, stride_cnt_b,
+                          stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          ROTATE: gl.constexpr, DQ_MODE: gl.constexpr, BIAS: gl.constexpr, FLAT: gl.constexpr):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
-        warpgroups never wait on one (the steps and tiles mirror _bwd_partition's). Query tile m of batch entry i_b
-        is row i_b * dq_batch_rows + m of the buffer's descriptor."""
+        warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
         if BIAS == 2:
             if DQ_MODE != 1:
                 u = 0
@@ -217,8 +272,8 @@ if AVAILABLE:
                     row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
                     for p in range(count):
                         m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
-                        _reduce_dq(u, i_b * dq_batch_rows + m, i_h * HEAD_DIM, dq_desc, dq_smem, dq_bars, BLOCK_M,
-                                   DQ_MODE)
+                        _reduce_dq(u, i_b, i_h, m, num_heads, dq_batch_rows, dq_desc, dq_smem, dq_bars, HEAD_DIM,
+                                   BLOCK_M, DQ_MODE, FLAT)
                         u += 1
         else:
             n = group_size * n_q
@@ -226,9 +281,9 @@ if AVAILABLE:
                 n = 0
             for u in range(n):
                 i_h = i_hk * group_size + u // n_q
-                row = i_b * dq_batch_rows + _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
-                                                       n_mask, shift, BLOCK_M, ROTATE)
-                _reduce_dq(u, row, i_h * HEAD_DIM, dq_desc, dq_smem, dq_bars, BLOCK_M, DQ_MODE)
+                m = _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M, ROTATE)
+                _reduce_dq(u, i_b, i_h, m, num_heads, dq_batch_rows, dq_desc, dq_smem, dq_bars, HEAD_DIM, BLOCK_M,
+                           DQ_MODE, FLAT)
 
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
@@ -237,7 +292,7 @@ if AVAILABLE:
                   half: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                  BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr):
+                  BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr):
         """One query tile of the key block's warpgroup half. The scores in log2 units are S^T * qk_scale, or with a
         softcap tanh(S^T * pre_scale) * qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi, a float
         attn_mask; the scalars of hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi, plus the
@@ -363,7 +418,7 @@ if AVAILABLE:
         if DQ_MODE != 1:
             if DS_IN_BIAS:
                 dq = dq * sm_scale  # the bias tile holds dS itself
-            _stage_dq(dq, dq_smem, dq_bars, t, half)
+            _stage_dq(dq, dq_smem, dq_bars, t, half, FLAT)
         return dk, dv
 
     @gluon.jit
@@ -375,7 +430,7 @@ if AVAILABLE:
                        Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr,
-                       DBIAS: gl.constexpr, DQ_MODE: gl.constexpr):
+                       DBIAS: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -408,7 +463,7 @@ if AVAILABLE:
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
                                        pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True,
-                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
+                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)
                     t += 1
             else:
                 # The masked query tiles first, then the rest (the order of _tile_start).
@@ -418,7 +473,7 @@ if AVAILABLE:
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
                                        pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True,
-                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
+                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)
                     t += 1
                 for j in range(0, n_q - n_mask):
                     m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
@@ -426,7 +481,7 @@ if AVAILABLE:
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
                                        pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, False,
-                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)
+                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)
                     t += 1
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -569,17 +624,24 @@ if AVAILABLE:
                                               row_layout)
         delta_desc = tma.make_tensor_descriptor(Delta, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, BLOCK_M],
                                                 row_layout)
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        # dQ accumulates in fp32, laid out as dQ itself with the queries padded: [B, Sq_pad, H, D], seen as rows
-        # (batch, padded query) of H * D columns, so that attention_backward's cast to dQ is a contiguous copy.
-        # VARLEN: [total_q, H, D] unpadded, this sequence's rows (the reductions clip the tiles at its end).
-        dq_rows = (gl.num_programs(1) // num_kv_heads) * seqlen_q_pad
+        # dQ accumulates in fp32. FLAT (fixed-length batches): tile by tile, [B, H, Sq_pad / BLOCK_M, 2 shares,
+        # 4096] in _stage_dq's order, seen as rows of 256 (one [16, 256] reduction per share);
+        # attention_backward's _dq_from_tiles_kernel puts it in dQ's layout. VARLEN: laid out as dQ itself,
+        # [total_q, H, D], this sequence's rows, reduced by [64, 32] boxes of 128-byte swizzled staging (the
+        # reductions clip the tiles at the sequence's end).
+        FLAT: gl.constexpr = not VARLEN
         dq_batch_rows = seqlen_q_pad
-        if VARLEN:
-            dq_rows = q_rows
+        if FLAT:
+            dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+            dq_rows = (gl.num_programs(1) // num_kv_heads) * num_heads * (seqlen_q_pad * HEAD_DIM // 256)
+            dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, 256], [256, 1], [16, 256], dq_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 16, 256], dq_layout)
+        else:
+            dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
             dq_batch_rows = 0
-        dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, num_heads * HEAD_DIM], [num_heads * HEAD_DIM, 1],
-                                             [64, 32], dq_layout)
+            dq_desc = tma.make_tensor_descriptor(DqAcc, [q_rows, num_heads * HEAD_DIM], [num_heads * HEAD_DIM, 1],
+                                                 [64, 32], dq_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
@@ -592,7 +654,6 @@ if AVAILABLE:
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # Per consumer warpgroup w: dq_bars[2w] "staged tile full", dq_bars[2w + 1] "read by the writer".
         dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         offsets_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)  # ALiBi: see _bwd_step
@@ -625,22 +686,23 @@ if AVAILABLE:
                               group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
                               sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                               stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)),
+                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)),
             (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars,
                               k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
                               i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
                               group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
                               sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                               stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE)),
+                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, q_smem, do_smem,
                                    k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_full, q_empty, start_n,
                                    i_b, i_hk, num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
                                    n_mask, shift, bias_mul_b, bias_mul_h, Counts, Idx, stride_cnt_b, stride_cnt_h,
                                    n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, not MASK_RIGHT, BIAS)),
             (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                                 i_end, n_mask, shift, group_size, dq_batch_rows, Counts, Idx, stride_cnt_b,
-                                 stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, not MASK_RIGHT, DQ_MODE, BIAS)),
+                                 i_end, n_mask, shift, group_size, num_heads, dq_batch_rows, Counts, Idx,
+                                 stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, not MASK_RIGHT,
+                                 DQ_MODE, BIAS, FLAT)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -727,8 +789,9 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         seqlen_k = k.shape[1]
         cu_q = cu_k = delta  # placeholders, never read
         strides = [t.stride()[:2] for t in (q, k, v, dout)] + [t.stride()[:3] for t in (dk, dv)]
-        # dQ in fp32, scaled in the kernel, as [B, Sq_pad, H, D] (the kernel's dq_desc note).
-        dq_acc = torch.zeros((batch, seqlen_q_pad, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        # dQ in fp32, scaled in the kernel, tile by tile (the kernel's dq_desc note).
+        dq_acc = torch.zeros((batch * num_heads * seqlen_q_pad * head_dim // 256, 256), dtype=torch.float32,
+                             device=q.device)
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, feats.softcap)
     alibi, stride_alibi_b = feats.alibi_args(delta)  # delta: a placeholder, never read without ALiBi
@@ -758,5 +821,8 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, VARLEN=varlen), q.device.index, num_warps=4)
-    dq.copy_(dq_acc if varlen else dq_acc[:, :seqlen_q])
+    if varlen:
+        dq.copy_(dq_acc)
+    else:
+        dq_from_tiles(dq_acc, dq, seqlen_q_pad)
     return dq, dk, dv
