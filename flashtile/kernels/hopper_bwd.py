@@ -63,6 +63,7 @@ MIN_SEQLEN_K = {64: 2048, 128: 0}
 # half the size: [128, 128] uint8 fits at d64 too (226 KB).
 FLOAT_BIAS_HEAD_DIMS = (128,)
 
+
 @triton.jit
 def _dq_from_tiles_kernel(Acc, dQ, stride_b, stride_s, stride_h, seqlen_q, seqlen_q_pad, num_heads,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -531,9 +532,10 @@ if AVAILABLE:
             # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is, and programs start
             # in launch order (i_n fastest): each head's heaviest block would start no earlier than its lightest
             # ones of the heads before, and the last heads' heavy blocks would run alone at the end. So the
-            # launch index is remapped: heads go in groups of GROUP, and a group launches its key blocks heaviest
-            # first across its heads (block 0 of each head, then block 1, ...). GROUP * n_blocks >= 128 keeps about
-            # one group in flight at a time (its Q, dO and dQ rows stay in L2, as before).
+            # launch index is remapped: heads go in groups of `group`, and a group launches its key blocks heaviest
+            # first across its heads (block 0 of each head, then block 1, ...). group * n_blocks >= 128, about the
+            # programs in flight at once (132 SMs, one program each), keeps about one group in flight (its Q, dO
+            # and dQ rows stay in L2, as before) while giving the scheduler a full wave to balance.
             n_blocks = gl.num_programs(0)
             pid = i_bh * n_blocks + i_n
             group = gl.cdiv(128, n_blocks)
