@@ -276,6 +276,70 @@ def test_mask_tiles_skipped(poison, monkeypatch):
     assert torch.equal(out2[:, 32:], out[:, 32:])
 
 
+def _naive_block_lists(mask, bm, bn, mark_full):
+    """Features.block_lists without the word tricks: per tile, visited iff any element is True (all True and inside
+    Sq x Sk: listed as -1 - index with mark_full)."""
+    b, h, sq, sk = mask.shape
+    nm, nn = -(-sq // bm), -(-sk // bn)
+    counts = torch.zeros(b, h, nm, dtype=torch.int32)
+    rows = []
+    for i in range(b):
+        for j in range(h):
+            for m in range(nm):
+                listed = []
+                for n in range(nn):
+                    tile = mask[i, j, m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
+                    if tile.any():
+                        inside = (m + 1) * bm <= sq and (n + 1) * bn <= sk
+                        listed.append(-1 - n if mark_full and inside and tile.all() else n)
+                counts[i, j, m] = len(listed)
+                rows.append(listed)
+    return counts, rows
+
+
+@pytest.mark.parametrize("sq,sk", [(64, 128), (45, 70)], ids=["tiled", "padded"])
+@pytest.mark.parametrize("mark_full", [False, True], ids=["any", "full"])
+def test_block_lists_match_tiles(sq, sk, mark_full):
+    """The bool mask's tile lists (the words view and its one-pass min/max, or the padded copy) against a tile by
+    tile scan: empty, partial and entirely visible tiles, the last ones cut by Sq and Sk."""
+    torch.manual_seed(71)
+    mask = torch.rand(2, 3, sq, sk) > 0.97  # sparse: some tiles empty
+    mask[:, :, :16, :16] = True  # tile (0, 0) entirely visible
+    mask[1, 2] = False  # a head that attends nothing
+    mask[0, 0, -3:, -5:] = True  # the corner tile, cut by Sq and Sk: never "entirely visible"
+    counts, indices, _, cols = Features(attn_bias=mask).block_lists(16, 16, False, sq, sk, mark_full=mark_full)
+    want_counts, want_rows = _naive_block_lists(mask, 16, 16, mark_full)
+    assert torch.equal(counts.cpu(), want_counts)
+    got = indices.cpu().reshape(-1, cols)
+    for r, listed in enumerate(want_rows):
+        assert got[r, :len(listed)].tolist() == listed
+
+
+def test_block_lists_reused_across_calls():
+    """A bool mask's block lists are built once per mask (and per version of it): a second call, through another
+    view of the same tensor, reuses them; an in-place write rebuilds them; freeing the mask drops them."""
+    from flashtile.kernels import features
+    mask = torch.rand(40, 48, generator=torch.Generator().manual_seed(72)) > 0.5
+    view = lambda: mask.reshape(1, 1, 40, 48)  # noqa: E731 -- what check_attn_mask hands the kernels
+    first = Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)
+    again = Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)
+    assert again[1] is first[1]
+    other = Features(attn_bias=view()).block_lists(16, 16, False, 40, 48)  # another key: its own lists
+    assert other[1] is not first[1]
+    mask[:16, :16] = False
+    mask[0, 0] = True
+    rebuilt = Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)
+    assert rebuilt[1] is not first[1]
+    want_counts, _ = _naive_block_lists(view().transpose(2, 3), 16, 16, False)
+    assert torch.equal(rebuilt[0].cpu(), want_counts)
+    mask[:16, :16] = False  # the same lists again, but written since: rebuilt
+    assert Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)[0] is not rebuilt[0]
+    key = id(mask)
+    assert key in features._mask_lists_cache
+    del mask
+    assert key not in features._mask_lists_cache
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Variable length and packed inputs
 # ---------------------------------------------------------------------------------------------------------------

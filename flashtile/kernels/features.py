@@ -6,6 +6,7 @@ placeholder where a feature is off, since a kernel argument cannot be None and s
 """
 import dataclasses
 import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -153,6 +154,11 @@ class Features:
         key = (block_m, block_n, transpose, mark_full)
         if key not in self._maps:
             mask = self.attn_bias
+            shared = _mask_lists(mask)
+            shared_key = key + (seqlen_q, seqlen_k, mask.storage_offset(), tuple(mask.shape), mask.stride())
+            if shared is not None and shared_key in shared:
+                self._maps[key] = shared[shared_key]
+                return self._maps[key]
             b, h = mask.shape[:2]
             tiles, full = _tile_flags(mask, block_m, block_n, seqlen_q, seqlen_k, mark_full)
             if transpose:
@@ -167,7 +173,43 @@ class Features:
             rows = counts.shape[-1]
             strides = (h * rows if b > 1 else 0, rows if h > 1 else 0)
             self._maps[key] = (counts, indices, strides, indices.shape[-1])
+            if shared is not None:
+                shared[shared_key] = self._maps[key]
         return self._maps[key]
+
+
+# Block lists of bool masks kept across calls (Features.block_lists): a training loop passes the same mask every
+# step, and building the lists reads all of it (256 MiB for one 16k x 16k mask, twice per step: the forward's and
+# the backward's lists). Entries belong to the mask's root tensor (the user's tensor, of which the call sees a
+# view) and hold only while its version counter, which every in-place write to it or to any of its views advances,
+# is unchanged; the entry goes when the root is freed (a weak reference: the cache keeps no mask alive). At most
+# MASK_LISTS_ROOTS masks are kept, the oldest dropped first.
+MASK_LISTS_ROOTS = 8
+_mask_lists_cache = {}  # id(root) -> (weak reference to root, version, {key: lists})
+
+
+def _mask_lists(mask):
+    """The cross-call dict of block lists for this bool mask at its current version (emptied when the mask was
+    written since), or None where none is kept: inference tensors have no version counter to tell."""
+    if mask.is_inference():
+        return None
+    root = mask._base if mask._base is not None else mask
+    version = mask._version  # (a view shares its root's counter)
+    entry = _mask_lists_cache.get(id(root))
+    if entry is None or entry[0]() is not root or entry[1] != version:
+        if entry is None or entry[0]() is not root:
+            while len(_mask_lists_cache) >= MASK_LISTS_ROOTS:
+                _mask_lists_cache.pop(next(iter(_mask_lists_cache)))
+        entry = (weakref.ref(root, functools.partial(_forget_mask, id(root))), version, {})
+        _mask_lists_cache[id(root)] = entry
+    return entry[2]
+
+
+def _forget_mask(key, ref):
+    """Weak-reference callback: the mask is gone, and so is its entry (unless the id already names a newer one)."""
+    entry = _mask_lists_cache.get(key)
+    if entry is not None and entry[0] is ref:
+        del _mask_lists_cache[key]
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,5 +246,8 @@ def _tile_flags(mask, block_m, block_n, seqlen_q, seqlen_k, want_full):
             tiles = padded[..., :nn * block_n].unflatten(3, (nn, block_n)).unflatten(2, (nm, block_m))
             return tiles.any(dim=5).any(dim=3), (tiles.all(dim=5).all(dim=3) if want_full else None)
     tiles = words.unflatten(3, (nn, block_n // 8)).unflatten(2, (nm, block_m))  # [b, h, nm, bm, nn, bn / 8]
-    visible = tiles.amax(dim=(3, 5)) != 0
-    return visible, (tiles.amin(dim=(3, 5)) == ALL_ONES if want_full else None)
+    if not want_full:
+        return tiles.amax(dim=(3, 5)) != 0, None
+    # Both flags from one pass over the mask: min and max over each row's words, then over the tile's rows.
+    lo, hi = torch.aminmax(tiles, dim=5)
+    return hi.amax(dim=3) != 0, lo.amin(dim=3) == ALL_ONES

@@ -528,14 +528,16 @@ if AVAILABLE:
         group_size = num_heads // num_kv_heads
         i_n = gl.program_id(0)
         i_bh = gl.program_id(1)
-        if MASK_RIGHT and not VARLEN:
+        if (MASK_RIGHT or BIAS == 2) and not VARLEN:
             # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is, and programs start
             # in launch order (i_n fastest): each head's heaviest block would start no earlier than its lightest
             # ones of the heads before, and the last heads' heavy blocks would run alone at the end. So the
             # launch index is remapped: heads go in groups of `group`, and a group launches its key blocks heaviest
             # first across its heads (block 0 of each head, then block 1, ...). group * n_blocks >= 128, about the
             # programs in flight at once (132 SMs, one program each), keeps about one group in flight (its Q, dO
-            # and dQ rows stay in L2, as before) while giving the scheduler a full wave to balance.
+            # and dQ rows stay in L2, as before) while giving the scheduler a full wave to balance. A bool mask (BIAS
+            # 2) takes the same order: its block lists are most often causal-shaped (as the forward assumes in
+            # _tile_coords), and for any other shape the order only permutes the blocks within a group.
             n_blocks = gl.num_programs(0)
             pid = i_bh * n_blocks + i_n
             group = gl.cdiv(128, n_blocks)
