@@ -336,7 +336,7 @@ def test_block_lists_reused_across_calls():
     assert Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)[0] is not rebuilt[0]
     key = id(mask)
     assert key in features._mask_lists_cache
-    del mask
+    mask = None  # the last reference: the mask is freed
     assert key not in features._mask_lists_cache
 
 
