@@ -20,10 +20,11 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -196,6 +197,7 @@ class Result:
     flops: float | None = None
     max_abs_diff: float | None = None
     detail: str = ""
+    ms_rounds: list | None = None      # with rounds > 1: each round's time; ms is their median
 
     @property
     def value(self) -> float | None:
@@ -310,12 +312,28 @@ def _run_provider(provider: Provider, shape: Shape, q, k, v, ref, rows, modes, m
     return results
 
 
+def _merge_rounds(rounds: list[Result], flop_count: float | None) -> Result:
+    """One provider's rows of one (shape, mode) over the rounds: the median time of the rounds that measured it
+    (all rounds' times kept in ms_rounds); a round that failed or came out wrong makes the row so."""
+    bad = [r for r in rounds if r.status != "ok"]
+    if bad or rounds[0].ms is None:
+        return bad[0] if bad else rounds[0]
+    times = [r.ms for r in rounds]
+    ms = statistics.median(times)
+    return replace(rounds[0], ms=ms, tflops=flop_count / (ms * 1e-3) / 1e12 if flop_count else None,
+                               max_abs_diff=max(r.max_abs_diff for r in rounds), ms_rounds=times)
+
+
 def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: Sequence[str] | None = None,
               dtype=torch.bfloat16, device: str = "cuda", timer: Timer | None = None, memory: bool = False,
               registry: dict[str, Provider] = PROVIDERS, on_shape_done: Callable[[dict], None] | None = None,
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, rounds: int = 1) -> dict:
     """Check and measure every (shape, provider, mode). Returns {"results": [Result...], "skipped": {name: why},
     "providers": [names that were available]}. With memory=True the one mode is "memory": peak MiB of fwd+bwd.
+
+    rounds > 1 measures every provider of a shape that many times, the providers alternating within each round,
+    and reports each row's median: a GPU's clock drifts as it warms, and with one timing per provider whoever is
+    timed at a cooler moment gains a few percent over the others in the ratio columns.
 
     on_shape_done(partial) is called after each shape (the CLI rewrites its JSON there, so a run cut short keeps
     what it measured)."""
@@ -344,17 +362,26 @@ def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: 
         q, k, v = make_inputs(shape, dtype, device)
         rows = check_rows(shape.seqlen_q)
         ref = reference_rows(q, k, v, shape.causal, shape.headdim ** -0.5, rows)
+        per_round = {name: [] for name in runnable}
+        for rnd in range(max(1, rounds)):
+            for name in runnable:
+                start = time.perf_counter()
+                rows_out = _run_provider(registry[name], shape, q, k, v, ref, rows, modes, measure, memory,
+                                         dtype_name, atol)
+                per_round[name].append(rows_out)
+                if progress:
+                    where = f" round {rnd + 1}" if rounds > 1 else ""
+                    for r in rows_out:
+                        progress(f"[{i}/{len(shapes)}] {shape.label:<24} {name:<10} {r.mode:<6} "
+                                 f"{_progress_value(r)}  ({time.perf_counter() - start:.1f}s{where})")
+                if device != "cpu" and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
         for name in runnable:
-            start = time.perf_counter()
-            rows_out = _run_provider(registry[name], shape, q, k, v, ref, rows, modes, measure, memory, dtype_name,
-                                     atol)
-            results += rows_out
-            if progress:
-                for r in rows_out:
-                    progress(f"[{i}/{len(shapes)}] {shape.label:<24} {name:<10} {r.mode:<6} {_progress_value(r)}"
-                             f"  ({time.perf_counter() - start:.1f}s)")
-            if device != "cpu" and torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            for j, row0 in enumerate(per_round[name][0]):
+                n = None if memory else flops(shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
+                                              shape.headdim, shape.causal, row0.mode)
+                results.append(_merge_rounds([rows_out[j] for rows_out in per_round[name]], n)
+                               if rounds > 1 and not memory else row0)
         del q, k, v, ref
         if on_shape_done:
             on_shape_done({"results": results, "skipped": skipped, "providers": runnable})
@@ -533,7 +560,9 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
         "dtype": dtype_name,
         "provider_versions": versions,
         "timing": "median of triton.testing.do_bench(fn, warmup, rep, grad_to_none=[q, k, v]); bwd = "
-                  "out.backward(dout, retain_graph=True) on a graph built once; inputs require grad in every mode",
+                  "out.backward(dout, retain_graph=True) on a graph built once; inputs require grad in every mode; "
+                  "with rounds > 1 the providers of a shape alternate, and each row is the median of the rounds "
+                  "(ms_rounds)",
         "flops": "fwd 4*B*H*Sq*Sk*D (halved for causal with Sq == Sk, exact visible pairs when Sq != Sk); "
                  "bwd 2.5x fwd; fwd+bwd 3.5x fwd",
         "check": f"forward vs fp32 SDPA math on {CHECK_ROWS} query rows per batch and head, max abs diff <= "
@@ -565,6 +594,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(default shape: seqlen 16k, headdim 128)")
     p.add_argument("--warmup", type=int, default=25, metavar="MS", help="do_bench warmup in ms (default 25)")
     p.add_argument("--rep", type=int, default=100, metavar="MS", help="do_bench repetition time in ms (default 100)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="time every provider of a shape N times, alternating, and report medians (default 1)")
     p.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR", help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default=None, help="suffix of the results file name")
     p.add_argument("--no-plot", action="store_true", help="write only the JSON")
@@ -580,6 +611,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         providers = select_providers(args.providers)
     except ValueError as exc:
         log(f"error: {exc}")
+        return 2
+    if args.rounds < 1:
+        log(f"error: --rounds must be at least 1, got {args.rounds}")
         return 2
     if args.list:
         for name in providers:
@@ -615,7 +649,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     log(f"{gpu}, torch {meta['torch']}, triton {meta['triton']}, {args.dtype}; {len(shapes)} shapes x "
         f"{'memory' if args.memory else '/'.join(modes)}; results -> {json_path}")
     suite = run_suite(shapes, modes, providers, dtype=dtype, timer=do_bench_timer(args.warmup, args.rep),
-                      memory=args.memory, on_shape_done=save, progress=log)
+                      memory=args.memory, on_shape_done=save, progress=log, rounds=args.rounds)
     save(suite)
 
     if not args.no_plot and not args.memory and suite["results"]:

@@ -258,6 +258,29 @@ def test_run_suite_reports_every_outcome():
     assert any(g is not None and len(g) == 3 and all(t.requires_grad for t in g) for g in timer.calls)
 
 
+class _DriftingTimer(_FakeTimer):
+    """Each call 1 ms slower than the one before: a GPU warming up."""
+
+    def __call__(self, fn, grad_to_none=None):
+        super().__call__(fn, grad_to_none)
+        return 1.0 + len(self.calls)
+
+
+def test_run_suite_rounds_alternate_and_report_medians():
+    shape = Shape(1, 48, 48, 2, 2, 32, False)
+    reg = {name: p for name, p in _fake_registry().items() if name in ("flashtile", "peer", "crash")}
+    timer = _DriftingTimer()
+    suite = bench.run_suite([shape], ("fwd",), device="cpu", timer=timer, registry=reg, rounds=3)
+    by = {r.provider: r for r in suite["results"]}
+    assert len(suite["results"]) == 3
+    # Calls alternate: flashtile, peer (crash fails before timing), three times over -> 2,3 / 4,5 / 6,7 ms.
+    assert by["flashtile"].ms_rounds == [2.0, 4.0, 6.0] and by["flashtile"].ms == 4.0
+    assert by["peer"].ms_rounds == [3.0, 5.0, 7.0] and by["peer"].ms == 5.0
+    assert by["peer"].tflops == pytest.approx(bench.flops(1, 2, 48, 48, 32, False, "fwd") / 5e-3 / 1e12)
+    assert by["crash"].status == "error" and by["crash"].ms_rounds is None
+    assert bench.main(["--rounds", "0"]) == 2
+
+
 def _nan_in_unsampled_row(q, k, v, causal, scale):
     out = _good(q, k, v, causal, scale).clone()
     out[:, 1] = float("nan")      # row 1 of 200 is not among the 64 sampled rows
