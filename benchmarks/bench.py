@@ -321,7 +321,7 @@ def _merge_rounds(rounds: list[Result], flop_count: float | None) -> Result:
     times = [r.ms for r in rounds]
     ms = statistics.median(times)
     return replace(rounds[0], ms=ms, tflops=flop_count / (ms * 1e-3) / 1e12 if flop_count else None,
-                               max_abs_diff=max(r.max_abs_diff for r in rounds), ms_rounds=times)
+                   max_abs_diff=max(r.max_abs_diff for r in rounds), ms_rounds=times)
 
 
 def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: Sequence[str] | None = None,
@@ -363,14 +363,14 @@ def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: 
         rows = check_rows(shape.seqlen_q)
         ref = reference_rows(q, k, v, shape.causal, shape.headdim ** -0.5, rows)
         per_round = {name: [] for name in runnable}
-        for rnd in range(max(1, rounds)):
+        for rnd in range(1 if memory else max(1, rounds)):  # (a peak is not a timing: one round)
             for name in runnable:
                 start = time.perf_counter()
                 rows_out = _run_provider(registry[name], shape, q, k, v, ref, rows, modes, measure, memory,
                                          dtype_name, atol)
                 per_round[name].append(rows_out)
                 if progress:
-                    where = f" round {rnd + 1}" if rounds > 1 else ""
+                    where = f" round {rnd + 1}" if rounds > 1 and not memory else ""
                     for r in rows_out:
                         progress(f"[{i}/{len(shapes)}] {shape.label:<24} {name:<10} {r.mode:<6} "
                                  f"{_progress_value(r)}  ({time.perf_counter() - start:.1f}s{where})")
@@ -381,7 +381,7 @@ def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: 
                 n = None if memory else flops(shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
                                               shape.headdim, shape.causal, row0.mode)
                 results.append(_merge_rounds([rows_out[j] for rows_out in per_round[name]], n)
-                               if rounds > 1 and not memory else row0)
+                               if len(per_round[name]) > 1 else row0)
         del q, k, v, ref
         if on_shape_done:
             on_shape_done({"results": results, "skipped": skipped, "providers": runnable})

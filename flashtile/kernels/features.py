@@ -145,7 +145,7 @@ class Features:
         iteration: the kernel loops over the list, so fully masked tiles cost nothing and the loop stays a plain
         pipelined loop). transpose: resident key blocks, streamed query blocks (the dK/dV kernel). mark_full: the
         tiles the mask leaves entirely visible are listed as -1 - index (a kernel may skip reading the mask
-        there).
+        there). Lists are kept across calls for the same mask until it is written in place (_mask_lists).
 
         Returns None without a bool mask, else (counts int32 [B|1, H|1, R], indices int32 [B|1, H|1, R, C],
         (stride_b, stride_h) of the counts (0 along broadcast dims), C)."""
