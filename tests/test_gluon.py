@@ -71,6 +71,32 @@ def test_matches_portable_kernel(monkeypatch, causal, d):
     assert (lse[finite] - lse_p[finite]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("trend", ("rising", "falling"))
+@pytest.mark.parametrize("d,causal,dtype", [(64, True, torch.float16), (64, False, torch.bfloat16),
+                                            (128, False, torch.float16), (128, True, torch.bfloat16)],
+                         ids=("d64-causal-fp16", "d64-full-bf16", "d128-full-fp16", "d128-causal-bf16"))
+def test_scores_that_drift_across_key_blocks(monkeypatch, poison, spy, trend, d, causal, dtype):
+    # The forward takes a block's exponentials against the reference its rows already have (hopper_fwd.LAZY_MAX)
+    # and redoes a block with the maximum when a row's sum passes LAZY_LIMIT. Keys scaled up (rising) along the
+    # sequence push every later block's scores well past the earlier maximum, so that path runs over and over,
+    # in fp16 too, where P must stay below 65504; falling scores leave the early maximum far above later ones.
+    b, sq, sk, h = 1, 700, 1900, 2
+    q, k, v = make_qkv(b, sq, sk, h, h, d, dtype, device=DEVICE, seed=d + causal, grad=False)
+    ramp = torch.linspace(0.2, 4.0, sk, device=DEVICE)
+    ramp = ramp if trend == "rising" else ramp.flip(0)
+    k = (k.float() * ramp[None, :, None, None]).to(dtype)
+    q = (q.float() * 2.0).to(dtype)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert len(spy) == 1, "the call did not take the Gluon forward"
+    check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, causal, sk - sq)
+    monkeypatch.setattr(hopper_fwd, "LAZY_MAX", False)
+    out_m, lse_m, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    # The same exponentials up to the reference they were taken against: rounding of P, O and the LSE (outputs
+    # up to ~4 here, where one bf16 step is 2^-6).
+    torch.testing.assert_close(out.float(), out_m.float(), rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(lse, lse_m, rtol=0, atol=1e-4)
+
+
 def test_strided_inputs(spy):
     # (B, H, S, D) tensors seen as (B, S, H, D): no copy, the descriptors take the strides.
     b, s, h, d = 2, 700, 4, 128

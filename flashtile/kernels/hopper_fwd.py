@@ -15,7 +15,12 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
   same ring. Step j of a warpgroup issues ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` together, waits for ``S_j``
   alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
   160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
-  fills the gaps the other two leave; a warpgroup whose rows all lie past Sq only follows the ring.
+  fills the gaps the other two leave; a warpgroup whose rows all lie past Sq only follows the ring;
+* on two warpgroups without an attn_mask or a left window, a step after a work item's first takes no row maximum
+  and does not rescale O (``LAZY_MAX``): its exponentials are taken against the reference the rows already have,
+  which the online softmax allows for any reference (docs/derivation.md ch. 3) as long as P keeps its range. The
+  rows' sums say whether it did; if one passes ``LAZY_LIMIT``, the warpgroup (which agrees through one barrier)
+  takes the block again with the maximum.
 
 Facts about ptxas (Triton 3.6) that shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
 has the SASS. (1) ptxas hoists ``wgmma.wait_group`` above independent arithmetic of the same basic block: with
@@ -74,6 +79,14 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 # H100/H200 block may use, what is left beside the barriers).
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
+# LAZY_MAX = 1: without an attn_mask or a left window, on two warpgroups, blocks after a work item's first take
+# their exponentials against the rows' reference from earlier blocks, with no row maximum and no rescale of O,
+# unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards (benchmarks/NOTES.md, "The forward
+# without a row maximum"). FLASHTILE_LAZY_MAX=0 turns it off; 2 (set here by probes only) skips the check: a
+# measure of its cost, with wrong results once scores grow. 2^15: every P then fits fp16 (65504), and so does its
+# sum.
+LAZY_MAX = 0 if os.environ.get("FLASHTILE_LAZY_MAX", "1") == "0" else 1
+LAZY_LIMIT = tl.constexpr(32768.0)
 # False launches one program per work item instead of persistent ones (the same kernel, no dynamic schedule).
 PERSISTENT = True
 # FLASHTILE_GLUON=0 turns the fast path off (to compare with the portable kernel, or to work around a problem).
@@ -325,16 +338,7 @@ if AVAILABLE:
         s = _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP, HAS_ALIBI, BIAS_MOD)
         KEEP_NEG_INF: gl.constexpr = MASK_LEFT | (BIAS != 0)
         if mask:
-            # Columns col0 + (0 .. BLOCK_N-1): compare the block-relative column with one limit per row (the
-            # row's last visible key, relative to the block), one compare per score.
-            rel = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-            if CAUSAL:
-                lim = gl.minimum(row + diag_offset, seqlen_k - 1) - col0
-                keep = gl.expand_dims(rel, 0) <= gl.expand_dims(lim, 1)
-            else:
-                keep = gl.expand_dims(rel, 0) < gl.expand_dims(gl.full_like(row, seqlen_k) - col0, 1)
-            if MASK_LEFT:
-                keep = keep & (gl.expand_dims(rel, 0) >= gl.expand_dims(row + left_offset - col0, 1))
+            keep = _visible(s, row, col0, seqlen_k, diag_offset, left_offset, CAUSAL, MASK_LEFT)
             if BIAS == 2:
                 keep = keep & (_read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS,
                                           True) != 0)
@@ -343,6 +347,52 @@ if AVAILABLE:
         else:
             p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF)
         return p, alpha, m_n, l_n, bc
+
+    @gluon.jit
+    def _visible(s, row, col0, seqlen_k, diag_offset, left_offset, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr):
+        """Which scores of the block at columns col0 + (0 .. BLOCK_N-1) a row sees: Sk and the band (CAUSAL: the
+        right bound i + diag_offset; MASK_LEFT: the left bound i + left_offset). The block-relative column is
+        compared with one limit per row (the row's last visible key, relative to the block): one compare per
+        score."""
+        rel = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        if CAUSAL:
+            lim = gl.minimum(row + diag_offset, seqlen_k - 1) - col0
+            keep = gl.expand_dims(rel, 0) <= gl.expand_dims(lim, 1)
+        else:
+            keep = gl.expand_dims(rel, 0) < gl.expand_dims(gl.full_like(row, seqlen_k) - col0, 1)
+        if MASK_LEFT:
+            keep = keep & (gl.expand_dims(rel, 0) >= gl.expand_dims(row + left_offset - col0, 1))
+        return keep
+
+    @gluon.jit
+    def _lazy_exp(s, m_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope, pre_scale,
+                  mod_unit, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+        """The exponentials of one block against the row's current reference m_i, with no row maximum and no
+        rescale (LAZY; docs/derivation.md ch. 3 holds for any reference, not only the running maximum): returns
+        P = exp2(qk_scale s - m_i) and its row sums. Unless a row's new scores exceed m_i by more than
+        log2(LAZY_LIMIT), every P is at most LAZY_LIMIT and the sums say so; the caller checks them and redoes
+        the block with the maximum (_softmax_step) when one does not hold."""
+        s = _score_mod(s, col0, arow, slope, pre_scale, 0.0, mod_unit, SOFTCAP, HAS_ALIBI, 0)
+        # m_i is finite: without a left bound or an attn_mask the state never keeps -inf (_softmax_core), and a
+        # row that saw no key in its first block sees none here either.
+        m_sub = gl.expand_dims(m_i, 1)
+        if mask:
+            keep = _visible(s, row, col0, seqlen_k, diag_offset, left_offset, CAUSAL, False)
+            p = gl.exp2(gl.where(keep, s, float("-inf")) * qk_scale - m_sub)
+        else:
+            p = gl.exp2(s * qk_scale - m_sub)
+        return p, gl.sum(p, 1)
+
+    @gluon.jit
+    def _wg_max(x, buf):
+        """The maximum of a warpgroup's row values x ([64], 16 rows per warp), in every thread, through buf (4
+        floats of shared memory, not in use by the previous call: callers alternate two) and one barrier: each
+        warp's maximum (shuffles), stored, then all four read back. (gl.max over x would use two barriers.)"""
+        w = gl.max(gl.reshape(x, [4, x.shape[0] // 4]), 1)
+        buf.store(w)
+        gl.thread_barrier()
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        return gl.max(buf.load(layout), 0)
 
     @gluon.jit
     def _issue_s(q, k_smem, k_full, i, s_buf, STAGES: gl.constexpr, USE_ACC: gl.constexpr):
@@ -384,9 +434,10 @@ if AVAILABLE:
         gl.thread_barrier()
 
     @gluon.jit
-    def _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES: gl.constexpr):
-        """Rescale O by the alpha of P's block, then issue O += P V_i."""
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    def _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES: gl.constexpr, RESCALE: gl.constexpr = True):
+        """Rescale O by the alpha of P's block (RESCALE), then issue O += P V_i."""
+        if RESCALE:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
         slot = i % STAGES
         mbarrier.wait(v_full.index(slot), (i // STAGES) & 1)
         return warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
@@ -415,49 +466,78 @@ if AVAILABLE:
             return 0.0
 
     @gluon.jit
-    def _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c, bc, p_prev,
-                     alpha_prev, acc, m_i, l_i, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full, full_lo,
-                     j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                     HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     dot_a: gl.constexpr):
+    def _finish_step(q, s_tok, k_smem, k_full, s_zero, flag_smem, v_smem, k_empty, v_full, v_empty, bias_smem, b_full,
+                     b_empty, j, c, bc, p_prev, alpha_prev, acc, m_i, l_i, row, seqlen_k, diag_offset, left_offset,
+                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
+                     NUM_WG: gl.constexpr, LAZY: gl.constexpr, dot_a: gl.constexpr):
         """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
         retire it. In P_{j-1} and its alpha, out P_j and its alpha (and the attn_mask tile count); O then holds
-        P_{<j} V_{<j}."""
-        acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES)
+        P_{<j} V_{<j}.
+
+        LAZY (no attn_mask): the block's exponentials are taken against the rows' current reference m_i
+        (_lazy_exp), so the step has no row maximum and O no rescale. Once P_{j-1} V_{j-1} is retired, the
+        warpgroup agrees on its largest row sum (_wg_max). If it passes LAZY_LIMIT (some row's scores grew past
+        m_i + log2(LAZY_LIMIT): P would lose range in fp16, or overflow), it issues S_j again (K_j's slot is
+        released only after the check) and takes the usual softmax step, rescaling O there; the next P V never
+        rescales. LAZY 2 (probes only) skips the check."""
+        acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES, not LAZY)
         # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
+        if not LAZY:
+            mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
         blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
         mask = j >= n_full
         if MASK_LEFT:
             mask = mask | (j < full_lo)
         if BIAS == 2:
             mask = partial
-        p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset, left_offset,
-                                               qk_scale, mask, arow, slope, pre_scale, mod_unit, bias_smem, b_full,
-                                               b_empty, bc, part, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
-                                               BSTAGES, NUM_WG)
-        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+        if LAZY:
+            p, l_blk = _lazy_exp(s, m_i, row, blk * BLOCK_N, seqlen_k, diag_offset, left_offset, qk_scale, mask,
+                                 arow, slope, pre_scale, mod_unit, CAUSAL, SOFTCAP, HAS_ALIBI)
+            alpha = alpha_prev  # not read: LAZY never rescales at issue
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+            big = 0.0
+            if LAZY == 1:
+                # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
+                big = _wg_max(l_blk, flag_smem.index(part * 2 + (c + j) % 2))
+            if big > LAZY_LIMIT:
+                s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES, False)
+                s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset,
+                                                       left_offset, qk_scale, mask, arow, slope, pre_scale,
+                                                       mod_unit, bias_smem, b_full, b_empty, bc, part, CAUSAL,
+                                                       MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+            else:
+                l_i = l_i + l_blk
+            mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
+        else:
+            p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset,
+                                                   left_offset, qk_scale, mask, arow, slope, pre_scale, mod_unit,
+                                                   bias_smem, b_full, b_empty, bc, part, CAUSAL, MASK_LEFT, SOFTCAP,
+                                                   HAS_ALIBI, BIAS, BSTAGES, NUM_WG)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
         mbarrier.arrive(v_empty.index((c + j - 1) % STAGES), count=1)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         return p, alpha, acc, m_i, l_i, bc
 
     @gluon.jit
-    def _last_pv(p, v_smem, v_full, v_empty, i, acc, alpha, STAGES: gl.constexpr):
+    def _last_pv(p, v_smem, v_full, v_empty, i, acc, alpha, STAGES: gl.constexpr, RESCALE: gl.constexpr):
         """The work item's last P V (block i), retired at once: the epilogue needs O."""
-        acc_tok = _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES)
+        acc_tok = _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES, RESCALE)
         acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
         mbarrier.arrive(v_empty.index(i % STAGES), count=1)
         return acc
 
     @gluon.jit
-    def _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, bias_smem, b_full, b_empty, q_empty, c,
-                     bc, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset, qk_scale, n_full,
-                     full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr,
+    def _tile_blocks(q, k_smem, v_smem, flag_smem, k_full, k_empty, v_full, v_empty, bias_smem, b_full, b_empty,
+                     q_empty, c, bc, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset,
+                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
-                     NUM_WG: gl.constexpr, dot_a: gl.constexpr):
+                     NUM_WG: gl.constexpr, LAZY: gl.constexpr, dot_a: gl.constexpr):
         """All key blocks of one work item (n_blocks >= 1; block j is _block_at(j_lo, j, idx_row)) for one
         warpgroup: returns O (unnormalized), m, l and the attn_mask tile count bc. Blocks j below full_lo or from
         n_full on are masked (with a bool attn_mask: those with a mask tile)."""
@@ -480,16 +560,19 @@ if AVAILABLE:
         for j in range(1, n_blocks):
             s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, part,
                                       STAGES, SOFTCAP, BIAS, BSTAGES, NUM_WG)
-            p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, v_smem, k_empty, v_full, v_empty, bias_smem,
-                                                       b_full, b_empty, j, c, bc, p, alpha, acc, m_i, l_i, row,
+            p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, k_smem, k_full, s_zero, flag_smem, v_smem,
+                                                       k_empty, v_full,
+                                                       v_empty, bias_smem, b_full, b_empty, j, c, bc, p, alpha, acc,
+                                                       m_i, l_i, row,
                                                        seqlen_k, diag_offset, left_offset, qk_scale, n_full,
                                                        full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit,
                                                        part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                                                       BIAS, BSTAGES, NUM_WG, dot_a)
+                                                       BIAS, BSTAGES, NUM_WG, LAZY, dot_a)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
-        acc = _last_pv(p, v_smem, v_full, v_empty, c + n_blocks - 1, acc, alpha, STAGES)
+        # (LAZY: O was rescaled where a step took the maximum, and is 0 after step 0.)
+        acc = _last_pv(p, v_smem, v_full, v_empty, c + n_blocks - 1, acc, alpha, STAGES, not LAZY)
         return acc, m_i, l_i, bc
 
     @gluon.jit
@@ -543,16 +626,16 @@ if AVAILABLE:
         return gl.max(tile_smem.load(layout), 0)
 
     @gluon.jit
-    def _softmax_partition(part: gl.constexpr, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb,
-                           stride_lh, q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+    def _softmax_partition(part: gl.constexpr, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
+                           q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full, q_empty, k_full,
                            k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q, seqlen_k,
                            diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b, alibi_offset, mod_unit,
                            pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
-                           SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-                           BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr,
-                           DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                           CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                           HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
+                           STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
+                           VARLEN: gl.constexpr, LAZY: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -628,12 +711,12 @@ if AVAILABLE:
                 if n_blocks > 0:
                     if BIAS == 1 and not SOFTCAP:
                         _scale_q(q, pre_scale)
-                    acc, m_i, l_i, bc = _tile_blocks(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                    acc, m_i, l_i, bc = _tile_blocks(q, k_smem, v_smem, flag_smem, k_full, k_empty, v_full, v_empty,
                                                      bias_smem, b_full, b_empty, q_empty.index(qb), c, bc, n_blocks,
                                                      acc, m_i, l_i, s_zero, row, seqlen_k_i, diag_i, left_i,
                                                      qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope,
                                                      pre_scale, mod_unit, part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
-                                                     SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, dot_a)
+                                                     SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, LAZY, dot_a)
                 else:
                     mbarrier.arrive(q_empty.index(qb), count=1)
                 if HAS_SINKS:
@@ -688,10 +771,12 @@ if AVAILABLE:
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                     HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr,
-                    NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
+                    NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr,
+                    LAZY: gl.constexpr):
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
+        gl.static_assert(LAZY == 0 or (BIAS == 0 and not MASK_LEFT and NUM_WG == 2))
         PART_M: gl.constexpr = BLOCK_M // NUM_WG
         dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -705,6 +790,11 @@ if AVAILABLE:
         # Per query buffer, the item's index (dynamic schedule), and with VARLEN its fields (_varlen_item).
         tile_smem = gl.allocate_shared_memory(gl.int32, [QBUF * ITEM_FIELDS if VARLEN else QBUF, 1],
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        if LAZY != 0:
+            # The warpgroup maxima of _wg_max: two buffers of 4 floats per consumer warpgroup.
+            flag_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_WG, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            flag_smem = tile_smem  # not read
         q_full = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -739,29 +829,32 @@ if AVAILABLE:
             # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
             gl.warp_specialize([
                 (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
+                                      q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
                                       SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN)),
+                                      VARLEN, LAZY)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
+                                      q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
                                       SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN)),
+                                      VARLEN, LAZY)),
                 (_softmax_partition, (2, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
+                                      q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
                                       SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN)),
+                                      VARLEN, LAZY)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
                                    b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
@@ -772,21 +865,23 @@ if AVAILABLE:
         else:
             gl.warp_specialize([
                 (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
+                                      q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
                                       SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN)),
+                                      VARLEN, LAZY)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, q_full, q_empty, k_full,
+                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
+                                      q_empty, k_full,
                                       k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
                                       seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
                                       alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
                                       idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
                                       SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN)),
+                                      VARLEN, LAZY)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
                                    b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
@@ -1019,6 +1114,10 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
     # The dynamic schedule's item counter (items after each program's first); unused otherwise.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+    # LAZY_MAX: not with an attn_mask (a redone block would need its tile again) or a left window (a row may see
+    # its first key in a later block, and needs that block's maximum as its reference), nor on three warpgroups
+    # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower).
+    lazy = not bias_kind and not feats.mask_left and num_wg == 2
     qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not feats.softcap > 0)
     _launch.launch(_fwd_kernel, grid, (
@@ -1030,5 +1129,6 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
         MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, BSTAGES=BIAS_STAGES, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen), q.device.index, num_warps=4)
+        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen, LAZY=LAZY_MAX if lazy else 0),
+        q.device.index, num_warps=4)
     return out, lse
