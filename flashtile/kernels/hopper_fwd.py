@@ -16,7 +16,7 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
   alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
   160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
   fills the gaps the other two leave; a warpgroup whose rows all lie past Sq only follows the ring;
-* on two warpgroups without an attn_mask or a left window, a step after a work item's first takes no row maximum
+* on two warpgroups without an attn_mask, a left window or ALiBi, a step after a work item's first takes no row maximum
   and does not rescale O (``LAZY_MAX``): its exponentials are taken against the reference the rows already have,
   which the online softmax allows for any reference (docs/derivation.md ch. 3) as long as P keeps its range. The
   rows' sums say whether it did; if one passes ``LAZY_LIMIT``, the warpgroup (which agrees through one barrier)
@@ -79,7 +79,7 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 # H100/H200 block may use, what is left beside the barriers).
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
-# LAZY_MAX = 1: without an attn_mask or a left window, on two warpgroups, blocks after a work item's first take
+# LAZY_MAX = 1: without an attn_mask, a left window or ALiBi, on two warpgroups, blocks after a work item's first take
 # their exponentials against the rows' reference from earlier blocks, with no row maximum and no rescale of O,
 # unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards (benchmarks/NOTES.md, "The forward
 # without a row maximum"). FLASHTILE_LAZY_MAX=0 turns it off; 2 (set here by probes only) skips the check: a
@@ -776,7 +776,7 @@ if AVAILABLE:
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
-        gl.static_assert(LAZY == 0 or (BIAS == 0 and not MASK_LEFT and NUM_WG == 2))
+        gl.static_assert(LAZY == 0 or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
         PART_M: gl.constexpr = BLOCK_M // NUM_WG
         dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1116,8 +1116,10 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     # LAZY_MAX: not with an attn_mask (a redone block would need its tile again) or a left window (a row may see
     # its first key in a later block, and needs that block's maximum as its reference), nor on three warpgroups
-    # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower).
-    lazy = not bias_kind and not feats.mask_left and num_wg == 2
+    # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
+    # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
+    # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
+    lazy = not bias_kind and not feats.mask_left and feats.alibi_slopes is None and num_wg == 2
     qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not feats.softcap > 0)
     _launch.launch(_fwd_kernel, grid, (
