@@ -533,6 +533,32 @@ def test_merge_rejects_bad_inputs():
         merge_partials(o, lse)
 
 
+@pytest.mark.parametrize("stream", STREAM_PARAMS)
+def test_online_softmax_with_a_kept_reference(stream, gen):
+    # A reference kept while every term stays at most limit: the invariant holds for it, no term passes the limit,
+    # the reference never exceeds the maximum, and the softmax is the same.
+    x = STREAMS[stream](gen)
+    for limit in (1.0, 8.0, 2.0 ** 15):
+        states = online_softmax_states(x, limit=limit)
+        for i, (m_i, l_i) in enumerate(states):
+            prefix = x[: i + 1]
+            assert m_i <= prefix.max().item()
+            if m_i == NEG_INF:
+                assert l_i == 0.0 and torch.isneginf(prefix).all()
+                continue
+            terms = torch.exp(prefix - m_i)
+            assert terms.max().item() <= limit * (1 + 1e-12)
+            assert l_i == pytest.approx(terms.sum().item(), rel=1e-12, abs=0.0)
+        expected = torch.zeros_like(x) if torch.isneginf(x).all() else torch.softmax(x, dim=0)
+        torch.testing.assert_close(online_softmax(x, limit=limit), expected, atol=1e-14, rtol=1e-12)
+    # Rising scores move the reference; with limit 1 it is the maximum at every step.
+    rising = torch.arange(10, dtype=torch.float64)
+    assert [m for m, _ in online_softmax_states(rising, limit=1.0)] == rising.tolist()
+    assert [m for m, _ in online_softmax_states(rising, limit=math.e ** 3)] == [0.0] * 4 + [4.0] * 4 + [8.0] * 2
+    with pytest.raises(ValueError, match="limit"):
+        online_softmax_states(x, limit=0.5)
+
+
 def test_online_softmax_rejects_2d():
     with pytest.raises(ValueError, match="1-D"):
         online_softmax_states(_t(2, 3))
