@@ -365,22 +365,23 @@ if AVAILABLE:
         return keep
 
     @gluon.jit
-    def _lazy_exp(s, m_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope, pre_scale,
-                  mod_unit, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    def _lazy_exp(s, m_i, row, col0, seqlen_k, diag_offset, qk_scale, mask, pre_scale, mod_unit, CAUSAL: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
         """The exponentials of one block against the row's current reference m_i, with no row maximum and no
         rescale (LAZY; docs/derivation.md ch. 3 holds for any reference, not only the running maximum): returns
         P = exp2(qk_scale s - m_i) and its row sums. Unless a row's new scores exceed m_i by more than
         log2(LAZY_LIMIT), every P is at most LAZY_LIMIT and the sums say so; the caller checks them and redoes
         the block with the maximum (_softmax_step) when one does not hold."""
-        s = _score_mod(s, col0, arow, slope, pre_scale, 0.0, mod_unit, SOFTCAP, HAS_ALIBI, 0)
+        # (LAZY runs without ALiBi, a left window or an attn_mask: the softcap is the only modification.)
+        s = _score_mod(s, col0, 0.0, 0.0, pre_scale, 0.0, mod_unit, SOFTCAP, False, 0)
         # m_i is finite: without a left bound or an attn_mask the state never keeps -inf (_softmax_core), and a
         # row that saw no key in its first block sees none here either.
-        m_sub = gl.expand_dims(m_i, 1)
+        ref = gl.expand_dims(m_i, 1)
         if mask:
-            keep = _visible(s, row, col0, seqlen_k, diag_offset, left_offset, CAUSAL, False)
-            p = gl.exp2(gl.where(keep, s, float("-inf")) * qk_scale - m_sub)
+            keep = _visible(s, row, col0, seqlen_k, diag_offset, 0, CAUSAL, False)
+            p = gl.exp2(gl.where(keep, s, float("-inf")) * qk_scale - ref)
         else:
-            p = gl.exp2(s * qk_scale - m_sub)
+            p = gl.exp2(s * qk_scale - ref)
         return p, gl.sum(p, 1)
 
     @gluon.jit
@@ -494,8 +495,8 @@ if AVAILABLE:
         if BIAS == 2:
             mask = partial
         if LAZY:
-            p, l_blk = _lazy_exp(s, m_i, row, blk * BLOCK_N, seqlen_k, diag_offset, left_offset, qk_scale, mask,
-                                 arow, slope, pre_scale, mod_unit, CAUSAL, SOFTCAP, HAS_ALIBI)
+            p, l_blk = _lazy_exp(s, m_i, row, blk * BLOCK_N, seqlen_k, diag_offset, qk_scale, mask, pre_scale,
+                                 mod_unit, CAUSAL, SOFTCAP)
             alpha = alpha_prev  # not read: LAZY never rescales at issue
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
             big = 0.0
@@ -561,13 +562,12 @@ if AVAILABLE:
             s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, part,
                                       STAGES, SOFTCAP, BIAS, BSTAGES, NUM_WG)
             p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, k_smem, k_full, s_zero, flag_smem, v_smem,
-                                                       k_empty, v_full,
-                                                       v_empty, bias_smem, b_full, b_empty, j, c, bc, p, alpha, acc,
-                                                       m_i, l_i, row,
-                                                       seqlen_k, diag_offset, left_offset, qk_scale, n_full,
-                                                       full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit,
-                                                       part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                                                       BIAS, BSTAGES, NUM_WG, LAZY, dot_a)
+                                                       k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c,
+                                                       bc, p, alpha, acc, m_i, l_i, row, seqlen_k, diag_offset,
+                                                       left_offset, qk_scale, n_full, full_lo, j_lo, idx_row, arow,
+                                                       slope, pre_scale, mod_unit, part, BLOCK_N, STAGES, CAUSAL,
+                                                       MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, LAZY,
+                                                       dot_a)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
@@ -830,31 +830,28 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full,
-                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
-                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
-                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
-                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN, LAZY)),
+                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
+                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full,
-                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
-                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
-                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
-                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN, LAZY)),
+                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
+                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_softmax_partition, (2, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full,
-                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
-                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
-                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
-                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN, LAZY)),
+                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
+                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
                                    b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
@@ -866,22 +863,20 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full,
-                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
-                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
-                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
-                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN, LAZY)),
+                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
+                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full,
-                                      k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q,
-                                      seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b,
-                                      alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch,
-                                      idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT,
-                                      SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF,
-                                      VARLEN, LAZY)),
+                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
+                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
+                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
+                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
                                    b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
