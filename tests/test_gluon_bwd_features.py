@@ -216,6 +216,9 @@ BIAS_CASES = [
     (1, 513, 520, 4, 1, torch.bfloat16, (1, 4)),     # odd Sq, GQA 4:1
     (3, 300, 1024, 2, 2, torch.float16, (3, 1)),
     (1, 1, 264, 2, 2, torch.bfloat16, (1, 2)),       # one query row
+    # Shared by the heads: kv heads launched in groups of hopper_bwd.HEAD_GROUP, the last one short.
+    (1, 1000, 1104, 6, 6, torch.bfloat16, (1, 1)),
+    (2, 600, 1200, 12, 6, torch.float16, (2, 1)),
 ]
 
 

@@ -168,6 +168,11 @@ BIAS_CASES = [
     (1, 1000, 1024, 4, 2, 128, False, torch.bfloat16, ("ones", (1, 1)), dict(alibi="h")),
     # More work items than SMs.
     (2, 3000, 3008, 16, 4, 128, False, torch.bfloat16, ("float", (1, 16)), {}),
+    # A float mask shared by the heads: items in groups of hopper_fwd.HEAD_GROUP heads, the last group short (12
+    # heads), under causal (tiles last first) with more items than SMs, and at d64.
+    (2, 1000, 1104, 12, 4, 128, False, torch.bfloat16, ("float", (2, 1)), {}),
+    (1, 3000, 3008, 16, 16, 128, True, torch.bfloat16, ("float", (1, 1)), {}),
+    (2, 700, 712, 6, 3, 64, False, torch.float16, ("float", (1, 1)), dict(softcap=10.0)),
     (2, 2100, 2112, 16, 8, 64, True, torch.float16, ("random", (2, 16)), {}),
 ]
 

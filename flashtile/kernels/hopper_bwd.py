@@ -40,7 +40,7 @@ import triton.language as tl
 from . import _launch, configs, hopper_fwd
 from ._common import LOG2E
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
-from .features import Features
+from .features import BIAS_FLOAT, Features
 
 if AVAILABLE:
     from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load,
@@ -62,6 +62,9 @@ MIN_SEQLEN_K = {64: 2048, 128: 0}
 # 64 KB more than the 194 KB in use, so a float bias at d64 takes the portable kernels. A bool mask's tiles are
 # half the size: [128, 128] uint8 fits at d64 too (226 KB).
 FLOAT_BIAS_HEAD_DIMS = (128,)
+# kv heads launched together under a float attn_mask shared by the heads (attention_backward, _grouped_order).
+# FLASHTILE_BWD_HEAD_GROUP: probes.
+HEAD_GROUP = int(os.environ.get("FLASHTILE_BWD_HEAD_GROUP", "4"))
 
 
 @triton.jit
@@ -496,11 +499,22 @@ if AVAILABLE:
         gl.store(p_dv, dv.to(dtype), mask=keep)
 
     @gluon.jit
+    def _grouped_order(i_n, i_bh, group):
+        """Launch index (i_n fastest) -> (key block, batch x kv head) with the heads in groups of `group` and each
+        group's key blocks in turn across its heads: block 0 of each head, then block 1, ..."""
+        n_blocks = gl.num_programs(0)
+        pid = i_bh * n_blocks + i_n
+        g0 = (pid // (group * n_blocks)) * group
+        size = gl.minimum(group, gl.num_programs(1) - g0)
+        r = pid - g0 * n_blocks
+        return r // size, g0 + r % size
+
+    @gluon.jit
     def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK,
                     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
                     seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, pre_scale, qk_scale,
-                    sm_scale, num_heads, num_kv_heads, Bias, bias_mul_b, bias_mul_h, DBias, Counts, Idx,
+                    sm_scale, num_heads, num_kv_heads, head_group, Bias, bias_mul_b, bias_mul_h, DBias, Counts, Idx,
                     stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
@@ -538,14 +552,12 @@ if AVAILABLE:
             # and dQ rows stay in L2, as before) while giving the scheduler a full wave to balance. A bool mask (BIAS
             # 2) takes the same order: its block lists are most often causal-shaped (as the forward assumes in
             # _tile_coords), and for any other shape the order only permutes the blocks within a group.
-            n_blocks = gl.num_programs(0)
-            pid = i_bh * n_blocks + i_n
-            group = gl.cdiv(128, n_blocks)
-            g0 = (pid // (group * n_blocks)) * group
-            size = gl.minimum(group, gl.num_programs(1) - g0)
-            r = pid - g0 * n_blocks
-            i_n = r // size
-            i_bh = g0 + r % size
+            i_n, i_bh = _grouped_order(i_n, i_bh, gl.maximum(gl.cdiv(128, gl.num_programs(0)), head_group))
+        elif head_group > 1:
+            # A float attn_mask shared by the heads (attention_backward's head_group): the same order, so that the
+            # group's programs for one key block read each mask tile at about the same time (their walks over the
+            # query tiles start at the same tile), once from memory.
+            i_n, i_bh = _grouped_order(i_n, i_bh, head_group)
         i_b = i_bh // num_kv_heads
         i_hk = i_bh % num_kv_heads
         start_n = i_n * BLOCK_N
@@ -816,11 +828,18 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
                                       hopper_fwd._layout(8 * dbias.element_size(), 4))
     configs._set_tma_allocator(q.device)
     grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
+    # A float attn_mask shared by the heads is read by every head's programs: launched in groups of HEAD_GROUP
+    # heads (_grouped_order), a group's programs read each tile from memory once. 4, where the forward takes 8:
+    # here a wave holds fewer key blocks per head the larger the group, and each head's Q, dO and dQ rows are
+    # then read, and dQ reduced, once per wave instead of once in all.
+    head_group = 1
+    if feats.bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen:
+        head_group = min(HEAD_GROUP, num_kv_heads)
     _launch.launch(_bwd_kernel, grid, (
         q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k,
         *(st for t in strides for st in t), stride_alibi_b,
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
-        qk_scale, softmax_scale, num_heads, num_kv_heads,
+        qk_scale, softmax_scale, num_heads, num_kv_heads, head_group,
         bias, bias_mul_b, bias_mul_h, dbias_desc, counts, indices, stride_cnt_b, stride_cnt_h, n_cols), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,

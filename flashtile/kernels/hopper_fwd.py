@@ -87,6 +87,13 @@ SMEM_BYTES = 224 * 1024
 # sum.
 LAZY_MAX = 0 if os.environ.get("FLASHTILE_LAZY_MAX", "1") == "0" else 1
 LAZY_LIMIT = tl.constexpr(32768.0)
+# An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
+# every head. Items in the default order (a head's query tiles in turn) read each mask tile once per head from
+# memory: 16 heads at 16k stream 8.6 GB for a 0.5 GB mask. HEAD_GROUP heads are then interleaved (_tile_coords), so
+# that they read a tile at about the same time and L2 serves all but the first. 8: at 16k d128 a wave of programs
+# covers ~16 query tiles of 8 heads, and the K/V the wave also reads (8 heads' worth, from memory once per wave)
+# and the mask (twice in all) are then about equal. 1 keeps the default order. (FLASHTILE_HEAD_GROUP: probes.)
+HEAD_GROUP = int(os.environ.get("FLASHTILE_HEAD_GROUP", "8"))
 # False launches one program per work item instead of persistent ones (the same kernel, no dynamic schedule).
 PERSISTENT = True
 # FLASHTILE_GLUON=0 turns the fast path off (to compare with the portable kernel, or to work around a problem).
@@ -94,15 +101,30 @@ ENABLED = os.environ.get("FLASHTILE_GLUON", "1") != "0"
 
 if AVAILABLE:
     @gluon.jit
-    def _tile_coords(tile, n_m, num_heads, BLOCK_M: gl.constexpr, REVERSE: gl.constexpr):
-        """Work item -> (first query row, batch, head). The query tiles of one head are consecutive items, so the
-        programs running at one time share few heads' K/V in L2; REVERSE (causal, and bool masks, which are often
-        causal-like): last tiles first, the ones that see the most keys."""
-        i_bh = tile // n_m
-        i_m = tile % n_m
+    def _tile_coords(tile, n_m, num_heads, head_group, BLOCK_M: gl.constexpr, REVERSE: gl.constexpr):
+        """Work item -> (first query row, batch, head). With head_group 1 the query tiles of one head are
+        consecutive items, so the programs running at one time share few heads' K/V in L2. With head_group g > 1
+        (an attn_mask shared by the heads: HEAD_GROUP) the heads go in groups of g and a group's items take its
+        heads in turn for each query tile, so that g programs read each mask tile at about the same time, once
+        from memory. REVERSE (causal, and bool masks, which are often causal-like): last tiles first, the ones
+        that see the most keys."""
+        if head_group == 1:
+            i_bh = tile // n_m
+            i_m = tile % n_m
+            i_b = i_bh // num_heads
+            i_h = i_bh % num_heads
+        else:
+            per_b = n_m * num_heads
+            i_b = tile // per_b
+            r = tile - i_b * per_b
+            g0 = (r // (head_group * n_m)) * head_group
+            size = gl.minimum(head_group, num_heads - g0)
+            r = r - g0 * n_m
+            i_m = r // size
+            i_h = g0 + r - i_m * size
         if REVERSE:
             i_m = n_m - 1 - i_m
-        return i_m * BLOCK_M, i_bh // num_heads, i_bh % num_heads
+        return i_m * BLOCK_M, i_b, i_h
 
     @gluon.jit
     def _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -169,8 +191,8 @@ if AVAILABLE:
     @gluon.jit
     def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem, Counter,
                         TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                        num_heads, group_size, seqlen_k, diag_offset, left_offset, bias_mul_b, bias_mul_h, Counts,
-                        Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                        num_heads, head_group, group_size, seqlen_k, diag_offset, left_offset, bias_mul_b, bias_mul_h,
+                        Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         MASK_LEFT: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
                         DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
@@ -186,7 +208,7 @@ if AVAILABLE:
                 t_b = 0  # the descriptors' batch index
                 valid = i_b >= 0
             else:
-                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
+                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, head_group, BLOCK_M, CAUSAL | (BIAS == 2))
                 q_start = 0
                 k_start = 0
                 seqlen_k_i = seqlen_k
@@ -628,11 +650,11 @@ if AVAILABLE:
     @gluon.jit
     def _softmax_partition(part: gl.constexpr, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                            q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full, q_empty, k_full,
-                           k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, seqlen_q, seqlen_k,
-                           diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b, alibi_offset, mod_unit,
-                           pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                           k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, head_group, seqlen_q,
+                           seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b, alibi_offset,
+                           mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch, idx_cols,
+                           PART_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
                            HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
                            STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
                            VARLEN: gl.constexpr, LAZY: gl.constexpr):
@@ -667,7 +689,7 @@ if AVAILABLE:
                 offset = seqlen_k_i - seqlen_q_i
                 o_b = 0
             else:
-                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, BLOCK_M, CAUSAL | (BIAS == 2))
+                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, head_group, BLOCK_M, CAUSAL | (BIAS == 2))
                 q_start = 0
                 seqlen_q_i = seqlen_q
                 seqlen_k_i = seqlen_k
@@ -767,7 +789,7 @@ if AVAILABLE:
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Counts, Idx,
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_alibi_b, bias_mul_b, bias_mul_h,
                     stride_cb, stride_ch, idx_cols, seqlen_q, seqlen_k, diag_offset, left_offset, alibi_offset,
-                    qk_scale, mod_unit, pre_scale, num_heads, group_size, n_m, n_tiles,
+                    qk_scale, mod_unit, pre_scale, num_heads, head_group, group_size, n_m, n_tiles,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                     HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr,
@@ -831,32 +853,32 @@ if AVAILABLE:
                 (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
                                       stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                       CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
                                       NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
                                       stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                       CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
                                       NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_softmax_partition, (2, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
                                       stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                       CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
                                       NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
-                                   b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
-                                   bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
+                                   b_empty, n_tiles, n_m, num_heads, head_group, group_size, seqlen_k, diag_offset,
+                                   left_offset, bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols,
+                                   PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
                                    DYNAMIC, QBUF, VARLEN)),
             ], [4, 4, 1], [CONSUMER_REGS_3WG, CONSUMER_REGS_3WG, PRODUCER_REGS])
         else:
@@ -864,24 +886,24 @@ if AVAILABLE:
                 (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
                                       stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                       CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
                                       NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale, Alibi,
-                                      stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
+                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
                                       stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                       CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
                                       NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
-                                   b_empty, n_tiles, n_m, num_heads, group_size, seqlen_k, diag_offset, left_offset,
-                                   bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
+                                   b_empty, n_tiles, n_m, num_heads, head_group, group_size, seqlen_k, diag_offset,
+                                   left_offset, bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols,
+                                   PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
                                    DYNAMIC, QBUF, VARLEN)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -1104,6 +1126,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         tile_map, n_m = varlen_tile_map(feats.cu_seqlens_q, feats.cu_seqlens_k, total_q, block_m, feats.mask_right)
         dynamic = True
     n_tiles = n_m * batch * num_heads if not varlen else n_m * num_heads
+    head_group = min(HEAD_GROUP, num_heads) if bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen else 1
     dynamic = PERSISTENT and dynamic
     persistent = PERSISTENT and (dynamic or not feats.banded)
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
@@ -1122,7 +1145,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         out, lse, counter, tile_map, alibi, lse if feats.sinks is None else feats.sinks, counts, indices,
         *out_strides, *lse_strides, stride_alibi_b, bias_mul_b,
         bias_mul_h, *count_strides, idx_cols, seqlen_q, seqlen_k, right_offset, left_offset, diagonal_offset,
-        qk_scale, mod_unit, pre_scale, num_heads, num_heads // num_kv_heads, n_m, n_tiles), dict(
+        qk_scale, mod_unit, pre_scale, num_heads, max(head_group, 1), num_heads // num_kv_heads, n_m, n_tiles), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
         MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, BSTAGES=BIAS_STAGES, STAGE_O=stage_o, NUM_WG=num_wg,
