@@ -16,11 +16,13 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
   alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
   160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
   fills the gaps the other two leave; a warpgroup whose rows all lie past Sq only follows the ring;
-* on two warpgroups without an attn_mask, a left window or ALiBi, a step after a work item's first takes no row maximum
-  and does not rescale O (``LAZY_MAX``): its exponentials are taken against the reference the rows already have,
-  which the online softmax allows for any reference (docs/derivation.md ch. 3) as long as P keeps its range. The
-  rows' sums say whether it did; if one passes ``LAZY_LIMIT``, the warpgroup (which agrees through one barrier)
-  takes the block again with the maximum.
+* on two warpgroups without a bool attn_mask, a left window or ALiBi (a float attn_mask only without softcap), a step
+  after a work item's first takes no row maximum and does not rescale O (``LAZY_MAX``): its exponentials are taken
+  against the reference the rows already have, which the online softmax allows for any reference
+  (docs/derivation.md ch. 3) as long as P keeps its range. The rows' sums say whether it did; if one passes
+  ``LAZY_LIMIT``, the warpgroup (which agrees through one barrier) takes the block again with the maximum;
+* a float attn_mask shared by the heads is read by groups of ``HEAD_GROUP`` heads' items at about the same time
+  (``_tile_coords``), once from memory.
 
 Facts about ptxas (Triton 3.6) that shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
 has the SASS. (1) ptxas hoists ``wgmma.wait_group`` above independent arithmetic of the same basic block: with
@@ -396,10 +398,12 @@ if AVAILABLE:
         P = exp2(qk_scale s - m_i) and its row sums. Unless a row's new scores exceed m_i by more than
         log2(LAZY_LIMIT), every P is at most LAZY_LIMIT and the sums say so; the caller checks them and redoes
         the block with the maximum (_softmax_step) when one does not hold."""
-        # (LAZY runs without ALiBi, a left window or an attn_mask: the softcap is the only modification.)
+        # (LAZY runs without ALiBi, a left window or a bool attn_mask, and a float one only when it is already in s,
+        # as the accumulator's start: the softcap is the only modification here.)
         s = _score_mod(s, col0, 0.0, 0.0, pre_scale, 0.0, mod_unit, SOFTCAP, False, 0)
-        # m_i is finite: without a left bound or an attn_mask the state never keeps -inf (_softmax_core), and a
-        # row that saw no key in its first block sees none here either.
+        # Without an attn_mask m_i is finite: the state never keeps -inf without a left bound (_softmax_core), and
+        # a row that saw no key in its first block sees none here either. A float attn_mask can leave it -inf (a row
+        # whose keys so far were all hidden): P is NaN or inf there, and _finish_step redoes the block.
         ref = gl.expand_dims(m_i, 1)
         if mask:
             keep = _visible(s, row, col0, seqlen_k, diag_offset, 0, CAUSAL, False)
