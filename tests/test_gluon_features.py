@@ -223,10 +223,7 @@ def test_attn_mask_matches_portable_kernel(monkeypatch, spy, kind):
     monkeypatch.setattr(hopper_fwd, "ENABLED", False)
     out_p = sdpa()
     assert len(spy) == 1
-    # One bf16 step of the output (2^-7 relative) plus 2^-7: the Gluon forward takes a float mask's exponentials
-    # against the first block's maximum (LAZY_MAX), the portable one against the running maximum, so P rounds
-    # differently; this mask's peaked rows give outputs past 2, where one step is 2^-6.
-    torch.testing.assert_close(out.float(), out_p.float(), rtol=2 ** -7, atol=2 ** -7)
+    assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7
 
 
 def test_bool_mask_skips_blocks(spy):
@@ -266,40 +263,6 @@ def test_attn_mask_reads_are_repeatable(spy, kind, softcap):
         out, _, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
         assert torch.equal(out, first)
     assert len(spy) == 11
-
-
-@pytest.mark.parametrize("trend", ("rising", "falling"))
-@pytest.mark.parametrize("causal,dtype", [(False, torch.float16), (True, torch.bfloat16)], ids=("full-fp16",
-                                                                                                 "causal-bf16"))
-def test_float_mask_without_a_row_maximum(monkeypatch, poison, spy, trend, causal, dtype):
-    # A float attn_mask (no softcap) runs with LAZY_MAX: blocks after the first keep the rows' reference, and a
-    # block whose row sums pass LAZY_LIMIT is redone with its maximum, the accumulator started at the same mask
-    # tile again (its ring slot held until the check). A bias rising by 0.02 per key (2.56 per 128-key block)
-    # passes the reference by more than log2(LAZY_LIMIT) = 15 log2 units (10.4 natural ones) every few blocks, so
-    # the redo runs over and over; falling leaves the first block's maximum far above. Rows 100-299 see no key before 400 (-inf: a left padding), so their
-    # reference is -inf after the first block and each of their warpgroups' blocks up to 400 is redone; row 2 sees
-    # nothing at all (output 0, LSE -inf).
-    from flashtile.interface import _attention
-    b, sq, sk, h, d = 2, 600, 1504, 4, 128
-    q, k, v = make_qkv(b, sq, sk, h, h, d, dtype, device=DEVICE, seed=41 + causal, grad=False)
-    ramp = torch.arange(sk, device=DEVICE, dtype=torch.float32) * 0.02
-    ramp = ramp if trend == "rising" else ramp.flip(0)
-    gen = torch.Generator(DEVICE).manual_seed(42)
-    bias = (torch.randn((1, 1, sq, sk), generator=gen, device=DEVICE) + ramp).to(dtype)
-    bias[..., 100:300, :400] = float("-inf")
-    bias[..., 2, :] = float("-inf")
-    out, lse, _ = _attention(q, k, v, d ** -0.5, causal, sk - sq, attn_bias=bias)
-    assert len(spy) == 1, "the call did not take the Gluon forward"
-    assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2])) and torch.isneginf(lse[:, :, 2]).all()
-    check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, causal, sk - sq,
-                            attn_bias=bias)
-    monkeypatch.setattr(hopper_fwd, "LAZY_BIAS", False)
-    out_m, lse_m, _ = _attention(q, k, v, d ** -0.5, causal, sk - sq, attn_bias=bias)
-    # The same exponentials up to the reference they were taken against: rounding of P, O and the LSE.
-    torch.testing.assert_close(out.float(), out_m.float(), rtol=2 ** -7, atol=2 ** -7)
-    finite = torch.isfinite(lse_m)
-    assert torch.equal(finite, torch.isfinite(lse))
-    torch.testing.assert_close(lse[finite], lse_m[finite], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ("float", "random"))

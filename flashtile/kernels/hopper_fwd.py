@@ -16,11 +16,11 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
   alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
   160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
   fills the gaps the other two leave; a warpgroup whose rows all lie past Sq only follows the ring;
-* on two warpgroups without a bool attn_mask, a left window or ALiBi (a float attn_mask only without softcap), a step
-  after a work item's first takes no row maximum and does not rescale O (``LAZY_MAX``): its exponentials are taken
-  against the reference the rows already have, which the online softmax allows for any reference
-  (docs/derivation.md ch. 3) as long as P keeps its range. The rows' sums say whether it did; if one passes
-  ``LAZY_LIMIT``, the warpgroup (which agrees through one barrier) takes the block again with the maximum;
+* on two warpgroups without an attn_mask, a left window or ALiBi, a step after a work item's first takes no row maximum
+  and does not rescale O (``LAZY_MAX``): its exponentials are taken against the reference the rows already have,
+  which the online softmax allows for any reference (docs/derivation.md ch. 3) as long as P keeps its range. The
+  rows' sums say whether it did; if one passes ``LAZY_LIMIT``, the warpgroup (which agrees through one barrier)
+  takes the block again with the maximum;
 * a float attn_mask shared by the heads is read by groups of ``HEAD_GROUP`` heads' items at about the same time
   (``_tile_coords``), once from memory.
 
@@ -89,8 +89,6 @@ SMEM_BYTES = 224 * 1024
 # sum.
 LAZY_MAX = 0 if os.environ.get("FLASHTILE_LAZY_MAX", "1") == "0" else 1
 LAZY_LIMIT = tl.constexpr(32768.0)
-# LAZY_MAX with a float attn_mask (probes switch it off to compare).
-LAZY_BIAS = True
 # An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
 # every head. Items in the default order (a head's query tiles in turn) read each mask tile once per head from
 # memory: 16 heads at 16k stream 8.6 GB for a 0.5 GB mask. HEAD_GROUP heads are then interleaved (_tile_coords), so
@@ -398,12 +396,10 @@ if AVAILABLE:
         P = exp2(qk_scale s - m_i) and its row sums. Unless a row's new scores exceed m_i by more than
         log2(LAZY_LIMIT), every P is at most LAZY_LIMIT and the sums say so; the caller checks them and redoes
         the block with the maximum (_softmax_step) when one does not hold."""
-        # (LAZY runs without ALiBi, a left window or a bool attn_mask, and a float one only when it is already in s,
-        # as the accumulator's start: the softcap is the only modification here.)
+        # (LAZY runs without ALiBi, a left window or an attn_mask: the softcap is the only modification.)
         s = _score_mod(s, col0, 0.0, 0.0, pre_scale, 0.0, mod_unit, SOFTCAP, False, 0)
-        # Without an attn_mask m_i is finite: the state never keeps -inf without a left bound (_softmax_core), and
-        # a row that saw no key in its first block sees none here either. A float attn_mask can leave it -inf (a row
-        # whose keys so far were all hidden): P is NaN or inf there, and _finish_step redoes the block.
+        # m_i is finite: without a left bound or an attn_mask the state never keeps -inf (_softmax_core), and a
+        # row that saw no key in its first block sees none here either.
         ref = gl.expand_dims(m_i, 1)
         if mask:
             keep = _visible(s, row, col0, seqlen_k, diag_offset, 0, CAUSAL, False)
@@ -434,18 +430,16 @@ if AVAILABLE:
     @gluon.jit
     def _issue_scores(q, k_smem, k_full, i, s_zero, bias_smem, b_full, b_empty, bc, part: gl.constexpr,
                       STAGES: gl.constexpr, SOFTCAP: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
-                      NUM_WG: gl.constexpr, RELEASE: gl.constexpr = True):
+                      NUM_WG: gl.constexpr):
         """_issue_s, except that a float attn_mask without softcap starts the accumulator at its tile (read here,
         the next one in the ring, bc): the tensor cores add it, and the softmax, which bounds the loop, does not.
         Q was scaled by the softmax scale for this path (_scale_q), so the tile needs no multiply: only its
-        widening. Returns (the product's token, bc). Not RELEASE (LAZY): the caller releases the tile's slot once
-        it knows the block need not be redone (_finish_step)."""
+        widening. Returns (the product's token, bc)."""
         if BIAS == 1 and not SOFTCAP:
             b = _read_bias(bias_smem, b_full, b_empty, bc, s_zero, part, NUM_WG, BSTAGES, BIAS, False)
             tok = _issue_s(q, k_smem, k_full, i, to_float32(b), STAGES, True)
-            if RELEASE:
-                # The product's issue needed the tile in registers: its read is complete, the slot may be refilled.
-                mbarrier.arrive(b_empty.index(bc % BSTAGES), count=1)
+            # The product's issue needed the tile in registers: its read is complete, the slot may be refilled.
+            mbarrier.arrive(b_empty.index(bc % BSTAGES), count=1)
             return tok, bc + 1
         else:
             return _issue_s(q, k_smem, k_full, i, s_zero, STAGES, False), bc
@@ -532,18 +526,9 @@ if AVAILABLE:
             big = 0.0
             if LAZY == 1:
                 # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
-                if BIAS == 1:
-                    # A float attn_mask can hide all of a row's keys so far: its reference is still -inf, which is
-                    # no reference to keep (P would be NaN or inf), so the block is redone with its maximum.
-                    l_blk = gl.where(m_i == float("-inf"), float("inf"), l_blk)
                 big = _wg_max(l_blk, flag_smem.index(part * 2 + (c + j) % 2))
             if big > LAZY_LIMIT:
-                if BIAS == 1:
-                    # The tile's slot is still held (_issue_scores(RELEASE=False)): the accumulator starts at it again.
-                    b = _read_bias(bias_smem, b_full, b_empty, bc - 1, s_zero, part, NUM_WG, BSTAGES, BIAS, False)
-                    s_tok = _issue_s(q, k_smem, k_full, c + j, to_float32(b), STAGES, True)
-                else:
-                    s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES, False)
+                s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES, False)
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
                 p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset,
                                                        left_offset, qk_scale, mask, arow, slope, pre_scale,
@@ -553,9 +538,6 @@ if AVAILABLE:
             else:
                 l_i = l_i + l_blk
             mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
-            if BIAS == 1:
-                fence_async_shared()  # (_read_bias: the tile's reads before TMA's refill)
-                mbarrier.arrive(b_empty.index((bc - 1) % BSTAGES), count=1)
         else:
             p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset,
                                                    left_offset, qk_scale, mask, arow, slope, pre_scale, mod_unit,
@@ -602,7 +584,7 @@ if AVAILABLE:
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         for j in range(1, n_blocks):
             s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, part,
-                                      STAGES, SOFTCAP, BIAS, BSTAGES, NUM_WG, LAZY == 0)
+                                      STAGES, SOFTCAP, BIAS, BSTAGES, NUM_WG)
             p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, k_smem, k_full, s_zero, flag_smem, v_smem,
                                                        k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c,
                                                        bc, p, alpha, acc, m_i, l_i, row, seqlen_k, diag_offset,
@@ -818,8 +800,7 @@ if AVAILABLE:
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
-        gl.static_assert(LAZY == 0 or ((BIAS == 0 or (BIAS == 1 and not SOFTCAP)) and not MASK_LEFT and not HAS_ALIBI
-                                       and NUM_WG == 2))
+        gl.static_assert(LAZY == 0 or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
         PART_M: gl.constexpr = BLOCK_M // NUM_WG
         dtype: gl.constexpr = q_desc.dtype
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1153,15 +1134,12 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
     # The dynamic schedule's item counter (items after each program's first); unused otherwise.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
-    # LAZY_MAX: with a float attn_mask only where it starts the accumulator (no softcap: a redone block starts it
-    # at the same tile again, whose ring slot is held until the check), not with a bool one (its tiles are read in
-    # the softmax), nor with a left window (a row may see its first key in a later block, and needs that block's
-    # maximum as its reference), nor on three warpgroups (their 160 registers spill ~90 stores with it, and plain
-    # d64 ran 5% slower), nor with ALiBi: its scores rise toward the diagonal by design, past the first block's
-    # maximum in every later block, and each redone block costs a second Q K^T (the forward measured +59% over
-    # plain instead of +22%).
-    lazy_bias = not bias_kind or (bias_kind == BIAS_FLOAT and not feats.softcap > 0 and LAZY_BIAS)
-    lazy = lazy_bias and not feats.mask_left and feats.alibi_slopes is None and num_wg == 2
+    # LAZY_MAX: not with an attn_mask (a redone block would need its tile again) or a left window (a row may see
+    # its first key in a later block, and needs that block's maximum as its reference), nor on three warpgroups
+    # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
+    # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
+    # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
+    lazy = not bias_kind and not feats.mask_left and feats.alibi_slopes is None and num_wg == 2
     qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not feats.softcap > 0)
     _launch.launch(_fwd_kernel, grid, (
