@@ -11,6 +11,7 @@ import flashtile.testing
 from flashtile.reference import (attention_backward, causal_mask, merge_partials, naive_attention,
                                  naive_attention_varlen, online_softmax, online_softmax_states, safe_softmax,
                                  tiled_attention_backward, tiled_attention_fa1, tiled_attention_fa2)
+from flashtile.reference.dropout import dropout_mask, dropout_threshold, philox_4x32
 from flashtile.testing import judge_all, reference_fwd_bwd
 
 F64 = torch.float64
@@ -779,6 +780,37 @@ def test_dropout_by_hand(gen):
     out, _ = naive_attention(q, k, v, softmax_scale=1.0, dropout_p=0.4, dropout_mask=keep)
     p = torch.softmax(k[0, :, 0] @ q[0, 0, 0], dim=0)
     torch.testing.assert_close(out[0, 0, 0], (p[0] * v[0, 0, 0] + p[2] * v[0, 2, 0]) / 0.6, **F64_TOL)
+
+
+# Random123's known-answer vectors for Philox-4x32-10: (counter, key) -> outputs.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KAT)
+def test_philox_known_answers(counter, key, expected):
+    got = philox_4x32(key[0] | key[1] << 32, *(torch.tensor([c], dtype=torch.int64) for c in counter))
+    assert [int(x) for x in got] == list(expected)
+
+
+def test_dropout_mask_layout():
+    """The documented draw: element (b, h, i, j) takes output 2 * (bit 3 of i) + (bit 3 of j) of the Philox call at
+    counter (g(j), g(i), b * H + h, 0), g(x) = (x >> 4) * 8 + (x & 7); checked element by element."""
+    seed, p, batch, heads, sq, sk = 0x1234_5678_9ABC_DEF0, 0.5, 2, 3, 37, 45
+    mask = dropout_mask(seed, batch, heads, sq, sk, p, batch_offset=5)
+    threshold = dropout_threshold(p)
+    g = lambda x: (x >> 4) * 8 + (x & 7)  # noqa: E731
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        b, h, i, j = (int(torch.randint(n, (1,), generator=gen)) for n in (batch, heads, sq, sk))
+        outs = philox_4x32(seed, *(torch.tensor([c], dtype=torch.int64) for c in (g(j), g(i), (b + 5) * heads + h, 0)))
+        bits = int(outs[2 * ((i >> 3) & 1) + ((j >> 3) & 1)])
+        assert bool(mask[b, h, i, j]) == ((bits >> 1) >= threshold), (b, h, i, j)
+    assert abs(mask.float().mean().item() - (1 - p)) < 0.03
 
 
 COMBO_PARAMS = [

@@ -294,20 +294,23 @@ def _load_bias(view, start_m, start_n, seqlen_q, seqlen_k, stride_bias_m, stride
 def _dropout_keep(seed, i_bh, start_m, start_n, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   TRANSPOSE: tl.constexpr):
     """Philox keep-mask of dropout for queries [start_m, +BLOCK_M) x keys [start_n, +BLOCK_N) ([BLOCK_N, BLOCK_M]
-    when TRANSPOSE). Element (b, h, i, j) is kept iff the top 31 bits of output j % 4 of Philox-4x32-10 at counter
-    (j // 4, i, b * H + h, 0) under the 64-bit key `seed` are >= threshold = round(p * 2^31): one Philox call gives
-    four keys' bits. The forward, both backward kernels and reference.dropout.dropout_mask evaluate the same
-    counters and get the same bits."""
-    o_m = start_m + tl.arange(0, BLOCK_M)
-    o_c = start_n // 4 + tl.arange(0, BLOCK_N // 4)  # start_n is a multiple of BLOCK_N >= 16
-    c0 = (o_c[None, :] + 0 * o_m[:, None]).to(tl.uint32, bitcast=True)
-    c1 = (o_m[:, None] + 0 * o_c[None, :]).to(tl.uint32, bitcast=True)
+    when TRANSPOSE); start_m, start_n, BLOCK_M and BLOCK_N are multiples of 16. One Philox-4x32-10 call under the
+    64-bit key `seed` covers the elements {i, i + 8} x {j, j + 8} (bit 3 of i and j clear) of (b, h): its counter is
+    (g(j), g(i), b * H + h, 0), g(x) = (x >> 4) * 8 + (x & 7), and output 2 * (bit 3 of i) + (bit 3 of j) goes to
+    each; an element is kept iff that output's top 31 bits are >= threshold = round(p * 2^31). The Gluon kernels
+    (hopper_fwd._dropout_keep) and reference.dropout.dropout_mask evaluate the same counters and get the same bits."""
+    # Queries i = 16 a + 8 b + c and keys j = 16 d + 8 e + f: the calls form a [BLOCK_M // 16, 8, BLOCK_N // 16, 8]
+    # grid over (a, c, d, f), and output 2 b + e lands at (a, b, c, d, e, f).
+    g_i = (start_m // 16 + tl.arange(0, BLOCK_M // 16))[:, None] * 8 + tl.arange(0, 8)[None, :]
+    g_j = (start_n // 16 + tl.arange(0, BLOCK_N // 16))[:, None] * 8 + tl.arange(0, 8)[None, :]
+    c1 = (g_i[:, :, None, None] + 0 * g_j[None, None, :, :]).to(tl.uint32, bitcast=True)
+    c0 = (g_j[None, None, :, :] + 0 * g_i[:, :, None, None]).to(tl.uint32, bitcast=True)
     c2 = c0 * 0 + i_bh.to(tl.uint32, bitcast=True)
-    r0, r1, r2, r3 = philox(seed, c0, c1, c2, c0 * 0)  # [BLOCK_M, BLOCK_N // 4] each
-    # Key 4c + t takes output t. tl.join appends the new dimension last: the inner joins give [.., c, y] and the
-    # outer one [.., c, y, x], which flattens to 4c + 2y + x: so the pairs are (r0, r2) and (r1, r3).
-    bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_M, BLOCK_N])
-    keep = (bits >> 1).to(tl.int32, bitcast=True) >= threshold
+    r0, r1, r2, r3 = philox(seed, c0, c1, c2, c0 * 0)
+    # tl.join stacks along a new last dim: the inner joins over e, the outer over b, giving (a, c, d, f, e, b).
+    bits = tl.join(tl.join(r0, r1), tl.join(r2, r3))
     if TRANSPOSE:
-        keep = tl.trans(keep)
-    return keep
+        bits = tl.reshape(tl.permute(bits, (2, 4, 3, 0, 5, 1)), [BLOCK_N, BLOCK_M])
+    else:
+        bits = tl.reshape(tl.permute(bits, (0, 5, 1, 2, 4, 3)), [BLOCK_M, BLOCK_N])
+    return (bits >> 1).to(tl.int32, bitcast=True) >= threshold

@@ -1,10 +1,15 @@
 """Dropout's keep-mask in pure PyTorch: the same Philox-4x32-10 bits the kernels draw (docs/derivation.md#8).
 
-Element (b, h, i, j) is kept iff the top 31 bits of output j % 4 of Philox at counter (j // 4, i, b * H + h, 0)
-under the 64-bit key `seed` are >= round(p * 2^31) (one Philox call covers four keys). This is an independent implementation (integer arithmetic in int64
-tensors) of what flashtile/kernels/_common._dropout_keep computes with Triton's Philox, so a test that feeds it
-to the reference checks the kernels' random numbers too. It is also the CPU fallback's mask and what
-`return_attn_probs=True` encodes in S_dmask.
+Element (b, h, i, j) is kept iff the top 31 bits of one output of Philox-4x32-10 under the 64-bit key `seed` are
+>= round(p * 2^31). One Philox call covers the four elements {i, i + 8} x {j, j + 8} (i and j with bit 3 clear):
+its counter is (g(j), g(i), b * H + h, 0) with g(x) = (x >> 4) * 8 + (x & 7), the position with bit 3 squeezed
+out, and output 2 * (bit 3 of i) + (bit 3 of j) goes to each. Those four elements are what one GPU thread holds of a
+tile in the Hopper tensor cores' accumulator layout both ways round (rows i and i + 8, columns j and j + 8 of the
+forward's S; keys j and j + 8, queries i and i + 8 of the backward's S^T), so a Gluon kernel draws each call once
+and no thread needs another's bits. This is an independent implementation (integer arithmetic in int64 tensors) of
+what flashtile/kernels/_common._dropout_keep computes with Triton's Philox and the Gluon kernels with their own
+(kernels/hopper_fwd.py), so a test that feeds it to the reference checks the kernels' random numbers too. It is
+also the CPU fallback's mask and what `return_attn_probs=True` encodes in S_dmask.
 """
 import torch
 
@@ -35,6 +40,11 @@ def philox_4x32(seed, c0, c1, c2, c3):
     return c0, c1, c2, c3
 
 
+def _group(x):
+    """A position's Philox counter word: x with its bit 3 squeezed out (x and x + 8 share it when bit 3 is clear)."""
+    return ((x >> 4) << 3) | (x & 7)
+
+
 def dropout_threshold(p):
     """The integer threshold on 31 random bits that keeps an element with probability 1 - p."""
     return min(round(p * 2 ** _BITS), 2 ** _BITS - 1)
@@ -51,7 +61,8 @@ def dropout_mask(seed, batch, heads, seqlen_q, seqlen_k, p, *, device="cpu", bat
     bh = ((torch.arange(batch, device=device, dtype=torch.int64).view(-1, 1) + batch_offset) * heads
           + torch.arange(heads, device=device, dtype=torch.int64).view(1, -1)).view(batch, heads, 1, 1)
     shape = (batch, heads, seqlen_q, seqlen_k)
-    c0, c1, c2 = (j // 4).expand(shape), i.expand(shape), (bh & _MASK32).expand(shape)
+    c0, c1, c2 = _group(j).expand(shape), _group(i).expand(shape), (bh & _MASK32).expand(shape)
     outputs = philox_4x32(seed, c0, c1, c2, torch.zeros(shape, dtype=torch.int64, device=device))
-    bits = torch.stack(outputs, dim=-1).gather(-1, (j % 4).expand(shape).unsqueeze(-1)).squeeze(-1)
+    which = (2 * ((i >> 3) & 1) + ((j >> 3) & 1)).expand(shape)
+    bits = torch.stack(outputs, dim=-1).gather(-1, which.unsqueeze(-1)).squeeze(-1)
     return (bits >> 1) >= dropout_threshold(p)
