@@ -154,14 +154,14 @@ def test_repeatable(spy):
 
 
 @pytest.mark.parametrize("kw,d,dtype", [
-    (dict(dropout_p=0.1), 128, torch.bfloat16),
     (dict(bias=True), 128, torch.bfloat16),
     ({}, 96, torch.bfloat16),
     ({}, 256, torch.bfloat16),
     ({}, 128, torch.float32),
 ])
 def test_other_calls_take_the_portable_kernel(spy, kw, d, dtype):
-    # (Windows, softcap, ALiBi and sinks take the Gluon forward: tests/test_gluon_features.py.)
+    # (Windows, softcap, ALiBi, sinks and dropout take the Gluon forward: tests/test_gluon_features.py,
+    # tests/test_gluon_bwd_features.py.)
     q, k, v = make_qkv(1, 300, 300, 2, 2, d, dtype, device=DEVICE, seed=1, grad=False)
     if kw.pop("bias", False):
         bias = torch.randn(1, 2, 300, 300, device=DEVICE, dtype=dtype)

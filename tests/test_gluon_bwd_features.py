@@ -1,5 +1,6 @@
 """The Hopper Gluon backward (kernels/hopper_bwd.py) with the attention features: sliding windows, softcap, ALiBi,
-sinks, attn_mask (a float bias with its gradient or without, a bool mask) and varlen batches, alone and combined,
+sinks, attn_mask (a float bias with its gradient or without, a bool mask), varlen batches and dropout (with the
+Gluon forward), alone and combined,
 against the float64 oracle with every buffer NaN-poisoned, and against the portable backward on the same inputs.
 Each call is asserted to have taken the Gluon backward.
 
@@ -12,8 +13,9 @@ import torch
 
 import flashtile
 from flashtile.interface import _attention
-from flashtile.kernels import hopper_bwd
+from flashtile.kernels import hopper_bwd, hopper_fwd
 from flashtile.kernels.features import Features
+from flashtile.reference.dropout import dropout_mask
 from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
 
 # Fixtures bwd_spy / poison: tests/conftest.py.
@@ -159,14 +161,14 @@ _VARLEN = dict(cu_seqlens_q=_CU, cu_seqlens_k=_CU, max_seqlen_q=4, max_seqlen_k=
     (dict(softcap=30.0), True),
     (dict(alibi_slopes=torch.ones(2)), True),
     (dict(sinks=torch.zeros(2)), True),
-    (dict(dropout_p=0.1), False),
+    (dict(dropout_p=0.1), True),
     (dict(attn_bias=torch.zeros(1, 1, 4, 4)), True),
     (dict(attn_bias=torch.ones(1, 1, 4, 4, dtype=torch.bool), window_right=0, softcap=5.0), True),
     (dict(attn_bias=torch.zeros(1, 1, 4, 4), dropout_p=0.1), False),
     (dict(_VARLEN), True),
     (dict(_VARLEN, window_left=100, window_right=0, softcap=5.0, alibi_slopes=torch.ones(2), sinks=torch.zeros(2)),
      True),
-    (dict(_VARLEN, dropout_p=0.1), False),
+    (dict(_VARLEN, dropout_p=0.1), True),
     (dict(_VARLEN, attn_bias=torch.zeros(1, 1, 4, 4)), False),
 ], ids=["plain", "causal-window", "window", "right-window", "softcap", "alibi", "sinks", "dropout", "bias",
         "mask-causal-softcap", "bias-dropout", "varlen", "varlen-features", "varlen-dropout", "varlen-bias"])
@@ -558,3 +560,118 @@ def test_varlen_matches_portable_backward(monkeypatch, bwd_spy, d):
     for a, b_ in zip(portable[2:5], fast[2:5]):
         assert (a.float() - b_.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
     assert (portable[5] - fast[5]).abs().max().item() <= 1e-3 * portable[5].abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dropout on both Gluon kernels: the keep-mask they draw (kernels/_gluon.dropout_keep) must be
+# reference.dropout.dropout_mask's, bit for bit, or these judgements against the oracle given that mask fail.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _seed_drawn_after(manual_seed):
+    """The Philox key a call draws right after torch.manual_seed(manual_seed) (interface._draw_seed)."""
+    torch.manual_seed(manual_seed)
+    return int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=DEVICE).item())
+
+
+DROPOUT_CASES = [
+    # b, sq, sk, h, hk, d, dtype, causal, p, window, softcap, alibi, sinks
+    (2, 1000, 1100, 4, 2, 128, torch.bfloat16, True, 0.1, (-1, -1), 0.0, None, False),
+    (1, 1100, 1000, 4, 4, 64, torch.float16, False, 0.3, (-1, -1), 0.0, None, False),
+    (1, 777, 1234, 4, 1, 128, torch.bfloat16, False, 0.2, (300, 100), 10.0, "H", True),
+    (2, 1000, 1000, 4, 2, 64, torch.bfloat16, True, 0.15, (256, 0), 0.0, "BH", False),
+    (1, 513, 257, 2, 2, 128, torch.float16, False, 0.5, (-1, -1), 5.0, None, True),
+    # More work items than SMs (the forward's persistent programs take several tiles each).
+    (2, 3000, 3100, 16, 4, 128, torch.bfloat16, True, 0.1, (-1, -1), 0.0, None, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,dtype,causal,p,window,softcap,alibi,sinks", [
+    pytest.param(*c, id=_cid(*c[:8], *c[9:]) + f"-p{c[8]}") for c in DROPOUT_CASES])
+def test_dropout(poison, spy, bwd_spy, b, sq, sk, h, hk, d, dtype, causal, p, window, softcap, alibi, sinks):
+    q, k, v, dout, slopes, sink = _inputs(b, sq, sk, h, hk, d, dtype, seed=sq + sk + d, alibi=alibi,
+                                          alibi_scale=0.1, sinks=sinks)
+    torch.manual_seed(sq)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window,
+                                            softcap=softcap, alibi_slopes=slopes, sinks=sink, return_attn_probs=True)
+    wrt = [q, k, v] + ([sink] if sinks else [])
+    grads = torch.autograd.grad((out * dout).sum(), wrt)
+    assert len(spy) == 1 and len(bwd_spy) == 1, "the call did not take both Gluon kernels"
+    got = (out.detach(), lse.detach(), *grads[:3]) + ((None, grads[3]) if sinks else ())
+    mask = dropout_mask(_seed_drawn_after(sq), b, h, sq, sk, p, device=DEVICE)
+    features = dict(window_size=window, softcap=softcap, alibi_slopes=slopes, dropout_p=p, dropout_mask=mask)
+    if sinks:
+        features["sinks"] = sink.detach()
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq, **features)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_dropout_fraction_and_repeats(spy, bwd_spy):
+    """The dropped fraction is within 1% of p, torch.manual_seed repeats a run bit for bit, another seed differs."""
+    b, s, h, d, p = 1, 2048, 8, 128, 0.17
+    q, k, v, dout, _, _ = _inputs(b, s, s, h, h, d, torch.bfloat16, seed=3)
+
+    def run(manual_seed):
+        torch.manual_seed(manual_seed)
+        out = flashtile.flash_attn_func(q, k, v, dropout_p=p)
+        return (out.detach(), *torch.autograd.grad((out * dout).sum(), [q, k, v]))
+
+    first, again, other = run(7), run(7), run(8)
+    assert len(spy) == 3 and len(bwd_spy) == 3
+    # (out, dk and dv: dQ's key blocks are reduced in a varying order.)
+    assert all(torch.equal(first[i], again[i]) for i in (0, 2, 3))
+    assert not torch.equal(first[0], other[0])
+    kept = dropout_mask(_seed_drawn_after(7), b, h, s, s, p, device=DEVICE)
+    assert abs((~kept).float().mean().item() - p) < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("d", (64, 128))
+def test_dropout_matches_portable_kernels(monkeypatch, spy, bwd_spy, d):
+    q, k, v, dout, slopes, sink = _inputs(2, 1500, 1700, 4, 2, d, torch.bfloat16, seed=d, alibi="BH",
+                                          alibi_scale=0.1, sinks=True)
+    def run():
+        torch.manual_seed(11)
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, dropout_p=0.2, causal=True, window_size=(700, 0),
+                                                softcap=10.0, alibi_slopes=slopes, sinks=sink,
+                                                return_attn_probs=True)
+        return (out.detach(), lse.detach(), *torch.autograd.grad((out * dout).sum(), [q, k, v, sink]))
+
+    fast = run()
+    assert len(spy) == 1 and len(bwd_spy) == 1
+    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    portable = run()
+    assert len(spy) == 1 and len(bwd_spy) == 1
+    # The same keep-mask: outputs to the rounding of P, gradients to their accumulation order.
+    assert (portable[0].float() - fast[0].float()).abs().max().item() <= 2e-2 * portable[0].float().abs().max()
+    for a, b_ in zip(portable[2:6], fast[2:6]):
+        assert (a.float() - b_.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("d", (64, 128))
+def test_varlen_dropout(poison, spy, bwd_spy, d):
+    """Sequence i of a packed batch draws the mask of batch entry i (counter i * H + h), each from its own corner."""
+    lens_q, lens_k, h, hk, p = [300, 0, 129, 1, 700], [310, 64, 129, 1, 650], 4, 2, 0.25
+    q, k, v, dout, cu_q, cu_k, _, _ = _varlen_inputs(lens_q, lens_k, h, hk, d, torch.bfloat16, seed=d + 5)
+    torch.manual_seed(21)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dropout_p=p,
+                                                   causal=True, return_attn_probs=True)
+    dq, dk, dv = torch.autograd.grad((out * dout).sum(), [q, k, v])
+    assert len(spy) == 1 and len(bwd_spy) == 1
+    seed = _seed_drawn_after(21)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lens_q)):
+        if lens_q[i] == 0 or lens_k[i] == 0:
+            continue
+        rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        mask = dropout_mask(seed, 1, h, lens_q[i], lens_k[i], p, device=DEVICE, batch_offset=i)
+        seq = lambda t, r: t[r].unsqueeze(0)  # noqa: E731
+        got = (seq(out.detach(), rq), lse[:, rq].unsqueeze(0), seq(dq, rq), seq(dk, rk), seq(dv, rk))
+        check_against_reference(got, seq(q.detach(), rq), seq(k.detach(), rk), seq(v.detach(), rk), seq(dout, rq),
+                                d ** -0.5, True, lens_k[i] - lens_q[i], dropout_p=p, dropout_mask=mask)

@@ -59,6 +59,102 @@ if AVAILABLE:
         else:
             return x.to(gl.float32)
 
-__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "fence_async_shared", "gl", "gluon",
-           "mbarrier", "tanh_approx", "tma", "tma_load", "tma_reduce_add", "tma_store", "to_float32", "warpgroup_mma",
-           "warpgroup_mma_wait"]
+    @gluon.jit
+    def _philox(k0, k1, c0, c1, c2, c3):
+        """Philox-4x32-10 (Random123's constants, as triton.language.random.philox and reference.dropout) on uint32
+        counter tensors under the key (k0, k1). Each round's two products are widening multiplies, one
+        IMAD.WIDE.U32 each for both halves (umulhi and a separate low product compile to two)."""
+        for _ in gl.static_range(10):
+            wa = c0.to(gl.uint64) * 0xD2511F53
+            wb = c2.to(gl.uint64) * 0xCD9E8D57
+            c0 = (wb >> 32).to(gl.uint32) ^ c1 ^ k0
+            c2 = (wa >> 32).to(gl.uint32) ^ c3 ^ k1
+            c1 = wb.to(gl.uint32)
+            c3 = wa.to(gl.uint32)
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _corner(x, R: gl.constexpr, C: gl.constexpr):
+        """The [R // 16, 8, C // 16, 8] entries of an [R, C] tile whose row and column have bit 3 clear (a Philox
+        group's first element), reshaped in registers: no data moves between threads."""
+        x6 = gl.permute(gl.reshape(x, [R // 16, 2, 8, C // 16, 2, 8]), (0, 2, 3, 5, 1, 4))
+        return gl.split(gl.split(x6)[0])[0]
+
+    @gluon.jit
+    def dropout_tile_keep(rows, col0, seed, bh, threshold, N: gl.constexpr, CHUNKS: gl.constexpr,
+                          KEYS_AS_ROWS: gl.constexpr):
+        """Dropout's keep-mask (dropout_bits compared with the threshold) for the [R, N] tile of the layout rows
+        come from (instr_shape [16, N, 16], 4 warps) with columns col0 + 0..N-1, drawn in CHUNKS (1, 2 or 4)
+        column chunks, so that fewer Philox states are live at once (a d128 forward drawing its 64 keys per thread
+        in one go spilled 83 registers offline, in four 26). The chunks go back in place by reshapes within each
+        thread (no data moves)."""
+        W: gl.constexpr = N // CHUNKS
+        layout: gl.constexpr = rows.type.layout.parent
+        c_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, W, 16])
+        r = gl.convert_layout(rows, gl.SliceLayout(1, c_layout))
+        cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, c_layout))
+        if CHUNKS == 1:
+            bits = dropout_bits(r, cols, seed, bh, KEYS_AS_ROWS)
+        elif CHUNKS == 2:
+            # Column W b + n is entry n of chunk b: (.., n, b), then back to [R, N].
+            bits = gl.join(dropout_bits(r, cols, seed, bh, KEYS_AS_ROWS),
+                           dropout_bits(r, cols + W, seed, bh, KEYS_AS_ROWS))
+            bits = gl.reshape(gl.permute(bits, (0, 2, 1)), [rows.shape[0], N])
+        else:
+            gl.static_assert(CHUNKS == 4)
+            # Column 2 W a + W b + n is entry n of chunk 2 a + b: (.., n, b, a), then back to [R, N].
+            bits = gl.join(gl.join(dropout_bits(r, cols, seed, bh, KEYS_AS_ROWS),
+                                   dropout_bits(r, cols + W, seed, bh, KEYS_AS_ROWS)),
+                           gl.join(dropout_bits(r, cols + 2 * W, seed, bh, KEYS_AS_ROWS),
+                                   dropout_bits(r, cols + 3 * W, seed, bh, KEYS_AS_ROWS)))
+            bits = gl.reshape(gl.permute(bits, (0, 3, 2, 1)), [rows.shape[0], N])
+        return gl.convert_layout(bits, layout) >= dropout_limit(threshold)
+
+    @gluon.jit
+    def dropout_limit(threshold):
+        """(bits >> 1) >= threshold as one unsigned comparison: bits >= dropout_limit(threshold)."""
+        return threshold.to(gl.uint32, bitcast=True) * 2
+
+    @gluon.jit
+    def dropout_bits(rows, cols, seed, bh, KEYS_AS_ROWS: gl.constexpr):
+        """Dropout's random bits for a tile in a Hopper accumulator layout with row positions `rows` and column
+        positions `cols` (its SliceLayouts; each starts at a multiple of 16): queries as rows, or keys
+        with KEYS_AS_ROWS (the backward's S^T). The bits of reference.dropout.dropout_mask and the portable
+        kernels' _common._dropout_keep: one Philox call under the 64-bit key `seed` (an int64 scalar) at counter
+        (g(j), g(i), bh, 0), g(x) = (x >> 4) * 8 + (x & 7), serves {i, i + 8} x {j, j + 8}, output 2 * (bit 3 of i)
+        + (bit 3 of j) to each; an element is kept iff its top 31 bits are >= the threshold. In this layout a
+        thread holds all four elements of each of its groups, so the calls run on [R // 16, 8, C // 16, 8] tensors
+        (a quarter of the tile) and their outputs go back in place by reshapes within the thread."""
+        R: gl.constexpr = rows.shape[0]
+        C: gl.constexpr = cols.shape[0]
+        layout: gl.constexpr = rows.type.layout.parent
+        zero = gl.zeros([R, C], gl.int32, layout=layout)
+        r0 = _corner(gl.expand_dims(rows, 1) + zero, R, C)
+        c0 = _corner(gl.expand_dims(cols, 0) + zero, R, C)
+        if KEYS_AS_ROWS:
+            i, j = c0, r0
+        else:
+            i, j = r0, c0
+        ctr_j = (((j >> 4) << 3) | (j & 7)).to(gl.uint32, bitcast=True)
+        ctr_i = (((i >> 4) << 3) | (i & 7)).to(gl.uint32, bitcast=True)
+        seed = seed.to(gl.uint64, bitcast=True)
+        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+        k1 = (seed >> 32).to(gl.uint32)
+        o0, o1, o2, o3 = _philox(k0, k1, ctr_j, ctr_i, ctr_j * 0 + bh.to(gl.uint32, bitcast=True), ctr_j * 0)
+        # x_rc: the output for the element whose row has bit 3 = r and column bit 3 = c.
+        if KEYS_AS_ROWS:
+            x00, x01, x10, x11 = o0, o2, o1, o3
+        else:
+            x00, x01, x10, x11 = o0, o1, o2, o3
+        # join stacks along a new last dim: (.., column bit, row bit); then back to [R, C].
+        bits = gl.join(gl.join(x00, x01), gl.join(x10, x11))
+        bits = gl.reshape(gl.permute(bits, (0, 5, 1, 2, 4, 3)), [R, C])
+        return gl.convert_layout(bits, layout)
+
+
+__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "dropout_bits", "dropout_limit",
+           "dropout_tile_keep", "fence_async_shared", "gl", "gluon", "mbarrier", "tanh_approx", "tma", "tma_load",
+           "tma_reduce_add", "tma_store", "to_float32", "warpgroup_mma", "warpgroup_mma_wait"]

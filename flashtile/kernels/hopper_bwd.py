@@ -37,14 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.dropout import dropout_threshold
 from . import _launch, configs, hopper_fwd
 from ._common import LOG2E
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import BIAS_FLOAT, Features
 
 if AVAILABLE:
-    from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load,
-                         tma_reduce_add, tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
+    from ._gluon import (TensorDescriptor, dropout_tile_keep, fence_async_shared, gl, gluon, mbarrier, tanh_approx,
+                         tma, tma_load, tma_reduce_add, tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
@@ -292,17 +293,20 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
                   lse_smem, delta_smem, offsets_smem, bias_smem, dbias_desc, i_b, i_h, dk, dv, key0, key, seqlen_k,
-                  diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, slope,
-                  half: gl.constexpr,
+                  diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, slope, seed, bh,
+                  drop_threshold, drop_rescale, half: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                  BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr):
+                  BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr,
+                  DROPOUT: gl.constexpr):
         """One query tile of the key block's warpgroup half. The scores in log2 units are S^T * qk_scale, or with a
         softcap tanh(S^T * pre_scale) * qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi, a float
         attn_mask; the scalars of hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi, plus the
         bias * log2(e) (BIAS 1). MASK: the tile needs the band's mask (or the key bound's, or it crosses the
         diagonal under ALiBi, or a bool attn_mask applies: BIAS 2). DBIAS: also write the bias's gradient, dS
-        before softcap's factor, for query head i_h of batch entry i_b (see the DBIAS note in _bwd_kernel)."""
+        before softcap's factor, for query head i_h of batch entry i_b (see the DBIAS note in _bwd_kernel).
+        DROPOUT: the forward's keep-mask Z of (b, h) = bh, regenerated (docs/derivation.md#8): dV takes P o Z (its
+        1 / (1 - p) is applied once, to dV at the end) and dP^T becomes dP^T o Z / (1 - p)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -316,6 +320,13 @@ if AVAILABLE:
         zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
         st_tok = warpgroup_mma(k_w, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        ds_scale = sm_scale
+        if DROPOUT:
+            # Drawn while the products run: keys as rows, this tile's queries as columns, in four chunks (fewer
+            # Philox states live at once; offline at d128 the loop still spills ~40 registers per step).
+            keep_t = dropout_tile_keep(key, m, seed, bh, drop_threshold, BLOCK_M, 4, True)
+            ds_scale = sm_scale * drop_rescale
+
         if SOFTCAP:
             # dS needs t = tanh(scale q.k / softcap) again (d softcap(x) / dx = 1 - t^2): P and dS are computed in
             # one pass once both products are in, so t never lives across the dP wait (at d128 the consumers have
@@ -371,7 +382,9 @@ if AVAILABLE:
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         # dS times the softmax scale, which dK = dS^T Q and dQ = dS K both carry, so that the products come out
         # scaled: delta comes scaled from the preprocess, and the scale costs an FMA in place of a subtraction.
-        dst = pt * (dpt * sm_scale - delta_smem.index(slot).load(s_layout))
+        if DROPOUT:
+            dpt = gl.where(keep_t, dpt, 0.0)
+        dst = pt * (dpt * ds_scale - delta_smem.index(slot).load(s_layout))
         if DBIAS:
             # The slot's attn_mask tile was read above and is dead until the slot is released: this warpgroup's
             # 64 keys of it take the bias's gradient, queries as rows like the bias itself, for one TMA store.
@@ -380,6 +393,8 @@ if AVAILABLE:
         if SOFTCAP:
             dst = dst * (1.0 - tt * tt)
         dst = dst.to(dtype)
+        if DROPOUT:
+            pt = gl.where(keep_t, pt, 0.0)  # (dS above took P before dropout)
         dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), dot_a), do, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(dst, dot_a), q, dk, is_async=True)
         # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
@@ -431,10 +446,11 @@ if AVAILABLE:
                        i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size,
                        seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale,
                        stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts,
-                       Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr,
-                       DBIAS: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr):
+                       Idx, stride_cnt_b, stride_cnt_h, n_cols, Seed, bh0, drop_threshold, drop_rescale,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr,
+                       FLAT: gl.constexpr, DROPOUT: gl.constexpr):
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -451,6 +467,9 @@ if AVAILABLE:
             gl.thread_barrier()
         dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
+        seed = 0
+        if DROPOUT:
+            seed = gl.load(Seed)
         mbarrier.wait(kv_bar, 0)
         t = 0
         for g in range(group_size):
@@ -466,8 +485,9 @@ if AVAILABLE:
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True,
-                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)
+                                       pre_scale, qk_scale, sm_scale, slope, seed, bh0 + i_h, drop_threshold,
+                                       drop_rescale, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT,
+                                       SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)
                     t += 1
             else:
                 # The masked query tiles first, then the rest (the order of _tile_start).
@@ -476,16 +496,18 @@ if AVAILABLE:
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, True,
-                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)
+                                       pre_scale, qk_scale, sm_scale, slope, seed, bh0 + i_h, drop_threshold,
+                                       drop_rescale, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT,
+                                       SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)
                     t += 1
                 for j in range(0, n_q - n_mask):
                     m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
                     dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
                                        q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
                                        i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, sm_scale, slope, half, HEAD_DIM, BLOCK_M, STAGES, False,
-                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)
+                                       pre_scale, qk_scale, sm_scale, slope, seed, bh0 + i_h, drop_threshold,
+                                       drop_rescale, half, HEAD_DIM, BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT,
+                                       SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)
                     t += 1
         dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -495,6 +517,8 @@ if AVAILABLE:
                 + gl.expand_dims(rows.to(gl.int64) * stride_dks, 1) + dcol)
         p_dv = (dV + i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
                 + gl.expand_dims(rows.to(gl.int64) * stride_dvs, 1) + dcol)
+        if DROPOUT:
+            dv = dv * drop_rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
         gl.store(p_dk, dk.to(dtype), mask=keep)
         gl.store(p_dv, dv.to(dtype), mask=keep)
 
@@ -510,15 +534,17 @@ if AVAILABLE:
         return r // size, g0 + r % size
 
     @gluon.jit
-    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK,
+    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK, Seed,
                     stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
                     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
                     seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, pre_scale, qk_scale,
-                    sm_scale, num_heads, num_kv_heads, head_group, Bias, bias_mul_b, bias_mul_h, DBias, Counts, Idx,
+                    sm_scale, drop_threshold, drop_rescale, num_heads, num_kv_heads, head_group, Bias, bias_mul_b,
+                    bias_mul_h, DBias, Counts, Idx,
                     stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
-                    DQ_MODE: gl.constexpr, VARLEN: gl.constexpr):
+                    DQ_MODE: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
+        # Seed: the call's Philox key (int64) with DROPOUT (drop_threshold, drop_rescale = 1 / (1 - p)).
         # VARLEN: Q, dOut, K, V, dK, dV and DqAcc are packed sequences ([total, H, D]; the host passes batch strides
         # of 0): batch entry i_b is rows [CuSeqQ[i_b], CuSeqQ[i_b + 1]) of the query-side tensors and
         # [CuSeqK[i_b], CuSeqK[i_b + 1]) of the key-side ones; seqlen_q / seqlen_k are the longest sequences (the
@@ -701,15 +727,17 @@ if AVAILABLE:
                               i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
                               group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
                               sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)),
+                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, Seed,
+                              i_b * num_heads, drop_threshold, drop_rescale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)),
             (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars,
                               k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
                               i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
                               group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
                               sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT)),
+                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, Seed,
+                              i_b * num_heads, drop_threshold, drop_rescale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                              MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)),
             (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, q_smem, do_smem,
                                    k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_full, q_empty, start_n,
                                    i_b, i_hk, num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
@@ -724,15 +752,13 @@ if AVAILABLE:
 
 def features_supported(feats: Features) -> bool:
     """The options this kernel implements: the forward's (kernels/hopper_fwd.features_supported), any sliding
-    window, softcap, ALiBi and sinks, an attn_mask (a float bias, with its gradient or not, or a bool mask;
-    supports checks its dtype and layout), and varlen batches (VARLEN, without an attn_mask); not dropout."""
+    window, softcap, ALiBi, sinks and dropout, an attn_mask (a float bias, with its gradient or not, or a bool mask;
+    supports checks its dtype and layout; not with dropout), and varlen batches (VARLEN, without an attn_mask)."""
     if feats.attn_bias is not None:
         if feats.dropout_p > 0 or feats.varlen:
             return False
         feats = dataclasses.replace(feats, attn_bias=None)  # the rest as the forward has it
     if feats.varlen:
-        if feats.dropout_p > 0:
-            return False
         feats = dataclasses.replace(feats, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0)
     return hopper_fwd.features_supported(feats)
 
@@ -788,6 +814,7 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     each warpgroup for the other's half of dS (so the warpgroups run free of each other)."""
     q, k, v, dout = (_rows(t) for t in (q, k, v, dout))
     varlen = feats.varlen
+    dropout = feats.dropout_p > 0  # the call's Philox key: feats.seed
     num_heads, head_dim = q.shape[-2:]
     num_kv_heads = k.shape[-2]
     seqlen_q_pad = lse_log2.shape[-1]
@@ -836,14 +863,16 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     if feats.bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen:
         head_group = min(HEAD_GROUP, num_kv_heads)
     _launch.launch(_bwd_kernel, grid, (
-        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k,
+        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k, feats.seed if dropout else delta,
         *(st for t in strides for st in t), stride_alibi_b,
         seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
-        qk_scale, softmax_scale, num_heads, num_kv_heads, head_group,
+        qk_scale, softmax_scale, dropout_threshold(feats.dropout_p), 1.0 / (1.0 - feats.dropout_p), num_heads,
+        num_kv_heads, head_group,
         bias, bias_mul_b, bias_mul_h, dbias_desc, counts, indices, stride_cnt_b, stride_cnt_h, n_cols), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, VARLEN=varlen), q.device.index, num_warps=4)
+        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, VARLEN=varlen, DROPOUT=dropout),
+        q.device.index, num_warps=4)
     if varlen:
         dq.copy_(dq_acc)
     else:

@@ -52,14 +52,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.dropout import dropout_threshold
 from . import _common, _launch, configs
 from ._common import LN2, LOG2E
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import BIAS_BOOL, BIAS_FLOAT, Features
 
 if AVAILABLE:
-    from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tanh_approx, tma, tma_load,
-                         tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
+    from ._gluon import (TensorDescriptor, dropout_tile_keep, fence_async_shared, gl, gluon, mbarrier, tanh_approx,
+                         tma, tma_load, tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
 WG_M = 64
@@ -491,12 +492,21 @@ if AVAILABLE:
             return 0.0
 
     @gluon.jit
+    def _drop(p, row, col0, seed, bh, threshold):
+        """Dropout on a block's probabilities P (queries `row`, keys from col0), after their row sums went into l:
+        the dropped ones become 0 (the epilogue divides O by l (1 - p)); the bits are _gluon.dropout_keep's, drawn
+        in four chunks of keys."""
+        keep = dropout_tile_keep(row, col0, seed, bh, threshold, p.shape[1], 4, False)
+        return gl.where(keep, p, 0.0)
+
+    @gluon.jit
     def _finish_step(q, s_tok, k_smem, k_full, s_zero, flag_smem, v_smem, k_empty, v_full, v_empty, bias_smem, b_full,
                      b_empty, j, c, bc, p_prev, alpha_prev, acc, m_i, l_i, row, seqlen_k, diag_offset, left_offset,
-                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
-                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
-                     NUM_WG: gl.constexpr, LAZY: gl.constexpr, dot_a: gl.constexpr):
+                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, seed, bh,
+                     drop_threshold, part: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                     BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr, LAZY: gl.constexpr,
+                     DROPOUT: gl.constexpr, dot_a: gl.constexpr):
         """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
         retire it. In P_{j-1} and its alpha, out P_j and its alpha (and the attn_mask tile count); O then holds
         P_{<j} V_{<j}.
@@ -545,6 +555,8 @@ if AVAILABLE:
                                                    HAS_ALIBI, BIAS, BSTAGES, NUM_WG)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
         mbarrier.arrive(v_empty.index((c + j - 1) % STAGES), count=1)
+        if DROPOUT:
+            p = _drop(p, row, blk * BLOCK_N, seed, bh, drop_threshold)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         return p, alpha, acc, m_i, l_i, bc
 
@@ -559,10 +571,11 @@ if AVAILABLE:
     @gluon.jit
     def _tile_blocks(q, k_smem, v_smem, flag_smem, k_full, k_empty, v_full, v_empty, bias_smem, b_full, b_empty,
                      q_empty, c, bc, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset,
-                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, part: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
-                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
-                     NUM_WG: gl.constexpr, LAZY: gl.constexpr, dot_a: gl.constexpr):
+                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, seed, bh,
+                     drop_threshold, part: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                     BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr, LAZY: gl.constexpr,
+                     DROPOUT: gl.constexpr, dot_a: gl.constexpr):
         """All key blocks of one work item (n_blocks >= 1; block j is _block_at(j_lo, j, idx_row)) for one
         warpgroup: returns O (unnormalized), m, l and the attn_mask tile count bc. Blocks j below full_lo or from
         n_full on are masked (with a bool attn_mask: those with a mask tile)."""
@@ -581,6 +594,8 @@ if AVAILABLE:
                                                qk_scale, mask, arow, slope, pre_scale, mod_unit, bias_smem, b_full,
                                                b_empty, bc, part, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
                                                BSTAGES, NUM_WG)
+        if DROPOUT:
+            p = _drop(p, row, blk * BLOCK_N, seed, bh, drop_threshold)
         p = gl.convert_layout(p.to(q.dtype), dot_a)
         for j in range(1, n_blocks):
             s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, part,
@@ -589,9 +604,9 @@ if AVAILABLE:
                                                        k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c,
                                                        bc, p, alpha, acc, m_i, l_i, row, seqlen_k, diag_offset,
                                                        left_offset, qk_scale, n_full, full_lo, j_lo, idx_row, arow,
-                                                       slope, pre_scale, mod_unit, part, BLOCK_N, STAGES, CAUSAL,
-                                                       MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, LAZY,
-                                                       dot_a)
+                                                       slope, pre_scale, mod_unit, seed, bh, drop_threshold, part,
+                                                       BLOCK_N, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
+                                                       BSTAGES, NUM_WG, LAZY, DROPOUT, dot_a)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
@@ -654,12 +669,13 @@ if AVAILABLE:
                            q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full, q_empty, k_full,
                            k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, head_group, seqlen_q,
                            seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b, alibi_offset,
-                           mod_unit, pre_scale, Sinks, Counts, Idx, stride_cb, stride_ch, idx_cols,
+                           mod_unit, pre_scale, Sinks, Seed, drop_threshold, drop_keep, Counts, Idx, stride_cb,
+                           stride_ch, idx_cols,
                            PART_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
                            HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
                            STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                           VARLEN: gl.constexpr, LAZY: gl.constexpr):
+                           VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -671,6 +687,9 @@ if AVAILABLE:
 
         c = 0  # blocks consumed so far by this program, counted as the producer counts them
         bc = 0  # attn_mask tiles read so far, likewise
+        seed = 0
+        if DROPOUT:
+            seed = gl.load(Seed)  # the call's Philox key (int64), drawn on the device by the caller
         it = 0  # work items so far
         if DYNAMIC:
             # The producer writes each item's index before its query tile arrives, and n_tiles after the last.
@@ -739,8 +758,9 @@ if AVAILABLE:
                                                      bias_smem, b_full, b_empty, q_empty.index(qb), c, bc, n_blocks,
                                                      acc, m_i, l_i, s_zero, row, seqlen_k_i, diag_i, left_i,
                                                      qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope,
-                                                     pre_scale, mod_unit, part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
-                                                     SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, LAZY, dot_a)
+                                                     pre_scale, mod_unit, seed, i_b * num_heads + i_h,
+                                                     drop_threshold, part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
+                                                     SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, LAZY, DROPOUT, dot_a)
                 else:
                     mbarrier.arrive(q_empty.index(qb), count=1)
                 if HAS_SINKS:
@@ -757,6 +777,8 @@ if AVAILABLE:
                 empty = l_i == 0.0
                 l_safe = gl.where(empty, 1.0, l_i)
                 lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+                if DROPOUT:
+                    l_safe = l_safe * drop_keep  # 1 - p: the kept probabilities are scaled by 1 / (1 - p)
                 acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
                 # (Varlen: lse is [H, total_q], stride_lb 0; the sequence's rows start at q_start.)
                 lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + q_start
@@ -788,15 +810,16 @@ if AVAILABLE:
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Counts, Idx,
-                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_alibi_b, bias_mul_b, bias_mul_h,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Seed, Counts,
+                    Idx, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_alibi_b, bias_mul_b, bias_mul_h,
                     stride_cb, stride_ch, idx_cols, seqlen_q, seqlen_k, diag_offset, left_offset, alibi_offset,
-                    qk_scale, mod_unit, pre_scale, num_heads, head_group, group_size, n_m, n_tiles,
+                    qk_scale, mod_unit, pre_scale, drop_threshold, drop_keep, num_heads, head_group, group_size, n_m,
+                    n_tiles,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                     HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr,
                     NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr,
-                    LAZY: gl.constexpr):
+                    LAZY: gl.constexpr, DROPOUT: gl.constexpr):
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
@@ -856,26 +879,26 @@ if AVAILABLE:
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
                                       num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
-                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
-                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
+                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
                                       num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
-                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
-                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
+                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
                 (_softmax_partition, (2, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
                                       num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
-                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
-                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
+                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
                                    b_empty, n_tiles, n_m, num_heads, head_group, group_size, seqlen_k, diag_offset,
@@ -889,18 +912,18 @@ if AVAILABLE:
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
                                       num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
-                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
-                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
+                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
                 (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
                                       q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
                                       q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
                                       num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Counts, Idx,
-                                      stride_cb, stride_ch, idx_cols, PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                      CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS, BSTAGES, STAGE_O,
-                                      NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY)),
+                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
+                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
                 (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
                                    Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
                                    b_empty, n_tiles, n_m, num_heads, head_group, group_size, seqlen_k, diag_offset,
@@ -926,15 +949,15 @@ def inputs_ok(q, k, v, softmax_scale) -> bool:
 
 def features_supported(feats: Features) -> bool:
     """The options of a fixed-length call this kernel implements: causal and sliding-window masks, softcap, ALiBi,
-    sinks and attn_mask (a float bias or a bool mask, where TMA can read it: supports checks that); not dropout.
+    sinks, dropout and attn_mask (a float bias or a bool mask, where TMA can read it: supports checks that).
     (Varlen calls: varlen_supported.)"""
-    return not (feats.varlen or feats.dropout_p > 0)
+    return not feats.varlen
 
 
 def varlen_supported(feats: Features) -> bool:
     """Varlen calls this kernel implements: every option of features_supported except attn_mask (which varlen
     does not take anywhere), on the persistent kernel (its items come from the dynamic schedule)."""
-    return feats.varlen and feats.dropout_p == 0 and feats.attn_bias is None and PERSISTENT
+    return feats.varlen and feats.attn_bias is None and PERSISTENT
 
 
 def supports(q, k, v, feats: Features, softmax_scale) -> bool:
@@ -1103,7 +1126,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     left_offset = diagonal_offset - feats.window_left if feats.mask_left else 0
     bias_kind = feats.bias_kind
     num_wg, qbuf, dynamic = CONFIGS[(head_dim, feats.banded)]
-    if num_wg == 3 and (feats.softcap > 0 or feats.alibi_slopes is not None or bias_kind):
+    if num_wg == 3 and (feats.softcap > 0 or feats.alibi_slopes is not None or bias_kind or feats.dropout_p > 0):
         # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
         # warpgroups of the causal configuration do not.
         num_wg, qbuf, dynamic = CONFIGS[(head_dim, True)]
@@ -1140,17 +1163,20 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
     # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
     lazy = not bias_kind and not feats.mask_left and feats.alibi_slopes is None and num_wg == 2
+    seed = feats.seed if feats.dropout_p > 0 else lse  # the call's Philox key; lse: a placeholder, never read
     qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not feats.softcap > 0)
     _launch.launch(_fwd_kernel, grid, (
         _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o4, WG_M), bias_desc,
-        out, lse, counter, tile_map, alibi, lse if feats.sinks is None else feats.sinks, counts, indices,
+        out, lse, counter, tile_map, alibi, lse if feats.sinks is None else feats.sinks, seed, counts, indices,
         *out_strides, *lse_strides, stride_alibi_b, bias_mul_b,
         bias_mul_h, *count_strides, idx_cols, seqlen_q, seqlen_k, right_offset, left_offset, diagonal_offset,
-        qk_scale, mod_unit, pre_scale, num_heads, max(head_group, 1), num_heads // num_kv_heads, n_m, n_tiles), dict(
+        qk_scale, mod_unit, pre_scale, dropout_threshold(feats.dropout_p), 1.0 - feats.dropout_p, num_heads,
+        max(head_group, 1), num_heads // num_kv_heads, n_m, n_tiles), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
         MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
         HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, BSTAGES=BIAS_STAGES, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen, LAZY=LAZY_MAX if lazy else 0),
+        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen, LAZY=LAZY_MAX if lazy else 0,
+        DROPOUT=feats.dropout_p > 0),
         q.device.index, num_warps=4)
     return out, lse
