@@ -659,7 +659,7 @@ def test_varlen_dropout(poison, spy, bwd_spy, d):
     """Sequence i of a packed batch draws the mask of batch entry i (counter i * H + h), each from its own corner.
     p = 0.5: with 1 / (1 - p) a power of two the kept outputs v / (1 - p) are exact in bf16. Otherwise O's rounding
     enters delta = dO . O (FlashAttention's form of sum_j P dP), and the one-key sequence, whose exact dq is 0 and
-    judged with a zero bound, shows it (p = 0.25: 7e-3 on an H100, either kernel's preprocess)."""
+    judged with a zero bound, shows it (p = 0.25: a dq of 7e-3 there, H100, Gluon kernels)."""
     lens_q, lens_k, h, hk, p = [300, 0, 129, 1, 700], [310, 64, 129, 1, 650], 4, 2, 0.5
     q, k, v, dout, cu_q, cu_k, _, _ = _varlen_inputs(lens_q, lens_k, h, hk, d, torch.bfloat16, seed=d + 5)
     torch.manual_seed(21)
