@@ -424,7 +424,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
 
     full_shape = (batch, num_heads, seqlen_q, seqlen_k)
     if gluon:
-        # Hopper, 16-bit, d 64/128, no dropout (an attn_mask is read by TMA; varlen batches come without one): the
+        # Hopper, 16-bit, d 64/128 (an attn_mask is read by TMA, not with dropout; varlen batches come without one): the
         # warp-specialized Gluon kernel (kernels/hopper_bwd.py), which reads delta and lse_log2 as the portable
         # kernels do ([B, H, Sq_pad], varlen rows by position in the sequence). Its bias gradient is dS in the
         # bias's dtype, whatever the bias's shape (hopper_bwd.attention_backward's DBIAS note), with rows padded to

@@ -213,7 +213,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     """
     assert softmax_scale > 0, "the kernel takes the row max before scaling: the scale must be positive"
     if hopper_fwd.supports(q, k, v, feats, softmax_scale):
-        # Hopper, 16-bit, d 64/128, no dropout (an attn_mask is read by TMA; varlen too): the warp-specialized
+        # Hopper, 16-bit, d 64/128 (an attn_mask is read by TMA; varlen and dropout too): the warp-specialized
         # Gluon kernel (kernels/hopper_fwd.py).
         return hopper_fwd.attention_forward(q, k, v, softmax_scale, diagonal_offset, feats)
     seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]

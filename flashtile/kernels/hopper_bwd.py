@@ -29,6 +29,8 @@ it does not hide entirely (Features.block_lists) instead of the band's ranges. T
 is dS: each consumer writes its 64 keys of it, in the bias's dtype, over the bias tile it has just read
 (stmatrix.trans: queries as rows, as the bias), and one TMA store per warpgroup and step puts them in a [B, H, Sq,
 Sk] buffer; without softcap that tile is also the dQ product's dS operand, in place of ds_smem.
+Dropout (DROPOUT, not with an attn_mask) regenerates the forward's keep-mask per step while S^T and dP^T are in the
+tensor cores (_gluon.dropout_tile_keep, keys as rows); at d128 the Philox states spill ~40 registers per step.
 """
 import dataclasses
 import os

@@ -40,7 +40,8 @@ consumers walk only the band's blocks), softcap, ALiBi, sinks and attn_mask. An 
 inputs' dtype, or a bool mask) comes by TMA through a ring of its own, one [64, 128] tile per warpgroup and block;
 a bool mask walks the list of key blocks it does not hide entirely (Features.block_lists), and blocks it leaves
 entirely visible load no tile. Varlen batches (packed sequences) take the same loops, their items listed by
-``varlen_tile_map``; dropout runs on the portable kernel. ``supports`` is the dispatch rule,
+``varlen_tile_map``. Dropout zeroes P after its row sums, with the portable kernels' Philox bits
+(_gluon.dropout_tile_keep). ``supports`` is the dispatch rule,
 and tests/test_gluon.py and tests/test_gluon_features.py compare the two kernels on the GPU. Gluon does not run
 in Triton's interpreter, so this module only compiles on a Hopper GPU; importing it anywhere is safe.
 """
