@@ -298,7 +298,7 @@ def _dropout_keep(seed, i_bh, start_m, start_n, threshold, BLOCK_M: tl.constexpr
     64-bit key `seed` covers the elements {i, i + 8} x {j, j + 8} (bit 3 of i and j clear) of (b, h): its counter is
     (g(j), g(i), b * H + h, 0), g(x) = (x >> 4) * 8 + (x & 7), and output 2 * (bit 3 of i) + (bit 3 of j) goes to
     each; an element is kept iff that output's top 31 bits are >= threshold = round(p * 2^31). The Gluon kernels
-    (hopper_fwd._dropout_keep) and reference.dropout.dropout_mask evaluate the same counters and get the same bits."""
+    (_gluon.dropout_bits) and reference.dropout.dropout_mask evaluate the same counters and get the same bits."""
     # Queries i = 16 a + 8 b + c and keys j = 16 d + 8 e + f: the calls form a [BLOCK_M // 16, 8, BLOCK_N // 16, 8]
     # grid over (a, c, d, f), and output 2 b + e lands at (a, b, c, d, e, f).
     g_i = (start_m // 16 + tl.arange(0, BLOCK_M // 16))[:, None] * 8 + tl.arange(0, 8)[None, :]

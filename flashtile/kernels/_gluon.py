@@ -83,34 +83,24 @@ if AVAILABLE:
         return gl.split(gl.split(x6)[0])[0]
 
     @gluon.jit
-    def dropout_tile_keep(rows, col0, seed, bh, threshold, N: gl.constexpr, CHUNKS: gl.constexpr,
-                          KEYS_AS_ROWS: gl.constexpr):
+    def dropout_tile_keep(rows, col0, seed, bh, threshold, N: gl.constexpr, KEYS_AS_ROWS: gl.constexpr):
         """Dropout's keep-mask (dropout_bits compared with the threshold) for the [R, N] tile of the layout rows
-        come from (instr_shape [16, N, 16], 4 warps) with columns col0 + 0..N-1, drawn in CHUNKS (1, 2 or 4)
-        column chunks, so that fewer Philox states are live at once (a d128 forward drawing its 64 keys per thread
-        in one go spilled 83 registers offline, in four 26). The chunks go back in place by reshapes within each
-        thread (no data moves)."""
-        W: gl.constexpr = N // CHUNKS
+        come from (instr_shape [16, N, 16], 4 warps) with columns col0 + 0..N-1, drawn in four column chunks, so
+        that fewer Philox states are live at once (a d128 forward drawing its 64 keys per thread in one go spilled
+        83 registers offline, in four 26). The chunks go back in place by reshapes within each thread (no data
+        moves)."""
+        W: gl.constexpr = N // 4
         layout: gl.constexpr = rows.type.layout.parent
         c_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, W, 16])
         r = gl.convert_layout(rows, gl.SliceLayout(1, c_layout))
         cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, c_layout))
-        if CHUNKS == 1:
-            bits = dropout_bits(r, cols, seed, bh, KEYS_AS_ROWS)
-        elif CHUNKS == 2:
-            # Column W b + n is entry n of chunk b: (.., n, b), then back to [R, N].
-            bits = gl.join(dropout_bits(r, cols, seed, bh, KEYS_AS_ROWS),
-                           dropout_bits(r, cols + W, seed, bh, KEYS_AS_ROWS))
-            bits = gl.reshape(gl.permute(bits, (0, 2, 1)), [rows.shape[0], N])
-        else:
-            gl.static_assert(CHUNKS == 4)
-            # Column 2 W a + W b + n is entry n of chunk 2 a + b: (.., n, b, a), then back to [R, N].
-            bits = gl.join(gl.join(dropout_bits(r, cols, seed, bh, KEYS_AS_ROWS),
-                                   dropout_bits(r, cols + W, seed, bh, KEYS_AS_ROWS)),
-                           gl.join(dropout_bits(r, cols + 2 * W, seed, bh, KEYS_AS_ROWS),
-                                   dropout_bits(r, cols + 3 * W, seed, bh, KEYS_AS_ROWS)))
-            bits = gl.reshape(gl.permute(bits, (0, 3, 2, 1)), [rows.shape[0], N])
+        # Column 2 W a + W b + n is entry n of chunk 2 a + b: (.., n, b, a), then back to [R, N].
+        bits = gl.join(gl.join(dropout_bits(r, cols, seed, bh, KEYS_AS_ROWS),
+                               dropout_bits(r, cols + W, seed, bh, KEYS_AS_ROWS)),
+                       gl.join(dropout_bits(r, cols + 2 * W, seed, bh, KEYS_AS_ROWS),
+                               dropout_bits(r, cols + 3 * W, seed, bh, KEYS_AS_ROWS)))
+        bits = gl.reshape(gl.permute(bits, (0, 3, 2, 1)), [rows.shape[0], N])
         return gl.convert_layout(bits, layout) >= dropout_limit(threshold)
 
     @gluon.jit
@@ -155,6 +145,6 @@ if AVAILABLE:
         return gl.convert_layout(bits, layout)
 
 
-__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "dropout_bits", "dropout_limit",
-           "dropout_tile_keep", "fence_async_shared", "gl", "gluon", "mbarrier", "tanh_approx", "tma", "tma_load",
-           "tma_reduce_add", "tma_store", "to_float32", "warpgroup_mma", "warpgroup_mma_wait"]
+__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "dropout_tile_keep",
+           "fence_async_shared", "gl", "gluon", "mbarrier", "tanh_approx", "tma", "tma_load", "tma_reduce_add",
+           "tma_store", "to_float32", "warpgroup_mma", "warpgroup_mma_wait"]

@@ -326,7 +326,7 @@ if AVAILABLE:
         if DROPOUT:
             # Drawn while the products run: keys as rows, this tile's queries as columns, in four chunks (fewer
             # Philox states live at once; offline at d128 the loop still spills ~40 registers per step).
-            keep_t = dropout_tile_keep(key, m, seed, bh, drop_threshold, BLOCK_M, 4, True)
+            keep_t = dropout_tile_keep(key, m, seed, bh, drop_threshold, BLOCK_M, True)
             ds_scale = sm_scale * drop_rescale
 
         if SOFTCAP:

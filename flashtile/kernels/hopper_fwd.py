@@ -495,9 +495,8 @@ if AVAILABLE:
     @gluon.jit
     def _drop(p, row, col0, seed, bh, threshold):
         """Dropout on a block's probabilities P (queries `row`, keys from col0), after their row sums went into l:
-        the dropped ones become 0 (the epilogue divides O by l (1 - p)); the bits are _gluon.dropout_keep's, drawn
-        in four chunks of keys."""
-        keep = dropout_tile_keep(row, col0, seed, bh, threshold, p.shape[1], 4, False)
+        the dropped ones become 0 (the epilogue divides O by l (1 - p)); the bits are _gluon.dropout_bits'."""
+        keep = dropout_tile_keep(row, col0, seed, bh, threshold, p.shape[1], False)
         return gl.where(keep, p, 0.0)
 
     @gluon.jit

@@ -8,7 +8,7 @@ tile in the Hopper tensor cores' accumulator layout both ways round (rows i and 
 forward's S; keys j and j + 8, queries i and i + 8 of the backward's S^T), so a Gluon kernel draws each call once
 and no thread needs another's bits. This is an independent implementation (integer arithmetic in int64 tensors) of
 what flashtile/kernels/_common._dropout_keep computes with Triton's Philox and the Gluon kernels with their own
-(kernels/hopper_fwd.py), so a test that feeds it to the reference checks the kernels' random numbers too. It is
+(kernels/_gluon.dropout_bits), so a test that feeds it to the reference checks the kernels' random numbers too. It is
 also the CPU fallback's mask and what `return_attn_probs=True` encodes in S_dmask.
 """
 import torch
