@@ -11,14 +11,13 @@ at the start would charge that drift to every row after it. Sliding windows are 
 (the bar: w = 1024 runs >= 5x faster). Varlen runs random lengths summing to 16k and is compared by TFLOP/s (its
 work is sum(len^2), not 16k^2) with the plain kernel at 16k and at the mean length, also with both replayed from
 CUDA graphs (their calls are short enough for do_bench to measure the host). Writes
-<date>-<gpu>-features.json to --out.
+<date>-<gpu>-features.json to --out (bench.result_path: numbered rather than overwrite).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 import triton
 
 import flashtile
+from benchmarks.bench import result_path
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -209,11 +209,9 @@ def run(seqlen, heads, head_dim, out_dir, backward=True):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", batch=b, heads=h, head_dim=d, seqlen=s,
                 cost_method=f"paired: row and base alternated {ROUNDS}x, medians of do_bench medians (rep 200 ms)")
-    # The model's word ("H100" in "NVIDIA H100 80GB HBM3"), else the name's last word.
-    words = torch.cuda.get_device_name().split()
-    tag = next((w for w in words if re.fullmatch(r"[A-Z]+\d+", w)), words[-1]).lower()
-    path = Path(out_dir) / f"{meta['date']}-{tag}-features{'' if backward else '-fwd'}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # bench.py's naming: <date>-<gpu slug>-features[-fwd].json, numbered rather than overwrite an earlier run.
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = result_path(out_dir, meta["gpu"], "features" if backward else "features-fwd", meta["date"])
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"wrote {path}")
     return rows
