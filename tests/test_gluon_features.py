@@ -55,6 +55,8 @@ CASES = [
     # More work items than SMs: the persistent programs loop over several tiles.
     (2, 3000, 3100, 16, 4, 128, True, torch.bfloat16, dict(window_size=(1024, 0), softcap=30.0)),
     (2, 2100, 1900, 16, 8, 64, False, torch.float16, dict(alibi="h", sinks=True)),
+    # Causal d128 with a softcap: two query buffers on the dynamic schedule (hopper_fwd.attention_forward), Sq > Sk.
+    (2, 2000, 1900, 16, 4, 128, True, torch.bfloat16, dict(softcap=30.0)),
 ]
 
 
@@ -308,6 +310,8 @@ VARLEN_CASES = [
      16, 4, 128, False, torch.bfloat16, {}),
     (torch.randint(0, 300, (70,), generator=_RAND).tolist(), torch.randint(0, 300, (70,), generator=_RAND).tolist(),
      8, 8, 64, True, torch.bfloat16, dict(softcap=30.0)),
+    (torch.randint(0, 500, (40,), generator=_RAND).tolist(), torch.randint(0, 500, (40,), generator=_RAND).tolist(),
+     8, 2, 128, True, torch.bfloat16, dict(softcap=20.0)),
 ]
 
 
