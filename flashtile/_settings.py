@@ -1,0 +1,69 @@
+"""Every knob that changes which code runs, in one object read once from the environment.
+
+Users set the environment variables below before importing flashtile; tests and the tile sweep change fields on
+`SETTINGS` (or use `override`), and every launch reads the field when it runs, so a change takes effect on the next
+call. Nothing else in the package reads `os.environ` for behaviour.
+
+| field          | environment variable       | meaning                                                            |
+|----------------|----------------------------|--------------------------------------------------------------------|
+| gluon_forward  | FLASHTILE_GLUON=0          | off: the Hopper Gluon forward is not used (the portable kernel is) |
+| gluon_backward | FLASHTILE_GLUON_BWD=0      | off: the Hopper Gluon backward is not used                         |
+| lazy_max       | FLASHTILE_LAZY_MAX=0       | off: the Gluon forward takes every block's row maximum             |
+| check_values   | FLASHTILE_CHECK_VALUES=1   | on: validate index tensors' values on the host (a sync per call)   |
+| tma            | (tests)                    | None: the hardware decides; True / False force TMA descriptors     |
+| tiles          | (tests, tile sweep)        | None, a TileConfig list for every kernel, or {kind: list}          |
+| decode_tiles   | (tests)                    | None or a TileConfig list for the decode kernel                    |
+| page_slabs     | (tests)                    | False: paged decode reads one page per key row, never a slab       |
+| fast_launch    | (tests, comparisons)       | False: every launch goes through Triton's JITFunction.run          |
+| eager_direct   | (tests, comparisons)       | False: eager calls go through the dispatcher like traced ones      |
+"""
+import contextlib
+import dataclasses
+import os
+from typing import Optional, Union
+
+
+def _flag(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value not in ("0", "false", "False", "off")
+
+
+@dataclasses.dataclass
+class Settings:
+    gluon_forward: bool = True
+    gluon_backward: bool = True
+    lazy_max: bool = True
+    check_values: bool = False
+    tma: Optional[bool] = None
+    tiles: Union[None, list, dict] = None
+    decode_tiles: Optional[list] = None
+    page_slabs: bool = True
+    fast_launch: bool = True
+    eager_direct: bool = True
+
+    @classmethod
+    def from_env(cls):
+        return cls(gluon_forward=_flag("FLASHTILE_GLUON", True), gluon_backward=_flag("FLASHTILE_GLUON_BWD", True),
+                   lazy_max=_flag("FLASHTILE_LAZY_MAX", True), check_values=_flag("FLASHTILE_CHECK_VALUES", False))
+
+
+SETTINGS = Settings.from_env()
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Set fields of SETTINGS for the duration of a with block (tests): `with override(tma=False): ...`."""
+    unknown = set(fields) - {f.name for f in dataclasses.fields(Settings)}
+    if unknown:
+        raise TypeError(f"unknown setting(s) {sorted(unknown)}; the fields are "
+                        f"{[f.name for f in dataclasses.fields(Settings)]}.")
+    saved = {name: getattr(SETTINGS, name) for name in fields}
+    for name, value in fields.items():
+        setattr(SETTINGS, name, value)
+    try:
+        yield SETTINGS
+    finally:
+        for name, value in saved.items():
+            setattr(SETTINGS, name, value)
