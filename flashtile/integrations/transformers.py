@@ -32,6 +32,7 @@ What a call does (query/key/value arrive as (B, H, S, D), the output leaves as (
   that are not multiples of 8 (zero-padded) and a value head dim that differs.
 - A 4-D mask a caller built itself goes through `flashtile.scaled_dot_product_attention(attn_mask=...)`.
 """
+import collections
 import warnings
 import weakref
 
@@ -68,9 +69,10 @@ def register():
 # ----------------------------------------------------------------------------------------------------------------
 # The mask transformers builds for us
 
-# The last mask padding_mask found to have gaps (a padded token between two valid ones): the decode kernel reads one
-# contiguous range of keys per row, so such masks take the general path. Read in eager mode only (below).
-_GAPPED = None
+# The last masks padding_mask found to have gaps (a padded token between two valid ones), as weak references: the
+# decode kernel reads one contiguous range of keys per row, so such masks take the general path. A forward makes
+# one mask per attention type (full, sliding); a few suffice. Found in eager mode only (below).
+_GAPPED = collections.deque(maxlen=8)
 
 
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
@@ -84,7 +86,6 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     The pattern in `mask_function` is not read (as in transformers' flash-attn path): models whose pattern is not
     causal/bidirectional with padding (image-token overlays) need another implementation.
     """
-    global _GAPPED
     device = kwargs.get("device")
     mask = None
     if attention_mask is not None:
@@ -105,7 +106,8 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     full, gapped = torch.stack([mask.all(), (mask.sum(-1) < span).any()]).tolist()  # one host sync per forward
     if full:
         return None
-    _GAPPED = weakref.ref(mask) if gapped else None
+    if gapped:
+        _GAPPED.append(weakref.ref(mask))
     return mask
 
 
@@ -265,7 +267,7 @@ def _decodes(q, k, v, mask, dropout, sinks):
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         return False
-    return mask is None or _GAPPED is None or _GAPPED() is not mask
+    return mask is None or not any(ref() is mask for ref in _GAPPED)
 
 
 def _decode(q, k, v, mask, opts, sinks):
