@@ -89,6 +89,38 @@ def test_activate_deactivate_and_context_manager(monkeypatch):
     ft_sdpa.deactivate()  # when not active: a no-op
 
 
+@needs_hook
+def test_first_registry_version(monkeypatch):
+    """torch's first registry (no restore_flash_attention_impl; activate returns early for the active name and keeps
+    every handle): activate / deactivate / activate still install and remove the kernels, and the registry's
+    current name follows."""
+    registry = torch.nn.attention._registry
+    monkeypatch.setattr(ft_sdpa, "_DISPATCH_KEY", "CPU")
+    monkeypatch.setattr(registry, "_FLASH_ATTENTION_ACTIVE", None)
+    monkeypatch.setattr(registry, "_FLASH_ATTENTION_HANDLES", {}, raising=False)
+
+    def old_activate(impl):
+        if registry._FLASH_ATTENTION_ACTIVE == impl:
+            return
+        handle = registry._FLASH_ATTENTION_IMPLS[impl]()
+        if handle is not None:
+            registry._FLASH_ATTENTION_HANDLES[impl] = handle
+        registry._FLASH_ATTENTION_ACTIVE = impl
+
+    monkeypatch.setattr(torch.nn.attention, "activate_flash_attention_impl", old_activate)
+    monkeypatch.setattr(torch.nn.attention, "current_flash_attention_impl", lambda: registry._FLASH_ATTENTION_ACTIVE)
+    monkeypatch.delattr(torch.nn.attention, "restore_flash_attention_impl")
+    q, k, v = bhsd(1, 2, 2, 5, 5, 16, seed=0)
+    for _ in range(2):
+        ft_sdpa.activate()
+        assert torch.nn.attention.current_flash_attention_impl() == "flashtile"
+        aten._scaled_dot_product_flash_attention(q, k, v)
+        ft_sdpa.deactivate()
+        assert torch.nn.attention.current_flash_attention_impl() is None
+        with pytest.raises(NotImplementedError):
+            aten._scaled_dot_product_flash_attention(q, k, v)
+
+
 def test_clear_error_without_the_hook(monkeypatch):
     monkeypatch.delattr(torch.nn.attention, "register_flash_attention_impl", raising=False)
     assert "register_flash_attention_impl" in ft_sdpa.available()

@@ -64,16 +64,31 @@ def activate():
     _check_available()
     torch.nn.attention.register_flash_attention_impl(NAME, register_fn=_install)
     torch.nn.attention.activate_flash_attention_impl(NAME)
+    if _state["handle"] is None:  # a registry that still took flashtile for active (see _forget) did not call us
+        _install()
     _state["counts"] = {"forward": 0, "backward": 0}
 
 
 def deactivate():
     """Give torch's flash SDPA backend its own kernels back (no-op when flashtile is not active)."""
     attention = torch.nn.attention
-    if getattr(attention, "current_flash_attention_impl", lambda: None)() == NAME:
-        attention.restore_flash_attention_impl()
-    if _state["handle"] is not None:  # a torch whose registry kept no handle: remove ours directly
+    restore = getattr(attention, "restore_flash_attention_impl", None)
+    if restore is not None and attention.current_flash_attention_impl() == NAME:
+        restore()  # calls our handle's remove()
+    if _state["handle"] is not None:
         _state["handle"].remove()
+    _forget()
+
+
+def _forget():
+    """The first torch releases with the registry have no restore_flash_attention_impl: their registry keeps the
+    active name (a str) and its handle for good, and its activate returns early for the active name. Clear both
+    when flashtile was the one active, so that current_flash_attention_impl() tells the truth and a later
+    activate() installs again."""
+    registry = getattr(torch.nn.attention, "_registry", None)
+    if registry is not None and getattr(registry, "_FLASH_ATTENTION_ACTIVE", None) == NAME:
+        registry._FLASH_ATTENTION_ACTIVE = None
+        getattr(registry, "_FLASH_ATTENTION_HANDLES", {}).pop(NAME, None)
 
 
 def is_active():
