@@ -1,4 +1,4 @@
-"""Command line: `python -m flashtile check` and `python -m flashtile bench [bench options]`.
+"""Command line: `python -m flashtile check`, `python -m flashtile bench [options]`, `python -m flashtile explain [options]`.
 
 check: runs the kernels forward and backward against the float64 reference on the device present (a CUDA GPU, or
     Triton's interpreter on the CPU with small shapes), plain attention over a set of shapes and then each feature
@@ -6,6 +6,9 @@ check: runs the kernels forward and backward against the float64 reference on th
     status 1 on any failure.
 bench: the benchmark of benchmarks/bench.py (needs a flashtile checkout and a CUDA GPU); `bench --help` lists its
     options.
+explain: which backend (Gluon Hopper kernels, portable Triton kernels, PyTorch reference) runs a call of the given
+    shape and options, forward and backward, and why the ones before it decline; `explain --help` lists the options
+    (--arch 90 asks about an H100 from any machine).
 """
 import os
 import pathlib
@@ -154,9 +157,65 @@ def bench(argv):
     return bench_main(argv)
 
 
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def explain(argv):
+    """Which backend runs a flash_attn_func call of the given shape and options, forward and backward, and why."""
+    import argparse
+
+    import flashtile
+    from flashtile.dispatch import Target
+
+    ap = argparse.ArgumentParser(prog="python -m flashtile explain", description=explain.__doc__)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seqlen", type=int, default=4096, help="query length (and key length unless --seqlen-k)")
+    ap.add_argument("--seqlen-k", type=int)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: --heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--window", help="LEFT,RIGHT sliding window (-1 unbounded)")
+    ap.add_argument("--softcap", type=float, default=0.0)
+    ap.add_argument("--alibi", action="store_true")
+    ap.add_argument("--sinks", action="store_true")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--varlen", action="store_true", help="as one packed sequence of flash_attn_varlen_func")
+    ap.add_argument("--arch", type=int, help="pretend a CUDA GPU of this compute capability (90: H100/H200)")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and args.arch is None else "cpu"
+    sq, sk = args.seqlen, args.seqlen_k or args.seqlen
+    hk = args.kv_heads or args.heads
+    dtype = _DTYPES[args.dtype]
+    # Uninitialised tensors: nothing runs, only shapes, dtypes, strides and alignment are read.
+    q = torch.empty((args.batch, sq, args.heads, args.head_dim), dtype=dtype, device=device)
+    k = torch.empty((args.batch, sk, hk, args.head_dim), dtype=dtype, device=device)
+    v = torch.empty_like(k)
+    kw = dict(causal=args.causal, softcap=args.softcap, dropout_p=args.dropout, deterministic=args.deterministic)
+    if args.window:
+        kw["window_size"] = tuple(int(x) for x in args.window.split(","))
+    if args.alibi:
+        kw["alibi_slopes"] = torch.rand(args.heads, device=device)
+    if args.sinks:
+        kw["sinks"] = torch.zeros(args.heads, device=device)
+    if args.varlen:
+        cu_q = torch.tensor([0, sq * args.batch], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, sk * args.batch], dtype=torch.int32, device=device)
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq * args.batch, max_seqlen_k=sk * args.batch)
+    target = Target("cuda", args.arch, False) if args.arch is not None else None
+    print(flashtile.explain(q, k, v, target=target, **kw))
+    return 0
+
+
+_VERBS = {"check": lambda argv: check(), "bench": bench, "explain": explain}
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("check", "bench"):
+    if not argv or argv[0] not in _VERBS:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     if argv[0] == "check" and not torch.cuda.is_available() and not configs.INTERPRETING:
@@ -164,7 +223,7 @@ def main(argv=None):
         # imported -- too late for this process. Start again with it.
         env = dict(os.environ, TRITON_INTERPRET="1")
         os.execve(sys.executable, [sys.executable, "-m", "flashtile", *argv], env)
-    return check() if argv[0] == "check" else bench(argv[1:])
+    return _VERBS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":
