@@ -1,13 +1,14 @@
-"""flashtile attention benchmark: TFLOP/s of flashtile and its peers, measured in the same run on the same GPU.
+"""The attention suite of `python -m flashtile bench`: TFLOP/s of flashtile and its peers, measured in the same run
+on the same GPU, every claim a ratio.
 
-    python benchmarks/bench.py                      # the standard suite, every provider that is importable
-    python benchmarks/bench.py --quick              # seqlen 16k, headdim 64 and 128
-    python benchmarks/bench.py --seqlen 16k --headdim 128 --causal 1 --mode fwd --providers flashtile,sdpa-cudnn
-    python benchmarks/bench.py --memory             # peak memory of fwd+bwd instead of speed
-    python -m flashtile bench [same arguments]
+    python -m flashtile bench                      # the standard suite, every provider that can run here
+    python -m flashtile bench --quick              # seqlen 16k, headdim 64 and 128
+    python -m flashtile bench --seqlen 16k --headdim 128 --causal 1 --mode fwd --providers flashtile,sdpa-cudnn
+    python -m flashtile bench --memory             # peak memory of fwd+bwd instead of speed
+    python -m flashtile bench --list               # providers, and why each one can or cannot run here
 
-Prints progress to stderr and the table last to stdout; writes benchmarks/results/<date>-<gpu>[-tag].json with every
-number and the run's metadata, and a PNG plot with the same stem. See benchmarks/README.md.
+Prints progress to stderr and the table last to stdout; writes <out>/<date>-<gpu>[-tag].json with every number and
+the run's metadata, and a PNG plot with the same stem (with matplotlib). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,16 +29,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-if __package__ in (None, ""):  # run as a script: import `benchmarks` and `flashtile` from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from benchmarks.registry import (MODES, PROVIDERS, QUICK_HEADDIMS, QUICK_SEQLENS, STANDARD_HEADDIMS,
-                                 STANDARD_SEQLENS, Prepared, Provider, Shape, Unsupported, standard_shapes)
+from .registry import (MODES, PROVIDERS, QUICK_HEADDIMS, QUICK_SEQLENS, STANDARD_HEADDIMS, STANDARD_SEQLENS,
+                       Prepared, Provider, Shape, Unsupported, standard_shapes)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results"
+# Results go to ./bench-results unless --out says otherwise (a checkout keeps the runs that back its README in
+# benchmarks/results: pass --out benchmarks/results there).
+DEFAULT_OUT = "bench-results"
 BASELINE = "flashtile"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Max abs error of a provider's forward against an fp32 reference; random N(0, 1) inputs keep |out| below ~1, so
@@ -515,16 +514,24 @@ def write_json(payload: dict, path) -> Path:
 
 
 def _flashtile_version():
-    try:
-        import flashtile
-        return flashtile.__version__
-    except ImportError:
+    from .. import __version__
+    return __version__
+
+
+def checkout_root() -> Path | None:
+    """The flashtile checkout this package runs from (an editable install or PYTHONPATH), or None for an installed
+    wheel: only a checkout's git commit describes the code measured."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
+
+
+def git(*args: str) -> str | None:
+    """`git args` in the checkout (None without one, or when git fails)."""
+    root = checkout_root()
+    if root is None:
         return None
-
-
-def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -533,7 +540,7 @@ def _git(*args: str) -> str | None:
 def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] = PROVIDERS,
                      providers: Sequence[str] = ()) -> dict:
     cuda = torch.cuda.is_available()
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no")
     versions = {}
     for name in providers:
         try:
@@ -554,7 +561,7 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
         "cudnn": torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None,
         "python": platform.python_version(),
         # The GPU machines get a copy of the working tree without .git: pass FLASHTILE_COMMIT there.
-        "flashtile_commit": _git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
+        "flashtile_commit": git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
         "flashtile_version": _flashtile_version(),
         "flashtile_dirty": None if status is None else bool(status),
         "dtype": dtype_name,
@@ -575,10 +582,22 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
 # CLI
 
 
+def _epilog() -> str:
+    from . import SUBCOMMANDS
+
+    lines = ["other benchmarks (each takes --help):"]
+    lines += [f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "Needs a CUDA GPU (--help and --list do not). Results: JSON with every number and the GPU, torch, "
+              "triton\nand date, plus a PNG with matplotlib (pip install flashtile[bench])."]
+    return "\n".join(lines)
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmark flashtile against torch SDPA (cuDNN, flash), "
-                                "FlexAttention, FA2 and FA4 on the standard suite: batch*seqlen = 16k, hidden 2048 "
-                                "(heads = 2048 / headdim).", formatter_class=argparse.RawDescriptionHelpFormatter)
+                                "FlexAttention, FA2 and FA4, in the same run on the same GPU.\nThe standard suite: "
+                                "batch*seqlen = 16k, hidden 2048 (heads = 2048 / headdim), seqlen 1k/4k/16k, headdim "
+                                "64/128/256,\ncausal and not, fwd and bwd, bf16.", epilog=_epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlen", type=parse_list, default=None, metavar="LIST",
                    help="comma-separated sequence lengths, e.g. 1k,4k,16k (default: 1k,4k,16k)")
     p.add_argument("--headdim", type=parse_list, default=None, metavar="LIST",
@@ -596,7 +615,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--rep", type=int, default=100, metavar="MS", help="do_bench repetition time in ms (default 100)")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="time every provider of a shape N times, alternating, and report medians (default 1)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR", help="results folder (default benchmarks/results)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR", help=f"results folder (default ./{DEFAULT_OUT})")
     p.add_argument("--tag", default=None, help="suffix of the results file name")
     p.add_argument("--no-plot", action="store_true", help="write only the JSON")
     p.add_argument("--list", action="store_true", help="list the providers, whether each can run here, and exit")
@@ -618,11 +637,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.list:
         for name in providers:
             reason = PROVIDERS[name].available()
-            print(f"{name:<11} {'available' if reason is None else 'unavailable: ' + reason}\n"
-                  f"            {PROVIDERS[name].description}")
+            print(f"{name:<17} {'available' if reason is None else 'unavailable: ' + reason}\n"
+                  f"{'':<17} {PROVIDERS[name].description}")
         return 0
     if not torch.cuda.is_available():
-        log("error: no CUDA device; the benchmark runs on a GPU (its pure parts are tested by tests/test_bench.py)")
+        log("error: no CUDA device; the benchmark runs on a GPU (--help and --list work without one)")
         return 2
 
     seqlens, headdims = args.seqlen, args.headdim
@@ -653,16 +672,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     save(suite)
 
     if not args.no_plot and not args.memory and suite["results"]:
+        from .plot import plot_file
+
         try:
-            from benchmarks.plot import plot_file
-        except ImportError as exc:  # benchmarks.plot itself needs nothing beyond the standard library
-            log(f"plot: {exc}")
-        else:
-            try:
-                log(f"plot -> {plot_file(json_path)}")
-            except ModuleNotFoundError as exc:
-                log(f"matplotlib is not installed ({exc}); wrote only the JSON. Re-plot later with "
-                    f"`python -m benchmarks.plot {json_path}`")
+            log(f"plot -> {plot_file(json_path)}")
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("matplotlib"):
+                raise
+            log(f"no plot: matplotlib is not installed ({exc}); wrote only the JSON. pip install matplotlib "
+                f"(or flashtile[bench]), then: python -m flashtile bench plot {json_path}")
 
     what = "peak memory of fwd+bwd (MiB, lower is better)" if args.memory else \
         "TFLOP/s (median of triton.testing.do_bench)"

@@ -146,21 +146,35 @@ def _flashtile_prepare(q, k, v, causal, scale) -> Prepared:
     return Prepared(lambda: flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal), (q, k, v))
 
 
+@contextlib.contextmanager
+def _gluon_forward_off():
+    """The Hopper Gluon forward switched off for the duration (SETTINGS.gluon_forward, and the kernel module's own
+    ENABLED switch where a kernel still reads that)."""
+    from flashtile import _settings
+    from flashtile.kernels import hopper_fwd
+
+    saved = getattr(hopper_fwd, "ENABLED", None)
+    if saved is not None:
+        hopper_fwd.ENABLED = False
+    try:
+        with _settings.override(gluon_forward=False):
+            yield
+    finally:
+        if saved is not None:
+            hopper_fwd.ENABLED = saved
+
+
 def _flashtile_portable_prepare(q, k, v, causal, scale) -> Prepared:
     """flashtile with the Hopper Gluon kernels switched off: the portable Triton kernels only. The forward's switch
     is flipped around the call; deterministic=True keeps the backward (run later by autograd) off the Gluon
     kernel, whose dQ reduction is not deterministic."""
     import flashtile
-    from flashtile.kernels import hopper_fwd
 
     q, k, v = _leaf(q), _leaf(k), _leaf(v)
 
     def fwd():
-        hopper_fwd.ENABLED = False
-        try:
+        with _gluon_forward_off():
             return flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=True)
-        finally:
-            hopper_fwd.ENABLED = True
     return Prepared(fwd, (q, k, v))
 
 
@@ -319,9 +333,9 @@ def _fa4_prepare(q, k, v, causal, scale) -> Prepared:
 
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in [
-    Provider("flashtile", "flashtile.flash_attn_func (Triton), [B, S, H, D]", _flashtile_available,
-             _flashtile_prepare, lambda: _dist_version("flashtile") or getattr(importlib.import_module("flashtile"),
-                                                                               "__version__", None)),
+    Provider("flashtile", "flashtile.flash_attn_func (Gluon on Hopper, else Triton), [B, S, H, D]",
+             _flashtile_available, _flashtile_prepare,
+             lambda: _dist_version("flashtile") or getattr(importlib.import_module("flashtile"), "__version__", None)),
     Provider("flashtile-triton", "flashtile with its Gluon kernels off (the portable Triton path)",
              _flashtile_available, _flashtile_portable_prepare, lambda: None),
     Provider("sdpa-cudnn", "torch SDPA, SDPBackend.CUDNN_ATTENTION, [B, H, S, D]", _sdpa_available("CUDNN_ATTENTION"),

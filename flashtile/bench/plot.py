@@ -1,7 +1,8 @@
-"""Plot a results JSON written by benchmarks/bench.py: one panel per (mode, headdim, causal), bars per provider
-over seqlen. WRONG results are hatched; errors and skips have no bar.
+"""Plot a results JSON written by the suite (runner.py): one panel per (mode, headdim, causal), bars per provider
+over seqlen. WRONG results are hatched; errors and skips have no bar. Needs matplotlib (`pip install
+flashtile[bench]`); without it the command says so and exits with status 2.
 
-    python -m benchmarks.plot benchmarks/results/2026-11-21-h200.json [--out file.png]
+    python -m flashtile bench plot benchmarks/results/2026-11-21-h200.json [--out file.png]
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import sys
 from pathlib import Path
 
 # Fixed colours per provider so that plots of different runs compare at a glance.
-COLORS = {"flashtile": "#d62728", "sdpa-cudnn": "#1f77b4", "sdpa-flash": "#2ca02c", "flex": "#9467bd",
-          "fa2": "#8c564b", "fa4": "#ff7f0e"}
+COLORS = {"flashtile": "#d62728", "flashtile-triton": "#e377c2", "sdpa-cudnn": "#1f77b4", "sdpa-flash": "#2ca02c",
+          "flex": "#9467bd", "fa2": "#8c564b", "fa4": "#ff7f0e"}
 _MODE_ORDER = {"fwd": 0, "bwd": 1, "fwd+bwd": 2}
 
 
@@ -91,15 +92,22 @@ def plot_file(json_path, png_path=None) -> Path:
     return plot_results(data, png_path or json_path.with_suffix(".png"))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.plot", description="Plot a benchmarks/bench.py JSON.")
+def main(argv=None, prog: str = "python -m flashtile bench plot") -> int:
+    p = argparse.ArgumentParser(prog=prog, description="Plot a results JSON of `python -m flashtile bench` "
+                                "(needs matplotlib).")
     p.add_argument("json", help="results JSON")
     p.add_argument("--out", default=None, help="PNG path (default: next to the JSON, same stem)")
     args = p.parse_args(argv)
+    if not Path(args.json).is_file():
+        print(f"error: no results file {args.json}", file=sys.stderr)
+        return 2
     try:
         path = plot_file(args.json, args.out)
     except ModuleNotFoundError as exc:
-        print(f"error: plotting needs matplotlib ({exc}); pip install matplotlib", file=sys.stderr)
+        if not (exc.name or "").startswith("matplotlib"):
+            raise
+        print(f"error: plotting needs matplotlib ({exc}); pip install matplotlib (or flashtile[bench])",
+              file=sys.stderr)
         return 2
     print(path)
     return 0

@@ -1,10 +1,10 @@
 """Decode benchmark: KV-cache attention at one query token, flashtile against its peers in the same run.
 
-    python benchmarks/bench_decode.py --out benchmarks/results            # the standard table
-    python benchmarks/bench_decode.py --out benchmarks/results --sweep    # + tile and num_splits sweep for decode.py
-    python benchmarks/bench_decode.py --batch 8 --kv 16k                  # one shape
-    python benchmarks/bench_decode.py --sweep-only --sweep-shapes 8x16k,8x16kp16,8x16kp256   # sweep some shapes
-    TRITON_INTERPRET=1 python benchmarks/bench_decode.py --host-cpu       # host overhead per call, no GPU
+    python -m flashtile bench decode                       # the standard table
+    python -m flashtile bench decode --sweep               # + tile and num_splits sweep for kernels/decode.py
+    python -m flashtile bench decode --batch 8 --kv 16k    # one shape
+    python -m flashtile bench decode --sweep-only --sweep-shapes 8x16k,8x16kp16,8x16kp256   # sweep some shapes
+    TRITON_INTERPRET=1 python -m flashtile bench decode --host-cpu   # host overhead per call, no GPU
 
 bf16, headdim 128, Hq = 32 query heads over Hkv = 8 kv heads (GQA 4), q_len 1, every sequence at the full cache
 length, batch 1/8/64 x kv 4k/16k/64k (shapes that do not fit the GPU's free memory are skipped). Providers:
@@ -28,6 +28,7 @@ launcher, no CUDA allocations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -35,18 +36,14 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: import flashtile from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from .runner import DEFAULT_OUT, git, result_path
+
 DEVICE = "cuda"
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -296,27 +293,41 @@ def parse_sweep_shapes(text):
     return shapes
 
 
+@contextlib.contextmanager
+def _decode_tiles(tile, page_slabs):
+    """The split kernel limited to one tile, and the paged addressing chosen (SETTINGS.decode_tiles / page_slabs,
+    and kernels/decode.py's own TILE_OVERRIDE / PAGE_SLABS where the kernel still reads those)."""
+    from flashtile import _settings
+    from flashtile.kernels import decode
+
+    legacy = {"TILE_OVERRIDE": [tile], "PAGE_SLABS": page_slabs}
+    saved = {name: getattr(decode, name) for name in legacy if hasattr(decode, name)}
+    for name in saved:
+        setattr(decode, name, legacy[name])
+    try:
+        with _settings.override(decode_tiles=[tile], page_slabs=page_slabs):
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(decode, name, value)
+
+
 def sweep(shapes, progress=log):
     """Split kernel tiles at num_splits=0, then num_splits for the best tile, per shape (batch, kv, page size or
-    None), and for paged shapes the best tile with per-row addressing (decode.PAGE_SLABS off): what decode.py's
+    None), and for paged shapes the best tile with per-row addressing (page slabs off): what kernels/decode.py's
     tile table, split heuristic (SPLIT_TOLERANCE) and paged addressing should come from."""
-    from flashtile.kernels import decode
     rows = []
-    saved = decode.TILE_OVERRIDE, decode.PAGE_SLABS
-    try:
-        for batch, kv_len, page_size in shapes:
-            if not fits(3 * kv_bytes(batch, kv_len)):
-                progress(f"sweep: B={batch} kv={kv_len} does not fit; skipped")
-                continue
-            rows += _sweep_shape(batch, kv_len, page_size, progress)
-            torch.cuda.empty_cache()
-    finally:
-        decode.TILE_OVERRIDE, decode.PAGE_SLABS = saved
+    for batch, kv_len, page_size in shapes:
+        if not fits(3 * kv_bytes(batch, kv_len)):
+            progress(f"sweep: B={batch} kv={kv_len} does not fit; skipped")
+            continue
+        rows += _sweep_shape(batch, kv_len, page_size, progress)
+        torch.cuda.empty_cache()
     return rows
 
 
 def _sweep_shape(batch, kv_len, page_size, progress):
-    from flashtile.kernels import configs, decode
+    from flashtile.kernels import configs
     from flashtile.kernels.configs import TileConfig
     gen = torch.Generator(device=DEVICE).manual_seed(batch + kv_len)
     q = torch.randn((batch, 1, HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
@@ -327,17 +338,16 @@ def _sweep_shape(batch, kv_len, page_size, progress):
     label = f"B={batch} kv={kv_len} page={page_size}"
 
     def measure(tile, n_splits, slabs=True):
-        decode.TILE_OVERRIDE = [tile]
-        decode.PAGE_SLABS = slabs
         row = dict(batch=batch, kv=kv_len, page_size=page_size, page_slabs=slabs, tile=dataclasses.asdict(tile),
                    num_splits=n_splits)
         try:
-            ms = bench(make(q, k, v, num_splits=n_splits))
-        except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result of the sweep
+            with _decode_tiles(tile, slabs):
+                ms = bench(make(q, k, v, num_splits=n_splits))
+        except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result of the sweep (a row)
             row.update(status="error", note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             return row
-        compiled = [c for key, c in configs.LAST_COMPILED.items() if key[0] == "decode" and key[-1] == (tile,)
-                    and c is not None]
+        compiled = [c for key, c in getattr(configs, "LAST_COMPILED", {}).items()
+                    if key[0] == "decode" and key[-1] == (tile,) and c is not None]
         row.update(status="ok", ms=ms, kv_tbps=nbytes / (ms * 1e-3) / 1e12)
         if compiled:
             row.update(n_regs=getattr(compiled[-1], "n_regs", None), n_spills=getattr(compiled[-1], "n_spills", None))
@@ -479,14 +489,6 @@ def check_bars(results):
     return bars
 
 
-def _git(*args):
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def metadata(argv):
     def version(pkg):
         try:
@@ -505,7 +507,7 @@ def metadata(argv):
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "python": platform.python_version(),
         # The GPU machines get the working tree without .git: pass FLASHTILE_COMMIT there.
-        "flashtile_commit": _git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
+        "flashtile_commit": git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
         "shape": f"bf16, headdim {HEAD_DIM}, Hq {HEADS}, Hkv {KV_HEADS}, q_len 1, every sequence at the full length",
         "timing": "median of triton.testing.do_bench (L2 cleared before each call)",
         "bytes": "KV bytes = B * kv * Hkv * D * 2 (K and V) * 2 bytes; copy = 2 * 1 GiB per copy_ (read + write)",
@@ -519,10 +521,10 @@ def parse_size(text):
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser(prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="directory for the JSON")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"results folder (default ./{DEFAULT_OUT})")
     p.add_argument("--batch", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     p.add_argument("--kv", default="4k,16k,64k", help="comma-separated cache lengths, e.g. 4k,16k")
     p.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
@@ -530,12 +532,18 @@ def main(argv=None):
     p.add_argument("--sweep-only", action="store_true", help="only the sweep (no table)")
     p.add_argument("--sweep-shapes", default=SWEEP_SHAPES, help="batch x kv [p page size], comma-separated")
     p.add_argument("--host-cpu", action="store_true", help="host microseconds per call on the CPU (see above)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None, prog=None):
+    """Run the decode benchmark; returns the exit status: 1 when a flashtile row is wrong or an error, 2 without a
+    GPU or for bad arguments."""
+    args = build_parser(prog).parse_args(argv)
     if args.host_cpu:
         host_overhead_cpu()
         return 0
     if not torch.cuda.is_available():
-        log("bench_decode needs a CUDA GPU.")
+        log("error: no CUDA device; the decode benchmark runs on a GPU (--host-cpu does not)")
         return 2
     providers = [n.strip() for n in args.providers.split(",") if n.strip()]
     unknown = [n for n in providers if n not in PROVIDERS]
@@ -545,9 +553,8 @@ def main(argv=None):
     batches = [int(b) for b in args.batch.split(",")]
     kvs = [parse_size(s) for s in args.kv.split(",")]
     meta = metadata(sys.argv[1:] if argv is None else list(argv))
-    gpu_slug = "".join(c if c.isalnum() else "-" for c in meta["gpu"].lower()).strip("-")
     suffix = "decode-sweep" if args.sweep_only else "decode"
-    out_path = Path(args.out) / f"{meta['date'][:10]}-{gpu_slug}-{suffix}.json"
+    out_path = result_path(args.out, meta["gpu"], suffix, meta["date"][:10])
 
     copy_bps, copy_ms = copy_bandwidth()
     log(f"{meta['gpu']}: device copy {copy_bps / 1e12:.2f} TB/s ({copy_ms * 1e3:.0f} us per 1 GiB copy_)")
