@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -306,8 +307,8 @@ def test_run_suite_nan_output_is_wrong_not_ok():
 
 def _result(provider, mode, tflops, status="ok", seqlen=16384, headdim=128, causal=False, detail=""):
     shape = Shape(16384 // seqlen, seqlen, seqlen, 2048 // headdim, 2048 // headdim, headdim, causal)
-    return bench.Result(provider, mode, shape.label, shape.batch, seqlen, seqlen, shape.heads, shape.heads,
-                        headdim, causal, "bf16", status, ms=1.0 if tflops else None, tflops=tflops, detail=detail)
+    return bench.Result(**asdict(shape), provider=provider, mode=mode, dtype="bf16", status=status,
+                        ms=1.0 if tflops else None, tflops=tflops, detail=detail)
 
 
 def test_format_table_columns_and_ratios():
@@ -359,9 +360,11 @@ def test_format_table_without_baseline_has_no_ratios():
 
 
 def test_format_table_accepts_json_dicts():
-    from dataclasses import asdict
-    results = [asdict(_result("flashtile", "fwd", 500.0)), asdict(_result("fa4", "fwd", 250.0))]
-    assert "2.00x" in bench.format_table(json.loads(json.dumps(results)))
+    # rows as the results file holds them: the Result's fields and its shape's label
+    results = [bench._jsonable(_result("flashtile", "fwd", 500.0)), bench._jsonable(_result("fa4", "fwd", 250.0))]
+    assert results[0]["label"] == "B1 H16 S16k D128"
+    text = bench.format_table(json.loads(json.dumps(results)))
+    assert "2.00x" in text and "| B1 H16 S16k D128 | fwd" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -385,8 +388,7 @@ def test_result_path_naming_and_no_clobber(tmp_path):
 
 
 def test_write_json_roundtrip_strict(tmp_path):
-    results = [_result("flashtile", "fwd", 500.0)]
-    results[0].max_abs_diff = float("nan")
+    results = [replace(_result("flashtile", "fwd", 500.0), max_abs_diff=float("nan"))]
     meta = bench.collect_metadata({"quick": True}, "bf16", providers=["flashtile", "fa4"])
     for key in ("date", "gpu", "torch", "triton", "cuda", "flashtile_commit", "args", "provider_versions"):
         assert key in meta
@@ -394,6 +396,7 @@ def test_write_json_roundtrip_strict(tmp_path):
     data = json.loads(path.read_text())     # strict JSON: NaN is written as a string, not dropped
     assert data["results"][0]["max_abs_diff"] == "nan"
     assert data["results"][0]["tflops"] == 500.0
+    assert data["results"][0]["label"] == "B1 H16 S16k D128" and data["results"][0]["headdim"] == 128
     assert data["metadata"]["args"] == {"quick": True}
     assert not (tmp_path / "sub" / "r.json.tmp").exists()
 

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -176,18 +176,11 @@ def max_abs_diff(out_bshd: torch.Tensor, ref_rows: torch.Tensor, rows: torch.Ten
 # Measurement
 
 
-@dataclass
-class Result:
+@dataclass(frozen=True)
+class Result(Shape):
+    """One provider's row for one shape and mode: the shape's fields (and its label), then the measurement."""
     provider: str
-    mode: str
-    label: str
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    heads_k: int
-    headdim: int
-    causal: bool
+    mode: str                          # fwd | bwd | fwd+bwd | memory
     dtype: str
     status: str                        # ok | wrong | error | skipped
     ms: float | None = None
@@ -266,8 +259,7 @@ def _run_provider(provider: Provider, shape: Shape, q, k, v, ref, rows, modes, m
     softmax_scale = shape.headdim ** -0.5
 
     def row(mode, status, **kw) -> Result:
-        return Result(provider.name, mode, shape.label, shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads,
-                      shape.heads_k, shape.headdim, shape.causal, dtype_name, status, **kw)
+        return Result(**asdict(shape), provider=provider.name, mode=mode, dtype=dtype_name, status=status, **kw)
 
     try:
         prepared = provider.prepare(q, k, v, shape.causal, softmax_scale)
@@ -398,10 +390,13 @@ def _progress_value(r: Result) -> str:
 # Table
 
 _MODE_ORDER = {m: i for i, m in enumerate(("fwd", "bwd", "fwd+bwd", "memory"))}
+_RESULT_FIELDS = {f.name for f in fields(Result)}
 
 
 def _as_result(r) -> Result:
-    return r if isinstance(r, Result) else Result(**r)
+    if isinstance(r, Result):
+        return r
+    return Result(**{k: v for k, v in r.items() if k in _RESULT_FIELDS})  # a JSON row also holds the label
 
 
 def format_table(results: Sequence, skipped: dict[str, str] | None = None, baseline: str = BASELINE,
@@ -498,7 +493,7 @@ def _jsonable(x):
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     if isinstance(x, Result):
-        return _jsonable(asdict(x))
+        return _jsonable(dict(label=x.label, **asdict(x)))
     if isinstance(x, Path):
         return str(x)
     return x
