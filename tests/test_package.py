@@ -3,6 +3,7 @@
 directory when it is the only flashtile on the path. (.ci/run also installs it in a fresh venv and runs `check`.)"""
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -24,8 +25,13 @@ def _setuptools_builds_here():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
+    # Built from a copy of the checkout (benchmarks/, tests/ and docs/ included, which must stay out of the wheel), so
+    # that setuptools' build/ and egg-info stay out of the checkout itself.
+    src = tmp_path_factory.mktemp("src") / "flashtile-src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info",
+                                                             "__pycache__", ".whl", ".whl2", ".gl", ".pytest_cache"))
     out = tmp_path_factory.mktemp("dist")
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)]
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)]
     if _setuptools_builds_here():
         cmd.insert(4, "--no-build-isolation")
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
