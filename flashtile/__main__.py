@@ -1,17 +1,16 @@
-"""Command line: `python -m flashtile check`, `python -m flashtile bench [options]`, `python -m flashtile explain [options]`.
+"""Command line: `python -m flashtile VERB [arguments]`, one entry per verb in VERBS.
 
 check: runs the kernels forward and backward against the float64 reference on the device present (a CUDA GPU, or
     Triton's interpreter on the CPU with small shapes), plain attention over a set of shapes and then each feature
     (window, softcap, ALiBi, sinks, dropout, bias, bool mask) on one shape, and prints a pass/fail table; exit
     status 1 on any failure.
-bench: the benchmark of benchmarks/bench.py (needs a flashtile checkout and a CUDA GPU); `bench --help` lists its
-    options.
+bench: the benchmark (flashtile/bench/): flashtile against torch SDPA, FlexAttention and FA4 in the same run on a
+    CUDA GPU; `bench --help` lists its options and its other benchmarks (features, decode, plot).
 explain: which backend (Gluon Hopper kernels, portable Triton kernels, PyTorch reference) runs a call of the given
     shape and options, forward and backward, and why the ones before it decline; `explain --help` lists the options
     (--arch 90 asks about an H100 from any machine).
 """
 import os
-import pathlib
 import sys
 
 import torch
@@ -145,16 +144,26 @@ def _check_features(on_gpu, device):
     return failures
 
 
-def bench(argv):
-    root = pathlib.Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "bench.py").is_file():
-        print("python -m flashtile bench runs benchmarks/bench.py from a flashtile checkout (pip install -e .); "
-              f"none found next to {root}.", file=sys.stderr)
+def _check_verb(argv):
+    if argv:
+        if argv[0] in ("-h", "--help"):
+            text = __doc__.split("check: ", 1)[1].split("\nbench: ")[0].replace("\n    ", " ")
+            print(f"usage: python -m flashtile check\n\nRuns {text.removeprefix('runs ')}")
+            return 0
+        print(f"error: check takes no arguments, got {' '.join(argv)}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(root))
-    from benchmarks.bench import main as bench_main
+    if not torch.cuda.is_available() and not configs.INTERPRETING:
+        # Without a GPU the kernels run only in Triton's interpreter, which must be chosen before triton is first
+        # imported -- too late for this process. Start again with it.
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        os.execve(sys.executable, [sys.executable, "-m", "flashtile", "check"], env)
+    return check()
 
-    return bench_main(argv)
+
+def _bench_verb(argv):
+    from .bench import main as bench_main
+
+    return bench_main(argv, prog="python -m flashtile bench")
 
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -210,20 +219,30 @@ def explain(argv):
     return 0
 
 
-_VERBS = {"check": lambda argv: check(), "bench": bench, "explain": explain}
+# verb -> (function of the remaining arguments that returns the exit status, one line for the usage text).
+# A new verb is one entry here (and a paragraph in the module docstring).
+VERBS = {
+    "check": (_check_verb, "check the kernels against the float64 reference on this device (GPU or CPU)"),
+    "bench": (_bench_verb, "benchmark flashtile against its peers on a CUDA GPU (bench --help for more)"),
+    "explain": (explain, "which backend runs a call of this shape and these options, and why (explain --help)"),
+}
+
+
+def usage():
+    lines = ["usage: python -m flashtile VERB [arguments]", "", "verbs:"]
+    lines += [f"  {verb:<7} {text}" for verb, (_, text) in VERBS.items()]
+    return "\n".join(lines)
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in _VERBS:
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    if argv[0] == "check" and not torch.cuda.is_available() and not configs.INTERPRETING:
-        # Without a GPU the kernels run only in Triton's interpreter, which must be chosen before triton is first
-        # imported -- too late for this process. Start again with it.
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "flashtile", *argv], env)
-    return _VERBS[argv[0]](argv[1:])
+    if not argv or argv[0] not in VERBS:
+        help_asked = bool(argv) and argv[0] in ("-h", "--help")
+        if argv and not help_asked:
+            print(f"error: unknown verb {argv[0]!r}; the verbs are {', '.join(VERBS)}", file=sys.stderr)
+        print(usage(), file=sys.stdout if help_asked else sys.stderr)
+        return 0 if help_asked else 2
+    return VERBS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":
