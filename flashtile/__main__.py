@@ -17,24 +17,23 @@ import torch
 
 from .kernels import configs
 
-# (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype)
-_GPU_CASES = [
-    (2, 1024, 1024, 16, 16, 64, False, torch.bfloat16),
-    (2, 1024, 1024, 16, 16, 64, True, torch.float16),
-    (1, 4096, 4096, 16, 4, 128, True, torch.bfloat16),
-    (1, 4096, 4096, 16, 16, 128, False, torch.float16),
-    (1, 2048, 2048, 8, 8, 256, True, torch.bfloat16),
-    (2, 1000, 3000, 8, 2, 96, True, torch.bfloat16),
-    (2, 3000, 1000, 8, 1, 40, True, torch.float16),
-    (2, 777, 777, 4, 4, 32, False, torch.float32),
-    (4, 1, 4096, 32, 8, 128, True, torch.bfloat16),
-]
-_CPU_CASES = [
-    (1, 17, 33, 2, 1, 16, False, torch.float32),
-    (1, 33, 17, 4, 2, 32, True, torch.float16),
-    (2, 65, 65, 2, 2, 64, True, torch.bfloat16),
-    (1, 1, 40, 4, 1, 40, True, torch.bfloat16),
-    (1, 70, 129, 2, 1, 128, True, torch.float32),
+# (where, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype): GPU cases cover the Gluon and the
+# portable kernels' head dims and odd sizes; CPU cases are small enough for Triton's interpreter.
+_CASES = [
+    ("gpu", 2, 1024, 1024, 16, 16, 64, False, torch.bfloat16),
+    ("gpu", 2, 1024, 1024, 16, 16, 64, True, torch.float16),
+    ("gpu", 1, 4096, 4096, 16, 4, 128, True, torch.bfloat16),
+    ("gpu", 1, 4096, 4096, 16, 16, 128, False, torch.float16),
+    ("gpu", 1, 2048, 2048, 8, 8, 256, True, torch.bfloat16),
+    ("gpu", 2, 1000, 3000, 8, 2, 96, True, torch.bfloat16),
+    ("gpu", 2, 3000, 1000, 8, 1, 40, True, torch.float16),
+    ("gpu", 2, 777, 777, 4, 4, 32, False, torch.float32),
+    ("gpu", 4, 1, 4096, 32, 8, 128, True, torch.bfloat16),
+    ("cpu", 1, 17, 33, 2, 1, 16, False, torch.float32),
+    ("cpu", 1, 33, 17, 4, 2, 32, True, torch.float16),
+    ("cpu", 2, 65, 65, 2, 2, 64, True, torch.bfloat16),
+    ("cpu", 1, 1, 40, 4, 1, 40, True, torch.bfloat16),
+    ("cpu", 1, 70, 129, 2, 1, 128, True, torch.float32),
 ]
 _DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -53,7 +52,8 @@ def check():
     print(header)
     print("-" * len(header))
     failures = 0
-    for i, (b, sq, sk, h, hk, d, causal, dtype) in enumerate(_GPU_CASES if on_gpu else _CPU_CASES):
+    cases = [case[1:] for case in _CASES if case[0] == ("gpu" if on_gpu else "cpu")]
+    for i, (b, sq, sk, h, hk, d, causal, dtype) in enumerate(cases):
         q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=device, seed=i)
         dout = torch.randn(q.shape, device=device, generator=torch.Generator(device).manual_seed(100 + i)).to(dtype)
         out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
