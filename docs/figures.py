@@ -7,9 +7,10 @@
   never read.
 - memory.png: memory against sequence length for one attention layer's forward+backward: what naive attention keeps
   (the Sq x Sk scores and probabilities) against what flashtile keeps (q, k, v, out and the LSE), both counted from
-  the tensors each stores, with the peaks measured on a GPU (`benchmarks/bench.py --memory`) where a results file
-  has them.
-- tflops.png: TFLOP/s against peers from the newest `benchmarks/bench.py` suite results file (same run, same GPU).
+  the tensors each stores, with the peaks measured on a GPU (`python -m flashtile bench --memory`) where a results
+  file has them.
+- tflops.png: TFLOP/s against peers from the newest `python -m flashtile bench` suite results file (same run, same
+  GPU).
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def tiling(path, seqlen=512, block_m=128, block_n=64):
 
 
 def _measured_memory(results):
-    """{provider: [(seqlen, MiB)]} of `bench.py --memory` rows (causal, head dim 128), with the GPU's name."""
+    """{provider: [(seqlen, MiB, batch, heads)]} of `python -m flashtile bench --memory` rows (causal, head dim 128),
+    and the GPU's name."""
     points, gpu = {}, None
     for file in sorted(Path(results).glob("*memory*.json")):
         data = json.loads(file.read_text())
@@ -149,7 +151,7 @@ def tflops(path, results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"),
-                        help="folder of benchmarks/bench.py results (default benchmarks/results)")
+                        help="folder of `python -m flashtile bench` results (default benchmarks/results)")
     args = parser.parse_args(argv)
     OUT.mkdir(exist_ok=True)
     tiling(OUT / "tiling.png")

@@ -13,6 +13,7 @@ import torch
 
 from .. import _ops
 from .. import interface as _interface
+from ..request import AttentionRequest, unbounded_window
 
 
 def draw_seed(q, dropout_p):
@@ -20,26 +21,34 @@ def draw_seed(q, dropout_p):
     return _interface._draw_seed(q, dropout_p)
 
 
-def attention_forward(q, k, v, scale, causal, *, window=(-1, -1), alibi_slopes=None, dropout_p=0.0, seed=None,
-                      varlen=None):
-    """-> (out like q with v's head dim, lse float32 (batch, heads, seqlen_q) or (heads, total_q))."""
-    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
-    offset = 0 if varlen is not None else k.shape[1] - q.shape[1]
+def _request(q, k, scale, causal, window, dropout_p, seed, varlen):
+    """The AttentionRequest of one call: causal is the band's right edge at the diagonal (request.py)."""
+    left, right = window
+    if causal:
+        right = 0
+    if varlen is not None:
+        cu_q, cu_k, max_q, max_k = varlen
+        left, right = unbounded_window(left, right, max_q, max_k)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    else:
+        left, right = unbounded_window(left, right, q.shape[1], k.shape[1])
+        extra = dict(diagonal_offset=k.shape[1] - q.shape[1])
+    return AttentionRequest(softmax_scale=scale, window_left=left, window_right=right, dropout_p=dropout_p,
+                            seed=seed, deterministic=torch.are_deterministic_algorithms_enabled(), **extra)
+
+
+def attention_forward(q, k, v, scale, causal, *, window=(-1, -1), dropout_p=0.0, seed=None, varlen=None):
+    """-> (out like q with v's head dim, lse float32 (batch, heads, seqlen_q) or (heads, total_q)). scale > 0."""
     with torch.no_grad():
-        return _ops._attn_fwd_impl(q, k, v, scale, causal, offset, window[0], window[1], 0.0, alibi_slopes, None,
-                                   None, dropout_p, seed, cu_q, cu_k, max_q, max_k, False)
+        return _ops.forward(q, k, v, _request(q, k, scale, causal, window, dropout_p, seed, varlen))
 
 
-def attention_backward(dout, q, k, v, out, lse, scale, causal, *, window=(-1, -1), alibi_slopes=None, dropout_p=0.0,
-                       seed=None, varlen=None):
+def attention_backward(dout, q, k, v, out, lse, scale, causal, *, window=(-1, -1), dropout_p=0.0, seed=None,
+                       varlen=None):
     """Gradients (dq, dk, dv) of attention_forward's call for the given out and lse, which need not be the ones the
     forward returned: the backward recomputes P = exp(scale * q k^T - lse) and delta = rowsum(dout * out) from them
     (docs/derivation.md, chapter 6), which is how a merged LSE yields each partial's share of the gradients."""
-    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
-    offset = 0 if varlen is not None else k.shape[1] - q.shape[1]
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    req = _request(q, k, scale, causal, window, dropout_p, seed, varlen)
     with torch.no_grad():
-        dq, dk, dv = _ops._attn_bwd_impl(dout, q, k, v, out, lse, None, scale, causal, offset, window[0],
-                                         window[1], 0.0, alibi_slopes, None, False, None, dropout_p, seed, cu_q, cu_k,
-                                         max_q, max_k, deterministic)
+        dq, dk, dv = _ops.backward(dout, q, k, v, out, lse, None, req)
     return dq, dk, dv
