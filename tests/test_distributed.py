@@ -1,0 +1,317 @@
+"""flashtile.distributed on CPU: gloo process groups of 2 and 3 ranks against single-process flashtile.
+
+Each world size is one group of spawned processes that runs every case (process start-up and imports are most of
+the cost); a case's test asserts what its ranks reported. Every rank builds the same full inputs, computes
+flash_attn_func / flash_attn_varlen_func on them as the reference, runs the distributed function on its shard and
+compares its out, lse, dq, dk, dv with the reference's rows. Most groups run flashtile's float32 reference path
+(no TRITON_INTERPRET in the children); one runs the Triton kernels in the interpreter on a few cases.
+
+Bad inputs: ranks pass mismatched or invalid arguments and every rank must raise (a hang fails by timeout).
+"""
+import dataclasses
+import datetime
+import os
+import socket
+import traceback
+import warnings
+
+import pytest
+import torch
+
+# Fixed-length cases: (name, function, batch, seqlen_q per rank, seqlen_k per rank, heads, kv heads, head dim,
+# options). Sizes are per rank, so the global sequence grows with the world size; zig-zag needs even shards.
+_W = (-1, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    fn: str
+    batch: int = 2
+    sq: int = 10
+    sk: int = 10
+    heads: int = 6
+    kv_heads: int = 2
+    dim: int = 16
+    causal: bool = False
+    window: tuple = _W
+    softcap: float = 0.0
+    alibi: int = 0          # 0 none, 1 (heads,), 2 (batch, heads)
+    scale: float = None
+    dlse: bool = False      # the loss also uses the returned lse
+    lens: tuple = ()        # varlen: sequence lengths (the total must split over the ranks)
+    deterministic: bool = False
+
+    @property
+    def id(self):
+        return self.name
+
+
+CASES = [
+    Case("ring-gqa", "ring"),
+    Case("ring-causal-gqa", "ring", causal=True),
+    Case("ring-causal-sq<sk", "ring", sq=6, sk=10, causal=True, heads=4, kv_heads=4),
+    Case("ring-sq>sk-window", "ring", sq=10, sk=6, window=(5, 3), heads=2, kv_heads=1),
+    Case("ring-causal-window-alibi-softcap", "ring", causal=True, window=(7, 0), alibi=1, softcap=3.0, dlse=True),
+    Case("ring-mqa-negscale", "ring", kv_heads=1, scale=-0.2, deterministic=True),
+    Case("zigzag", "zigzag", heads=4, kv_heads=4),
+    Case("zigzag-causal-gqa", "zigzag", causal=True, dlse=True),
+    Case("zigzag-causal-sq<sk", "zigzag", sq=6, sk=10, causal=True, kv_heads=3),
+    Case("zigzag-causal-window", "zigzag", causal=True, window=(6, 0), kv_heads=1),
+    Case("zigzag-window-alibi-batch", "zigzag", window=(4, 4), alibi=2),
+    Case("varlen", "varlen", lens=(5, 1, 14, 0, 10), heads=4, kv_heads=2),
+    Case("varlen-causal", "varlen", lens=(7, 3, 9, 11), causal=True, dlse=True),
+    Case("varlen-causal-window-alibi", "varlen", lens=(13, 2, 15), causal=True, window=(5, 0), alibi=2),
+    Case("varlen-long-sequence-window", "varlen", lens=(30,), window=(4, 6), softcap=2.0, kv_heads=1),
+    Case("ulysses-gqa", "ulysses", heads=6, kv_heads=3),
+    Case("ulysses-causal-mqa", "ulysses", heads=6, kv_heads=1, causal=True, dlse=True),
+    Case("ulysses-sq<sk-window-alibi", "ulysses", sq=6, sk=10, heads=6, kv_heads=6, causal=True, window=(5, 0),
+         alibi=2),
+]
+# The interpreter runs the real kernels (diagonal offsets, float32 gradient buffers, packed own-shard calls).
+INTERPRETER_CASES = ["ring-causal-gqa", "zigzag-causal-window", "varlen-causal", "ulysses-gqa"]
+
+BAD_CASES = ["shape-mismatch", "one-rank-bad-dtype", "zigzag-odd", "varlen-not-divisible", "ulysses-heads",
+             "dropout", "cu-seqlens-differ", "options-differ"]
+
+_TIMEOUT_S = 120
+
+
+def _full_inputs(case, world):
+    gen = torch.Generator().manual_seed(1234)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    if case.fn == "varlen":
+        lens = list(case.lens)
+        lens[-1] += (-sum(lens)) % world  # the packed batch splits into equal shards
+        t = sum(lens)
+        q, k, v, dout = rnd(t, case.heads, case.dim), rnd(t, case.kv_heads, case.dim), \
+            rnd(t, case.kv_heads, case.dim), rnd(t, case.heads, case.dim)
+        dlse = rnd(case.heads, t)
+        n_seq = len(lens)
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(n_seq)], dtype=torch.int32)
+        return q, k, v, dout, dlse, cu, max(lens), n_seq
+    sq, sk = case.sq * world, case.sk * world
+    q, k, v = rnd(case.batch, sq, case.heads, case.dim), rnd(case.batch, sk, case.kv_heads, case.dim), \
+        rnd(case.batch, sk, case.kv_heads, case.dim)
+    return q, k, v, rnd(case.batch, sq, case.heads, case.dim), rnd(case.batch, case.heads, sq), None, 0, case.batch
+
+
+def _slopes(case, batch):
+    if not case.alibi:
+        return None
+    base = torch.linspace(0.05, 0.6, case.heads)
+    return base if case.alibi == 1 else base[None] * torch.linspace(0.5, 1.5, batch)[:, None]
+
+
+def _reference(case, inputs):
+    import flashtile
+    q, k, v, dout, dlse, cu, max_len, batch = inputs
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
+              alibi_slopes=_slopes(case, batch), return_attn_probs=True)
+    if case.fn == "varlen":
+        out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, **kw)
+    else:
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, **kw)
+    loss = (out * dout).sum() + ((lse * dlse).sum() if case.dlse else 0.0)
+    loss.backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _shard(case, x, dim, rank, world):
+    from flashtile.distributed import zigzag_shard
+    if case.fn == "zigzag":
+        return zigzag_shard(x, dim)
+    return x.chunk(world, dim=dim)[rank]
+
+
+def _distributed(case, inputs, rank, world):
+    import flashtile.distributed as fd
+    q, k, v, dout, dlse, cu, max_len, batch = inputs
+    seq_dim, lse_dim = (0, 1) if case.fn == "varlen" else (1, 2)
+    q, k, v = (_shard(case, t, seq_dim, rank, world).clone().requires_grad_() for t in (q, k, v))
+    kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
+              alibi_slopes=_slopes(case, batch), deterministic=case.deterministic, return_attn_probs=True)
+    if case.fn == "varlen":
+        out, lse, _ = fd.ring_flash_attn_varlen_func(q, k, v, cu, max_len, **kw)
+    else:
+        fn = {"ring": fd.ring_flash_attn_func, "zigzag": fd.zigzag_ring_flash_attn_func,
+              "ulysses": fd.ulysses_flash_attn_func}[case.fn]
+        out, lse, _ = fn(q, k, v, **kw)
+    loss = (out * _shard(case, dout, seq_dim, rank, world)).sum()
+    if case.dlse:
+        loss = loss + (lse * _shard(case, dlse, lse_dim, rank, world)).sum()
+    loss.backward()
+    got = (out.detach(), lse.detach(), q.grad, k.grad, v.grad)
+    return got, (seq_dim, lse_dim, seq_dim, seq_dim, seq_dim)
+
+
+def _run_case(case, rank, world):
+    inputs = _full_inputs(case, world)
+    ref = _reference(case, inputs)
+    got, dims = _distributed(case, inputs, rank, world)
+    for name, g, r, dim in zip(("out", "lse", "dq", "dk", "dv"), got, ref, dims):
+        expected = _shard(case, r, dim, rank, world)
+        torch.testing.assert_close(g, expected, atol=3e-5, rtol=3e-5, msg=lambda m: f"{name}: {m}")
+    if case.fn == "zigzag":
+        from flashtile.distributed import zigzag_unshard
+        assert torch.equal(zigzag_unshard(got[0], 1), ref[0]) or torch.allclose(zigzag_unshard(got[0], 1), ref[0],
+                                                                                atol=3e-5, rtol=3e-5)
+
+
+def _bad_call(name, rank, world):
+    """Run one bad-input scenario; returns the exception this rank raised (None if it raised nothing)."""
+    import flashtile.distributed as fd
+    gen = torch.Generator().manual_seed(0)
+    t = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8)
+    try:
+        if name == "shape-mismatch":
+            s = 4 if rank == 0 else 6
+            fd.ring_flash_attn_func(t(1, s, 2, 8), t(1, s, 2, 8), t(1, s, 2, 8))
+        elif name == "one-rank-bad-dtype":
+            fd.zigzag_ring_flash_attn_func(q.long() if rank == world - 1 else q, k, v, causal=True)
+        elif name == "zigzag-odd":
+            fd.zigzag_ring_flash_attn_func(t(1, 5, 2, 8), t(1, 5, 2, 8), t(1, 5, 2, 8))
+        elif name == "varlen-not-divisible":
+            cu = torch.tensor([0, 3, 4 * world + 1], dtype=torch.int32)
+            fd.ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, 4 * world)
+        elif name == "ulysses-heads":
+            fd.ulysses_flash_attn_func(t(1, 4, world + 1, 8), t(1, 4, 1, 8), t(1, 4, 1, 8))
+        elif name == "dropout":
+            fd.ring_flash_attn_func(q, k, v, dropout_p=0.1)
+        elif name == "cu-seqlens-differ":
+            cut = 3 if rank == 0 else 5
+            cu = torch.tensor([0, cut, 4 * world], dtype=torch.int32)
+            fd.ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, 4 * world)
+        elif name == "options-differ":
+            fd.ring_flash_attn_func(q, k, v, causal=rank == 0)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
+    return None
+
+
+def _check_bad(name, rank, world):
+    import flashtile.distributed._comm as comm
+    error = _bad_call(name, rank, world)
+    assert error is not None, f"{name}: rank {rank} raised nothing"
+    assert isinstance(error, (ValueError, TypeError, NotImplementedError)), f"{name}: {error!r}"
+    expected = {"shape-mismatch": "seqlen_q", "zigzag-odd": "zig-zag", "varlen-not-divisible": "multiple of the world",
+                "ulysses-heads": "heads", "dropout": "dropout", "cu-seqlens-differ": "cu_seqlens",
+                "options-differ": "causal"}.get(name)
+    if name == "one-rank-bad-dtype" and rank != world - 1:
+        assert isinstance(error, comm.ArgumentError) and f"[{world - 1}]" in str(error), str(error)
+    elif expected is not None:
+        assert expected in str(error), f"{name}: {error}"
+    # The group still works after the error (nothing was left half-posted).
+    out = _bad_followup(rank, world)
+    assert out.shape == (1, 4, 2, 8)
+
+
+def _bad_followup(rank, world):
+    import flashtile.distributed as fd
+    q = torch.ones(1, 4, 2, 8)
+    return fd.ring_flash_attn_func(q, q, q, causal=True)
+
+
+def _worker(rank, world, port, case_names, bad_names, results):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="flashtile: CPU tensors run")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=_TIMEOUT_S // 2))
+    cases = {c.name: c for c in CASES}
+    try:
+        for name in case_names:
+            try:
+                _run_case(cases[name], rank, world)
+                results.put((name, rank, None))
+            except Exception:  # noqa: BLE001 - reported to the test
+                results.put((name, rank, traceback.format_exc()))
+        for name in bad_names:
+            try:
+                _check_bad(name, rank, world)
+                results.put((name, rank, None))
+            except Exception:  # noqa: BLE001
+                results.put((name, rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world, case_names, bad_names, interpret):
+    """Run the cases on `world` gloo processes; {name: [per-rank traceback or None]}."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    saved = os.environ.get("TRITON_INTERPRET")
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, case_names, bad_names, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    expected = world * (len(case_names) + len(bad_names))
+    reports = {name: [f"rank {r}: no report (crashed or timed out)" for r in range(world)]
+               for name in list(case_names) + list(bad_names)}
+    import queue
+    for _ in range(expected):
+        try:
+            name, rank, error = results.get(timeout=_TIMEOUT_S)
+        except queue.Empty:
+            break
+        reports[name][rank] = error
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    return reports
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def reports(request):
+    world = request.param
+    names = [c.name for c in CASES]
+    result = _spawn(world, names, BAD_CASES, interpret=False)
+    return world, result
+
+
+@pytest.fixture(scope="module")
+def interpreter_reports():
+    return _spawn(2, INTERPRETER_CASES, [], interpret=True)
+
+
+def _assert_ok(report, name):
+    failures = [f"rank {r}:\n{e}" for r, e in enumerate(report) if e is not None]
+    assert not failures, f"{name} failed\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_against_single_process(reports, name):
+    _, result = reports
+    _assert_ok(result[name], name)
+
+
+@pytest.mark.parametrize("name", BAD_CASES)
+def test_bad_inputs_raise_on_every_rank(reports, name):
+    _, result = reports
+    _assert_ok(result[name], name)
+
+
+@pytest.mark.parametrize("name", INTERPRETER_CASES)
+def test_kernels_in_interpreter(interpreter_reports, name):
+    _assert_ok(interpreter_reports[name], name)
