@@ -61,7 +61,7 @@ CASES = [
     Case("zigzag-window-alibi-batch", "zigzag", window=(4, 4), alibi=2),
     Case("varlen", "varlen", lens=(5, 1, 14, 0, 10), heads=4, kv_heads=2),
     Case("varlen-causal", "varlen", lens=(7, 3, 9, 11), causal=True, dlse=True),
-    Case("varlen-causal-window-alibi", "varlen", lens=(13, 2, 15), causal=True, window=(5, 0), alibi=2),
+    Case("varlen-causal-window-alibi", "varlen", lens=(12, 2, 16), causal=True, window=(5, 0), alibi=2),
     Case("varlen-long-sequence-window", "varlen", lens=(30,), window=(4, 6), softcap=2.0, kv_heads=1),
     Case("ulysses-gqa", "ulysses", heads=6, kv_heads=3),
     Case("ulysses-causal-mqa", "ulysses", heads=6, kv_heads=1, causal=True, dlse=True),

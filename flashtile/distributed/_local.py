@@ -36,6 +36,12 @@ resolve_scale = _validate.resolve_scale
 local_attention = flash_attn_func  # Ulysses: the whole sequence of some heads is an ordinary local call
 
 
+def use_kernels(t):
+    """Whether flashtile runs Triton kernels for tensors like t (CUDA, or the CPU under TRITON_INTERPRET=1): the
+    distributed merge kernel follows the same rule."""
+    return _ops._use_kernels(t)
+
+
 @dataclasses.dataclass(frozen=True)
 class Varlen:
     """A packed batch for one block call: the same sequences on the query and key side (self-attention pieces).

@@ -20,6 +20,7 @@ import torch
 
 from . import _comm
 from ._local import Block, block_backward, block_forward
+from ._merge import merge_
 from ._plan import Mask, Piece
 
 
@@ -74,20 +75,21 @@ def _unpack(t, piece: Piece):
     return t.unsqueeze(0) if piece.varlen is not None else t
 
 
-def _merge_(out, lse, out_i, lse_i):
-    """Fold a block's (out_i, lse_i) into the float32 accumulators (views) out [B, n, H, D], lse [B, H, n]."""
-    new = torch.logaddexp(lse, lse_i)
-    ref = torch.where(torch.isneginf(new), 0.0, new)  # rows no block has reached: both weights exp(-inf) = 0
-    old_w = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
-    new_w = torch.exp(lse_i - ref).transpose(1, 2).unsqueeze(-1)
-    out.mul_(old_w).add_(out_i * new_w)
-    lse.copy_(new)
+def _covers_all_rows(plan: RingPlan, n_rows):
+    """Whether every local query row is in some piece (else the rows no piece reaches must start at 0)."""
+    reached = 0
+    for lo, hi in sorted((p.q0, p.q1) for pieces in plan.steps for p in pieces):
+        if lo > reached:
+            return False
+        reached = max(reached, hi)
+    return reached >= n_rows
 
 
 def ring_forward(q, k, v, plan: RingPlan):
     """(out in q's dtype, lse fp32) of the local queries over the whole ring."""
     comm = plan.comm
-    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    alloc = torch.empty if _covers_all_rows(plan, q.shape[1]) else torch.zeros
+    out = alloc(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
     kv = (k, v)
     for step, pieces in enumerate(plan.steps):
@@ -95,15 +97,16 @@ def ring_forward(q, k, v, plan: RingPlan):
         for piece in pieces:
             out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
                                          _block(plan.options, piece))
-            _merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], _unpack(out_i, piece),
-                    _unpack(lse_i, piece))
+            merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], _unpack(out_i, piece),
+                   _unpack(lse_i, piece))
         if pending is not None:
             kv = tuple(pending.wait())
     return out.to(q.dtype), lse
 
 
 def _add_rows(acc, grad, lo, hi, like):
-    """acc[:, lo:hi] += grad, allocating acc (float32 zeros shaped like `like`) on first use."""
+    """acc[:, lo:hi] += grad; acc None: the first contribution, taken as it is when it covers every row (the block
+    gradients are fresh float32 tensors), else float32 zeros shaped like `like` first."""
     if acc is None:
         if lo == 0 and hi == like.shape[1]:
             return grad
@@ -113,30 +116,31 @@ def _add_rows(acc, grad, lo, hi, like):
 
 
 def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options):
-    """One step's pieces: adds to dq (float32, in place) and returns this step's (dk, dv) for the key block (None
-    when every piece was skipped)."""
+    """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's
+    (dk, dv) for the key block (None when every piece was skipped)."""
     dk = dv = None
     for piece in pieces:
         grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True),
                                _rows(kv[1], piece, True), _rows(out, piece), _lse_rows(lse, piece),
                                None if dlse is None else _lse_rows(dlse, piece), _block(options, piece))
         dq_i, dk_i, dv_i = (_unpack(g, piece) for g in grads)
-        dq[:, piece.q0:piece.q1] += dq_i
         k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
+        q1 = q.shape[1] if piece.varlen is not None else piece.q1
+        dq = _add_rows(dq, dq_i, 0 if piece.varlen is not None else piece.q0, q1, q)
         dk = _add_rows(dk, dk_i, k0, k1, kv[0])
         dv = _add_rows(dv, dv_i, k0, k1, kv[1])
-    return dk, dv
+    return dq, dk, dv
 
 
 def ring_backward(dout, dlse, q, k, v, out, lse, plan: RingPlan):
     """(dq, dk, dv) in float32 for the local shards (dlse: None or the gradient reaching lse)."""
     comm = plan.comm
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = None
     kv = (k, v)
     travelling = None  # the previous rank's dK/dV accumulators, arriving for the block held next
     for step, pieces in enumerate(plan.steps):
         pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
-        dk, dv = _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, plan.options)
+        dq, dk, dv = _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, plan.options)
         if travelling is not None:
             dk_in, dv_in = travelling.wait()
             dk = dk_in if dk is None else dk.add_(dk_in)
@@ -145,11 +149,14 @@ def ring_backward(dout, dlse, q, k, v, out, lse, plan: RingPlan):
             dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
         if comm.world == 1:
-            return dq, dk, dv
+            break
         travelling = _comm.RingExchange(comm, (dk, dv))
         if pending is not None:
             kv = tuple(pending.wait())
-    dk, dv = travelling.wait()  # after W hops each accumulator is back with its block's owner
+    if comm.world > 1:
+        dk, dv = travelling.wait()  # after W hops each accumulator is back with its block's owner
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     return dq, dk, dv
 
 
