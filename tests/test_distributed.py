@@ -315,3 +315,104 @@ def test_bad_inputs_raise_on_every_rank(reports, name):
 @pytest.mark.parametrize("name", INTERPRETER_CASES)
 def test_kernels_in_interpreter(interpreter_reports, name):
     _assert_ok(interpreter_reports[name], name)
+
+
+# The planner alone (no processes): which block calls each ring step makes.
+
+def _dense(n_q, n_k, offset, left, right):
+    i = torch.arange(n_q)[:, None]
+    j = torch.arange(n_k)[None, :]
+    visible = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left is not None:
+        visible &= j >= i + offset - left
+    if right is not None:
+        visible &= j <= i + offset + right
+    return visible
+
+
+def test_mask_classify_matches_dense():
+    from flashtile.distributed._plan import FULL, MASKED, SKIP, Mask
+    gen = torch.Generator().manual_seed(0)
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=gen))  # noqa: E731
+    for _ in range(2000):
+        left = None if draw(0, 3) == 0 else draw(0, 6)
+        right = None if draw(0, 3) == 0 else draw(0, 6)
+        n_q, n_k, offset = draw(1, 9), draw(1, 9), draw(-12, 12)
+        visible = _dense(n_q, n_k, offset, left, right)
+        expected = SKIP if not visible.any() else (FULL if visible.all() else MASKED)
+        assert Mask(left, right).classify(n_q, n_k, offset) == expected, (n_q, n_k, offset, left, right)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_causal_ring_skips_the_future(world):
+    from flashtile.distributed._plan import Mask, chunk_pieces, ring_chunks
+    for rank in range(world):
+        for step in range(world):
+            src = (rank - step) % world
+            pieces = chunk_pieces(ring_chunks(rank, world, 8), ring_chunks(src, world, 8), 0, Mask.of(True, _W), False)
+            if src > rank:
+                assert pieces == []
+            else:
+                assert len(pieces) == 1 and pieces[0].masked == (src == rank), pieces
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_causal_steps_are_balanced(world):
+    """Every rank makes one call per step: its own keys under one causal mask, then half of the rectangle without a
+    mask, so all ranks do the same work at every step."""
+    from flashtile.distributed._plan import Mask, chunk_pieces, zigzag_chunks
+    n = 8
+    for rank in range(world):
+        for step in range(world):
+            src = (rank - step) % world
+            pieces = chunk_pieces(zigzag_chunks(rank, world, n), zigzag_chunks(src, world, n), 0,
+                                  Mask.of(True, _W), False)
+            assert len(pieces) == 1, pieces
+            p = pieces[0]
+            if step == 0:
+                assert (p.q0, p.q1, p.k0, p.k1, p.masked) == (0, n, 0, n, True)
+            else:
+                assert not p.masked and (p.q1 - p.q0) * (p.k1 - p.k0) == n * n // 2, p
+
+
+def _pieces_visible(pieces, n):
+    """The (query row, key row) pairs a step's pieces compute, as a dense [n, n] mask (each pair at most once)."""
+    seen = torch.zeros(n, n, dtype=torch.int32)
+    for p in pieces:
+        if p.varlen is not None:
+            cu = p.varlen.cu_seqlens.tolist()
+            for a, b in zip(cu, cu[1:]):
+                seen[a:b, a:b] += _dense(b - a, b - a, 0, *_PIECE_MASK).int()
+        else:
+            band = _dense(p.q1 - p.q0, p.k1 - p.k0, p.offset, *_PIECE_MASK) if p.masked else True
+            seen[p.q0:p.q1, p.k0:p.k1] += torch.ones(p.q1 - p.q0, p.k1 - p.k0, dtype=torch.int32) * band
+    assert seen.max() <= 1
+    return seen.bool()
+
+
+_PIECE_MASK = (None, None)
+
+
+@pytest.mark.parametrize("causal,window", [(False, _W), (True, _W), (True, (3, 0)), (False, (2, 4))])
+def test_varlen_pieces_compute_exactly_the_visible_pairs(causal, window):
+    """For random packings and world sizes, the pieces of every (query shard, key shard) pair compute exactly the
+    pairs of the global varlen mask that fall in that rectangle: same sequence, inside the band."""
+    global _PIECE_MASK
+    from flashtile.distributed._plan import Mask, VarlenLayout
+    mask = Mask.of(causal, window)
+    _PIECE_MASK = (mask.left, mask.right)
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        world = 2 + trial % 3
+        lens = torch.randint(0, 9, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+        lens[-1] += (-sum(lens)) % world or (world if sum(lens) == 0 else 0)
+        bounds = tuple([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+        total = bounds[-1]
+        truth = torch.zeros(total, total, dtype=torch.bool)
+        for a, b in zip(bounds, bounds[1:]):
+            truth[a:b, a:b] = _dense(b - a, b - a, 0, mask.left, mask.right)
+        layout, n = VarlenLayout(bounds, world), total // world
+        for qs in range(world):
+            for ks in range(world):
+                got = _pieces_visible(layout.pieces(qs, ks, mask, "cpu"), n)
+                assert torch.equal(got, truth[qs * n:(qs + 1) * n, ks * n:(ks + 1) * n]), (bounds, world, qs, ks)
