@@ -8,11 +8,11 @@ Every context-parallel scheme here runs the same two calls on the tokens one ran
   global ones (docs/derivation.md, ch. 6 and 7).
 plus the argument checks of the public API and, for Ulysses, the public flash_attn_func.
 
-Today they sit on flashtile._ops (_attn_fwd_impl, the CPU reference fallback of the backward) and on the backward
-kernels' launcher (kernels.backward.attention_backward), which takes output buffers: the block gradients are
-written in float32 so that summing them over the ring adds no rounding per step (the Gluon Hopper backward stores
-dK and dV in its buffers' dtype since this branch; dQ always was). The forward's block outputs come in q's dtype:
-the launchers take no output buffer yet (see docs/distributed.md, "Precision").
+Today they sit on the kernels' launchers (kernels.forward.attention_forward with out_dtype, and
+kernels.backward.attention_backward with output buffers) and, for CPU tensors without TRITON_INTERPRET, on
+flashtile._ops' reference fallbacks. Block outputs and block gradients are float32 whatever the inputs' dtype, so
+that merging and summing them over the ring adds no rounding per step: the error of a W-rank result is the error
+of one device's (docs/distributed.md, "Precision").
 
 # q, out: [B, Sq, Hq, D(v)]   k, v: [B, Sk, Hk, D(v)]   lse: [B, Hq, Sq] fp32
 # varlen blocks: q [total_q, Hq, D], k, v [total_k, Hk, D], lse [Hq, total_q]
@@ -25,6 +25,7 @@ import torch
 from .. import _ops, _validate
 from ..interface import flash_attn_func
 from ..kernels import backward as _bwd_kernels
+from ..kernels import forward as _fwd_kernels
 
 # The public API's argument checks (each raises TypeError/ValueError naming the value and the fix).
 check_qkv = _validate.check_qkv
@@ -75,13 +76,21 @@ class Block:
 
 
 def block_forward(q, k, v, block: Block):
-    """(out in q's dtype, lse fp32 natural log) of q's rows over k/v's rows under `block`. Shapes: module
+    """(out, lse), both float32 (lse natural log), of q's rows over k/v's rows under `block`. Shapes: module
     docstring. A row that sees no key gets out 0 and lse -inf."""
     cu_q, cu_k, max_q, max_k = block._varlen_args()
+    window_left, window_right = block.window
     with torch.no_grad():
-        return _ops._attn_fwd_impl(q, k, v, block.softmax_scale, block.causal, block.diagonal_offset,
-                                   block.window[0], block.window[1], block.softcap, block.alibi_slopes, None, None,
-                                   0.0, None, cu_q, cu_k, max_q, max_k, block.deterministic)
+        if not _ops._use_kernels(q):
+            # The float32 reference (CPU without the interpreter): float32 inputs give a float32 output.
+            return _ops._attn_fwd_impl(q.float(), k.float(), v.float(), block.softmax_scale, block.causal,
+                                       block.diagonal_offset, window_left, window_right, block.softcap,
+                                       block.alibi_slopes, None, None, 0.0, None, cu_q, cu_k, max_q, max_k,
+                                       block.deterministic)
+        feats = _ops._features(block.causal, window_left, window_right, block.softcap, block.alibi_slopes, None,
+                               None, 0.0, None, cu_q, cu_k, max_q, max_k)
+        return _fwd_kernels.attention_forward(q, k, v, block.softmax_scale, block.diagonal_offset, feats,
+                                              out_dtype=torch.float32)
 
 
 def block_backward(dout, q, k, v, out, lse, dlse, block: Block):
