@@ -96,11 +96,11 @@ def _full_inputs(case, world):
     return q, k, v, rnd(case.batch, sq, case.heads, case.dim), rnd(case.batch, case.heads, sq), None, 0, case.batch
 
 
-def _slopes(case, batch):
+def _slopes(case, batch, device):
     if not case.alibi:
         return None
-    base = torch.linspace(0.05, 0.6, case.heads)
-    return base if case.alibi == 1 else base[None] * torch.linspace(0.5, 1.5, batch)[:, None]
+    base = torch.linspace(0.05, 0.6, case.heads, device=device)
+    return base if case.alibi == 1 else base[None] * torch.linspace(0.5, 1.5, batch, device=device)[:, None]
 
 
 def _reference(case, inputs):
@@ -108,7 +108,7 @@ def _reference(case, inputs):
     q, k, v, dout, dlse, cu, max_len, batch = inputs
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
-              alibi_slopes=_slopes(case, batch), return_attn_probs=True)
+              alibi_slopes=_slopes(case, batch, q.device), return_attn_probs=True)
     if case.fn == "varlen":
         out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, **kw)
     else:
@@ -131,7 +131,7 @@ def _distributed(case, inputs, rank, world):
     seq_dim, lse_dim = (0, 1) if case.fn == "varlen" else (1, 2)
     q, k, v = (_shard(case, t, seq_dim, rank, world).clone().requires_grad_() for t in (q, k, v))
     kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
-              alibi_slopes=_slopes(case, batch), deterministic=case.deterministic, return_attn_probs=True)
+              alibi_slopes=_slopes(case, batch, q.device), deterministic=case.deterministic, return_attn_probs=True)
     if case.fn == "varlen":
         out, lse, _ = fd.ring_flash_attn_varlen_func(q, k, v, cu, max_len, **kw)
     else:
@@ -146,8 +146,8 @@ def _distributed(case, inputs, rank, world):
     return got, (seq_dim, lse_dim, seq_dim, seq_dim, seq_dim)
 
 
-def _run_case(case, rank, world):
-    inputs = _full_inputs(case, world)
+def _run_case(case, rank, world, device="cpu"):
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in _full_inputs(case, world))
     ref = _reference(case, inputs)
     got, dims = _distributed(case, inputs, rank, world)
     for name, g, r, dim in zip(("out", "lse", "dq", "dk", "dv"), got, ref, dims):
@@ -159,11 +159,11 @@ def _run_case(case, rank, world):
                                                                                 atol=3e-5, rtol=3e-5)
 
 
-def _bad_call(name, rank, world):
+def _bad_call(name, rank, world, device):
     """Run one bad-input scenario; returns the exception this rank raised (None if it raised nothing)."""
     import flashtile.distributed as fd
     gen = torch.Generator().manual_seed(0)
-    t = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    t = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
     q, k, v = t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8)
     try:
         if name == "shape-mismatch":
@@ -174,7 +174,7 @@ def _bad_call(name, rank, world):
         elif name == "zigzag-odd":
             fd.zigzag_ring_flash_attn_func(t(1, 5, 2, 8), t(1, 5, 2, 8), t(1, 5, 2, 8))
         elif name == "varlen-not-divisible":
-            cu = torch.tensor([0, 3, 4 * world + 1], dtype=torch.int32)
+            cu = torch.tensor([0, 3, 4 * world + 1], dtype=torch.int32, device=device)
             fd.ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, 4 * world)
         elif name == "ulysses-heads":
             fd.ulysses_flash_attn_func(t(1, 4, world + 1, 8), t(1, 4, 1, 8), t(1, 4, 1, 8))
@@ -182,60 +182,109 @@ def _bad_call(name, rank, world):
             fd.ring_flash_attn_func(q, k, v, dropout_p=0.1)
         elif name == "cu-seqlens-differ":
             cut = 3 if rank == 0 else 5
-            cu = torch.tensor([0, cut, 4 * world], dtype=torch.int32)
+            cu = torch.tensor([0, cut, 4 * world], dtype=torch.int32, device=device)
             fd.ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, 4 * world)
         elif name == "options-differ":
             fd.ring_flash_attn_func(q, k, v, causal=rank == 0)
+        elif name == "cpu-tensors-on-nccl":
+            fd.ring_flash_attn_func(q.cpu(), k.cpu(), v.cpu())
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return e
     return None
 
 
-def _check_bad(name, rank, world):
+def _check_bad(name, rank, world, device="cpu"):
     import flashtile.distributed._comm as comm
-    error = _bad_call(name, rank, world)
+    error = _bad_call(name, rank, world, device)
     assert error is not None, f"{name}: rank {rank} raised nothing"
     assert isinstance(error, (ValueError, TypeError, NotImplementedError)), f"{name}: {error!r}"
     expected = {"shape-mismatch": "seqlen_q", "zigzag-odd": "zig-zag", "varlen-not-divisible": "multiple of the world",
                 "ulysses-heads": "heads", "dropout": "dropout", "cu-seqlens-differ": "cu_seqlens",
-                "options-differ": "causal"}.get(name)
+                "options-differ": "causal", "cpu-tensors-on-nccl": "gloo group for CPU tensors"}.get(name)
     if name == "one-rank-bad-dtype" and rank != world - 1:
         assert isinstance(error, comm.ArgumentError) and f"[{world - 1}]" in str(error), str(error)
     elif expected is not None:
         assert expected in str(error), f"{name}: {error}"
     # The group still works after the error (nothing was left half-posted).
-    out = _bad_followup(rank, world)
-    assert out.shape == (1, 4, 2, 8)
-
-
-def _bad_followup(rank, world):
     import flashtile.distributed as fd
-    q = torch.ones(1, 4, 2, 8)
-    return fd.ring_flash_attn_func(q, q, q, causal=True)
+    q = torch.ones(1, 4, 2, 8, device=device)
+    assert fd.ring_flash_attn_func(q, q, q, causal=True).shape == (1, 4, 2, 8)
 
 
-def _worker(rank, world, port, case_names, bad_names, results):
+def _bf16_error_ratio(rank, world, device):
+    """bf16 (the Hopper kernels on a GPU): every function's error against float64, max over the whole sequence, is
+    at most 1.2x the error of one device's flashtile on the full inputs (issue 27's bar), for out, dq, dk, dv."""
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    import flashtile
+    import flashtile.distributed as fd
+    from flashtile.testing import reference_fwd_bwd
+    gen = torch.Generator().manual_seed(5)
+    s, h, hk, d = 1024 * world, 4, 2, 128
+    q, k, v, dout = (torch.randn(1, s, n, d, generator=gen).to(device, torch.bfloat16) for n in (h, hk, hk, h))
+    names = ("out", "dq", "dk", "dv")
+    for causal in (False, True):
+        ref = reference_fwd_bwd(*(t.double() for t in (q, k, v, dout)), d ** -0.5, causal, 0)
+        ref = dict(zip(("out", "lse", "dq", "dk", "dv"), ref[:5]))
+        single = _run_bf16(flashtile.flash_attn_func, q, k, v, dout, causal)
+        for fn in (fd.ring_flash_attn_func, fd.zigzag_ring_flash_attn_func, fd.ulysses_flash_attn_func):
+            zig = fn is fd.zigzag_ring_flash_attn_func
+            shard = lambda t: fd.zigzag_shard(t, 1) if zig else t.chunk(world, 1)[rank]  # noqa: E731
+            got = _run_bf16(fn, *(shard(t) for t in (q, k, v, dout)), causal)
+            errors = torch.tensor([[(got[n].double() - shard(ref[n])).abs().max().item(),
+                                    (shard(single[n]).double() - shard(ref[n])).abs().max().item()] for n in names],
+                                  device=device)
+            dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+            for n, (err, err_single) in zip(names, errors.tolist()):
+                assert err <= 1.2 * err_single, f"{fn.__name__} causal={causal} {n}: {err:.3e} > 1.2 x {err_single:.3e}"
+
+
+def _run_bf16(fn, q, k, v, dout, causal):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return dict(out=out.detach(), dq=dq, dk=dk, dv=dv)
+
+
+_SPECIAL = {"bf16-error-ratio": _bf16_error_ratio}
+
+
+def _worker(rank, world, port, case_names, bad_names, results, backend="gloo"):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_NO_MULTICAST)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="flashtile: CPU tensors run")
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=_TIMEOUT_S // 2))
+    device = "cpu"
+    kw = {}
+    if backend == "nccl":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=_TIMEOUT_S // 2), **kw)
     cases = {c.name: c for c in CASES}
     try:
         for name in case_names:
             try:
-                _run_case(cases[name], rank, world)
+                if name in _SPECIAL:
+                    _SPECIAL[name](rank, world, device)
+                else:
+                    _run_case(cases[name], rank, world, device)
                 results.put((name, rank, None))
             except Exception:  # noqa: BLE001 - reported to the test
                 results.put((name, rank, traceback.format_exc()))
         for name in bad_names:
             try:
-                _check_bad(name, rank, world)
+                _check_bad(name, rank, world, device)
                 results.put((name, rank, None))
             except Exception:  # noqa: BLE001
                 results.put((name, rank, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+
+
+# NVLink multicast stays off in every process of a GPU test (the GPU machines' rule).
+_NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 
 
 def _free_port():
@@ -244,7 +293,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawn(world, case_names, bad_names, interpret):
+def _spawn(world, case_names, bad_names, interpret, backend="gloo"):
     """Run the cases on `world` gloo processes; {name: [per-rank traceback or None]}."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
@@ -256,7 +305,7 @@ def _spawn(world, case_names, bad_names, interpret):
         os.environ.pop("TRITON_INTERPRET", None)
     try:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, case_names, bad_names, results))
+        procs = [ctx.Process(target=_worker, args=(r, world, port, case_names, bad_names, results, backend))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -416,3 +465,23 @@ def test_varlen_pieces_compute_exactly_the_visible_pairs(causal, window):
             for ks in range(world):
                 got = _pieces_visible(layout.pieces(qs, ks, mask, "cpu"), n)
                 assert torch.equal(got, truth[qs * n:(qs + 1) * n, ks * n:(ks + 1) * n]), (bounds, world, qs, ks)
+
+
+# GPUs: NCCL between two GPUs of one host.
+GPU_NAMES = [c.name for c in CASES] + ["bf16-error-ratio"]
+GPU_BAD_CASES = ["shape-mismatch", "one-rank-bad-dtype", "options-differ", "cpu-tensors-on-nccl"]
+
+
+@pytest.fixture(scope="module")
+def gpu_reports():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    return _spawn(2, GPU_NAMES, GPU_BAD_CASES, interpret=False, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_NAMES + GPU_BAD_CASES)
+def test_nccl_two_gpus(gpu_reports, name):
+    """fp32 cases against one GPU's flashtile (the same comparisons as on the CPU), bf16 error ratios, and bad
+    inputs raising on both ranks (a CPU tensor on an NCCL group among them) without a hang."""
+    _assert_ok(gpu_reports[name], name)
