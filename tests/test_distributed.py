@@ -246,7 +246,37 @@ def _run_bf16(fn, q, k, v, dout, causal):
     return dict(out=out.detach(), dq=dq, dk=dk, dv=dv)
 
 
-_SPECIAL = {"bf16-error-ratio": _bf16_error_ratio}
+def _subgroup(rank, world, device):
+    """A group that is not the world (ranks 1..W-1 of 3, both of 2): ring neighbours are the group's, passed to the
+    transfers as global ranks. The other ranks only take part in creating the group."""
+    import torch.distributed as dist
+    members = list(range(1, world)) if world > 2 else [0, 1]
+    group = dist.new_group(members)
+    try:
+        if rank in members:
+            _subgroup_member(rank, members, group, device)
+    finally:
+        dist.barrier()  # rank 0 hosts the store the members' group was built on: it waits for them
+
+
+def _subgroup_member(rank, members, group, device):
+    import torch.distributed as dist
+
+    import flashtile
+    import flashtile.distributed as fd
+    gen = torch.Generator().manual_seed(9)
+    n = len(members)
+    q, k, v, dout = (torch.randn(2, 6 * n, 4, 16, generator=gen).to(device) for _ in range(4))
+    ref = _run_bf16(lambda *a, **kw: flashtile.flash_attn_func(*a, **kw), q, k, v, dout, True)
+    mine = members.index(rank)
+    got = _run_bf16(lambda *a, **kw: fd.zigzag_ring_flash_attn_func(*a, group=group, **kw),
+                    *(fd.zigzag_shard(t, 1, group) for t in (q, k, v, dout)), True)
+    for name in ("out", "dq", "dk", "dv"):
+        torch.testing.assert_close(got[name], fd.zigzag_shard(ref[name], 1, group), atol=3e-5, rtol=3e-5)
+    assert mine == dist.get_rank(group)
+
+
+_SPECIAL = {"bf16-error-ratio": _bf16_error_ratio, "subgroup": _subgroup}
 
 
 def _worker(rank, world, port, case_names, bad_names, results, backend="gloo"):
@@ -334,7 +364,7 @@ def _spawn(world, case_names, bad_names, interpret, backend="gloo"):
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def reports(request):
     world = request.param
-    names = [c.name for c in CASES]
+    names = [c.name for c in CASES] + ["subgroup"]
     result = _spawn(world, names, BAD_CASES, interpret=False)
     return world, result
 
@@ -349,7 +379,7 @@ def _assert_ok(report, name):
     assert not failures, f"{name} failed\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.parametrize("name", [c.name for c in CASES] + ["subgroup"])
 def test_against_single_process(reports, name):
     _, result = reports
     _assert_ok(result[name], name)
