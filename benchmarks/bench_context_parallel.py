@@ -143,6 +143,9 @@ def torch_single_cudnn(q, k, v, dout):
     return step
 
 
+_CACHE = {}
+
+
 def torch_cp_cudnn(q, k, v, dout):
     """torch.distributed.tensor.experimental.context_parallel over SDPA-cuDNN, its defaults (head-tail load
     balancing for causal, all-gather rotation). The local tensors are this rank's shards; a dummy buffer of the
@@ -152,7 +155,9 @@ def torch_cp_cudnn(q, k, v, dout):
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
     world = dist.get_world_size()
-    mesh = init_device_mesh("cuda", (world,))
+    if "mesh" not in _CACHE:
+        _CACHE["mesh"] = init_device_mesh("cuda", (world,))
+    mesh = _CACHE["mesh"]
     qt, kt, vt, dt = _sdpa_layout(q, k, v, dout)
     marker = torch.zeros(1, 1, q.shape[1] * world, 1, device=q.device)
 

@@ -3,9 +3,10 @@
 W ranks; at step s rank r holds the key/value block of rank (r - s) mod W, computes its pieces (_plan) against its
 own queries, and passes the block on to rank r + 1 while the next one arrives from rank r - 1.
 
-Forward (docs/derivation.md, ch. 7): each piece returns (out_i, lse_i) over its keys; they are merged in float32,
+Forward (docs/derivation.md, ch. 7): each piece returns (out_i, lse_i) over its keys, both float32; they are
+merged in float32 (_merge.merge_),
     lse = log(exp(lse) + exp(lse_i)),   out = exp(lse_old - lse) * out + exp(lse_i - lse) * out_i,
-so the result is exact up to one rounding of each block output, and the error does not grow with W.
+and rounded to the inputs' dtype once at the end, so the error does not grow with W.
 
 Backward: every piece runs the block backward with the FINAL out and lse of its query rows (P = exp(S - lse) is
 then the global softmax, delta = rowsum(dO * O) the global one), so the pieces' gradients simply add up: dQ in a

@@ -4,6 +4,8 @@ Each function takes flash-attn's arguments plus `group` and returns what flashti
 flash_attn_varlen_func) returns for this rank's queries, as if the whole sequence were on one device; gradients
 flow to this rank's shards. The engine is flashtile.distributed._ring; docs/distributed.md has the layouts.
 """
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -146,7 +148,7 @@ def _check_cu_seqlens(cu_seqlens, max_seqlen, q, world):
                          f"rank x {world} ranks): each rank holds rows [r * T / W, (r + 1) * T / W) of the packed "
                          f"batch; pad the batch to a multiple of the world size.")
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen!r} must be an int at least the longest sequence ({longest}).")
     return bounds
 
@@ -183,7 +185,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
         opts = _args.options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                              len(bounds) - 1, q.shape[1])
         table = _args.fields("varlen", q, k, v, opts)
-        table.update(total_tokens=bounds[-1], cu_seqlens=_args.digest(bounds), max_seqlen=max_seqlen)
+        table.update(total_tokens=bounds[-1], cu_seqlens=_args.digest(bounds), max_seqlen=int(max_seqlen))
         return (bounds, opts), table
 
     bounds, opts = _args.checked(comm, check)
