@@ -1,38 +1,39 @@
-"""Command line: `python -m flashtile check` and `python -m flashtile bench [bench options]`.
+"""Command line: `python -m flashtile VERB [arguments]`, one entry per verb in VERBS.
 
 check: runs the kernels forward and backward against the float64 reference on the device present (a CUDA GPU, or
     Triton's interpreter on the CPU with small shapes), plain attention over a set of shapes and then each feature
     (window, softcap, ALiBi, sinks, dropout, bias, bool mask) on one shape, and prints a pass/fail table; exit
     status 1 on any failure.
-bench: the benchmark of benchmarks/bench.py (needs a flashtile checkout and a CUDA GPU); `bench --help` lists its
-    options.
+bench: the benchmark (flashtile/bench/): flashtile against torch SDPA, FlexAttention and FA4 in the same run on a
+    CUDA GPU; `bench --help` lists its options and its other benchmarks (features, decode, plot).
+explain: which backend (Gluon Hopper kernels, portable Triton kernels, PyTorch reference) runs a call of the given
+    shape and options, forward and backward, and why the ones before it decline; `explain --help` lists the options
+    (--arch 90 asks about an H100 from any machine).
 """
 import os
-import pathlib
 import sys
 
 import torch
 
 from .kernels import configs
 
-# (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype)
-_GPU_CASES = [
-    (2, 1024, 1024, 16, 16, 64, False, torch.bfloat16),
-    (2, 1024, 1024, 16, 16, 64, True, torch.float16),
-    (1, 4096, 4096, 16, 4, 128, True, torch.bfloat16),
-    (1, 4096, 4096, 16, 16, 128, False, torch.float16),
-    (1, 2048, 2048, 8, 8, 256, True, torch.bfloat16),
-    (2, 1000, 3000, 8, 2, 96, True, torch.bfloat16),
-    (2, 3000, 1000, 8, 1, 40, True, torch.float16),
-    (2, 777, 777, 4, 4, 32, False, torch.float32),
-    (4, 1, 4096, 32, 8, 128, True, torch.bfloat16),
-]
-_CPU_CASES = [
-    (1, 17, 33, 2, 1, 16, False, torch.float32),
-    (1, 33, 17, 4, 2, 32, True, torch.float16),
-    (2, 65, 65, 2, 2, 64, True, torch.bfloat16),
-    (1, 1, 40, 4, 1, 40, True, torch.bfloat16),
-    (1, 70, 129, 2, 1, 128, True, torch.float32),
+# (where, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype): GPU cases cover the Gluon and the
+# portable kernels' head dims and odd sizes; CPU cases are small enough for Triton's interpreter.
+_CASES = [
+    ("gpu", 2, 1024, 1024, 16, 16, 64, False, torch.bfloat16),
+    ("gpu", 2, 1024, 1024, 16, 16, 64, True, torch.float16),
+    ("gpu", 1, 4096, 4096, 16, 4, 128, True, torch.bfloat16),
+    ("gpu", 1, 4096, 4096, 16, 16, 128, False, torch.float16),
+    ("gpu", 1, 2048, 2048, 8, 8, 256, True, torch.bfloat16),
+    ("gpu", 2, 1000, 3000, 8, 2, 96, True, torch.bfloat16),
+    ("gpu", 2, 3000, 1000, 8, 1, 40, True, torch.float16),
+    ("gpu", 2, 777, 777, 4, 4, 32, False, torch.float32),
+    ("gpu", 4, 1, 4096, 32, 8, 128, True, torch.bfloat16),
+    ("cpu", 1, 17, 33, 2, 1, 16, False, torch.float32),
+    ("cpu", 1, 33, 17, 4, 2, 32, True, torch.float16),
+    ("cpu", 2, 65, 65, 2, 2, 64, True, torch.bfloat16),
+    ("cpu", 1, 1, 40, 4, 1, 40, True, torch.bfloat16),
+    ("cpu", 1, 70, 129, 2, 1, 128, True, torch.float32),
 ]
 _DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -51,7 +52,8 @@ def check():
     print(header)
     print("-" * len(header))
     failures = 0
-    for i, (b, sq, sk, h, hk, d, causal, dtype) in enumerate(_GPU_CASES if on_gpu else _CPU_CASES):
+    cases = [case[1:] for case in _CASES if case[0] == ("gpu" if on_gpu else "cpu")]
+    for i, (b, sq, sk, h, hk, d, causal, dtype) in enumerate(cases):
         q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=device, seed=i)
         dout = torch.randn(q.shape, device=device, generator=torch.Generator(device).manual_seed(100 + i)).to(dtype)
         out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -142,29 +144,105 @@ def _check_features(on_gpu, device):
     return failures
 
 
-def bench(argv):
-    root = pathlib.Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "bench.py").is_file():
-        print("python -m flashtile bench runs benchmarks/bench.py from a flashtile checkout (pip install -e .); "
-              f"none found next to {root}.", file=sys.stderr)
+def _check_verb(argv):
+    if argv:
+        if argv[0] in ("-h", "--help"):
+            text = __doc__.split("check: ", 1)[1].split("\nbench: ")[0].replace("\n    ", " ")
+            print(f"usage: python -m flashtile check\n\nRuns {text.removeprefix('runs ')}")
+            return 0
+        print(f"error: check takes no arguments, got {' '.join(argv)}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(root))
-    from benchmarks.bench import main as bench_main
+    if not torch.cuda.is_available() and not configs.INTERPRETING:
+        # Without a GPU the kernels run only in Triton's interpreter, which must be chosen before triton is first
+        # imported -- too late for this process. Start again with it.
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        os.execve(sys.executable, [sys.executable, "-m", "flashtile", "check"], env)
+    return check()
 
-    return bench_main(argv)
+
+def _bench_verb(argv):
+    from .bench import main as bench_main
+
+    return bench_main(argv, prog="python -m flashtile bench")
+
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def explain(argv):
+    """Which backend runs a flash_attn_func call of the given shape and options, forward and backward, and why."""
+    import argparse
+
+    import flashtile
+    from flashtile.dispatch import Target
+
+    ap = argparse.ArgumentParser(prog="python -m flashtile explain", description=explain.__doc__)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seqlen", type=int, default=4096, help="query length (and key length unless --seqlen-k)")
+    ap.add_argument("--seqlen-k", type=int)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: --heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--window", help="LEFT,RIGHT sliding window (-1 unbounded)")
+    ap.add_argument("--softcap", type=float, default=0.0)
+    ap.add_argument("--alibi", action="store_true")
+    ap.add_argument("--sinks", action="store_true")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--varlen", action="store_true", help="as one packed sequence of flash_attn_varlen_func")
+    ap.add_argument("--arch", type=int, help="pretend a CUDA GPU of this compute capability (90: H100/H200)")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and args.arch is None else "cpu"
+    sq, sk = args.seqlen, args.seqlen_k or args.seqlen
+    hk = args.kv_heads or args.heads
+    dtype = _DTYPES[args.dtype]
+    # Uninitialised tensors: nothing runs, only shapes, dtypes, strides and alignment are read.
+    q = torch.empty((args.batch, sq, args.heads, args.head_dim), dtype=dtype, device=device)
+    k = torch.empty((args.batch, sk, hk, args.head_dim), dtype=dtype, device=device)
+    v = torch.empty_like(k)
+    kw = dict(causal=args.causal, softcap=args.softcap, dropout_p=args.dropout, deterministic=args.deterministic)
+    if args.window:
+        kw["window_size"] = tuple(int(x) for x in args.window.split(","))
+    if args.alibi:
+        kw["alibi_slopes"] = torch.rand(args.heads, device=device)
+    if args.sinks:
+        kw["sinks"] = torch.zeros(args.heads, device=device)
+    if args.varlen:
+        cu_q = torch.tensor([0, sq * args.batch], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, sk * args.batch], dtype=torch.int32, device=device)
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq * args.batch, max_seqlen_k=sk * args.batch)
+    target = Target("cuda", args.arch, False) if args.arch is not None else None
+    print(flashtile.explain(q, k, v, target=target, **kw))
+    return 0
+
+
+# verb -> (function of the remaining arguments that returns the exit status, one line for the usage text).
+# A new verb is one entry here (and a paragraph in the module docstring).
+VERBS = {
+    "check": (_check_verb, "check the kernels against the float64 reference on this device (GPU or CPU)"),
+    "bench": (_bench_verb, "benchmark flashtile against its peers on a CUDA GPU (bench --help for more)"),
+    "explain": (explain, "which backend runs a call of this shape and these options, and why (explain --help)"),
+}
+
+
+def usage():
+    lines = ["usage: python -m flashtile VERB [arguments]", "", "verbs:"]
+    lines += [f"  {verb:<7} {text}" for verb, (_, text) in VERBS.items()]
+    return "\n".join(lines)
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("check", "bench"):
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    if argv[0] == "check" and not torch.cuda.is_available() and not configs.INTERPRETING:
-        # Without a GPU the kernels run only in Triton's interpreter, which must be chosen before triton is first
-        # imported -- too late for this process. Start again with it.
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "flashtile", *argv], env)
-    return check() if argv[0] == "check" else bench(argv[1:])
+    if not argv or argv[0] not in VERBS:
+        help_asked = bool(argv) and argv[0] in ("-h", "--help")
+        if argv and not help_asked:
+            print(f"error: unknown verb {argv[0]!r}; the verbs are {', '.join(VERBS)}", file=sys.stderr)
+        print(usage(), file=sys.stdout if help_asked else sys.stderr)
+        return 0 if help_asked else 2
+    return VERBS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":

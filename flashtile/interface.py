@@ -8,9 +8,10 @@ dispatch modes and functorch transforms see the op.
 """
 import torch
 
-from . import _ops
+from . import _ops, dispatch
 from . import reference
 from .reference.dropout import dropout_mask
+from .request import AttentionRequest, unbounded_window
 from ._validate import (check_alibi, check_attn_mask, check_dropout, check_qkv, check_sinks, check_softcap,
                         check_varlen, check_window, resolve_scale)
 
@@ -38,9 +39,9 @@ _ARGS_DOC = """
         alibi_slopes: float32 (nheads,) or (batch, nheads), default None. Adds -slope * |i + seqlen_k - seqlen_q
             - j| to the scores (after the softcap).
         deterministic: bool, default False. True guarantees bit-identical gradients from run to run, as does
-            torch.use_deterministic_algorithms(True). Only the Hopper backward (16-bit, head dim 64 or 128, no
-            features besides causal and GQA) needs it: it adds dQ by bulk reductions in a varying order, so dQ's
-            last bits vary; True takes the portable kernels there (no atomics, about 0.8x the speed).
+            torch.use_deterministic_algorithms(True). Only the Hopper Gluon backward needs it: it adds dQ by bulk
+            reductions whose order varies, so dQ's last bits vary; True takes the portable kernels there (no
+            atomics, about 0.8x the speed). Every other backend is deterministic either way.
         return_attn_probs: bool, default False. If True, also return the log-sum-exp and S_dmask: None without
             dropout; with dropout, a debugging tensor (batch, nheads, seqlen_q, seqlen_k) of the attention
             probabilities with the dropped ones negated (computed densely, O(seqlen^2) memory).
@@ -71,34 +72,33 @@ def _draw_seed(q, dropout_p):
     return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=q.device)
 
 
-def _attention(q, k, v, scale, causal, diagonal_offset, *, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-               attn_bias=None, sinks=None, dropout_p=0.0, varlen=None, deterministic=False):
-    """The op call every API shares. -> (out, lse, seed). The kernels need scale > 0 (they take the row max
-    before scaling); a negative scale is the same function of -q with |scale|, and negating is exact (autograd
-    flips dq back). q may be a packed qkv (k None) or k a packed kv (v None)."""
-    if scale <= 0:
-        if k is None:  # packed qkv: rescale the q slice only, as a new tensor (the op unpacks it again)
-            q_part, k, v = q.unbind(-3)
-        else:
-            q_part = q
-        if scale < 0:
-            q_part, scale = -q_part, -scale
-        else:
-            # Every score is 0: uniform attention over the visible keys. Zero scores under any positive scale
-            # give it; q * 0 (not a fresh zeros tensor) keeps q in the graph, so q.grad is the exact 0.
-            q_part, scale = q_part * 0.0, 1.0
-        q = q_part
-    seed = _draw_seed(q, dropout_p)
-    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
-    out, lse = _ops.attention(q, k, v, scale, causal, diagonal_offset, window[0], window[1], softcap,
-                             alibi_slopes, attn_bias, sinks, dropout_p, seed, cu_q, cu_k, max_q, max_k,
-                             deterministic)
-    return out, lse, seed
+def _positive_scale(q, k, v, scale):
+    """(q, k, v, scale) with scale > 0, which the kernels need (they take the row max before scaling): a negative
+    scale is the same function of -q with |scale| (negating is exact; autograd flips dq back), and a zero scale
+    makes every score 0 (uniform attention over the visible keys), which zero scores under scale 1 give; q * 0 (not
+    a fresh zeros tensor) keeps q in the graph, so q.grad is the exact 0. A packed qkv (k None) is split: the q
+    slice becomes a new tensor, k and v stay views of the packed one."""
+    if scale > 0:
+        return q, k, v, scale
+    if k is None:
+        q, k, v = q.unbind(-3)
+    if scale < 0:
+        return -q, k, v, -scale
+    return q * 0.0, k, v, 1.0
 
 
-def _dropout_debug_mask(q, k, scale, causal, window, softcap, alibi_slopes, sinks, dropout_p, seed, offset,
-                        batch_offset=0):
+def _attention(q, k, v, scale, *, dropout_p=0.0, deterministic=False, **fields):
+    """The call every API shares: the request (AttentionRequest's other fields in `fields`), then the op.
+    -> (out, lse, request). q may be a packed qkv (k None) or k a packed kv (v None)."""
+    q, k, v, scale = _positive_scale(q, k, v, scale)
+    req = AttentionRequest(softmax_scale=scale, dropout_p=dropout_p, seed=_draw_seed(q, dropout_p),
+                           deterministic=bool(deterministic) or torch.are_deterministic_algorithms_enabled(),
+                           **fields)
+    out, lse = _ops.attention(q, k, v, req)
+    return out, lse, req
+
+
+def _dropout_debug_mask(q, k, req, offset, alibi_slopes, batch_offset=0):
     """S_dmask for return_attn_probs with dropout: the probabilities, recomputed densely by the reference, with
     the elements the kernel dropped (same Philox bits) negated. (batch, nheads, seqlen_q, seqlen_k) float32."""
     q, k = q.detach().float(), k.detach().float()
@@ -107,35 +107,46 @@ def _dropout_debug_mask(q, k, scale, causal, window, softcap, alibi_slopes, sink
     # P itself: attention of q over k with identity values, so that out = P.
     eye = torch.eye(seqlen_k, device=q.device).view(1, seqlen_k, 1, seqlen_k).expand(batch, seqlen_k, kv_heads,
                                                                                       seqlen_k)
-    probs, _ = reference.naive_attention(q, k, eye, softmax_scale=scale, diagonal_offset=offset,
-                                         window_size=(window[0], 0 if causal else window[1]), softcap=softcap,
-                                         alibi_slopes=alibi_slopes, sinks=sinks)
+    probs, _ = reference.naive_attention(q, k, eye, softmax_scale=req.softmax_scale, diagonal_offset=offset,
+                                         window_size=(req.window_left, req.window_right), softcap=req.softcap,
+                                         alibi_slopes=alibi_slopes, sinks=req.sinks)
     probs = probs.permute(0, 2, 1, 3)  # (batch, heads, seqlen_q, seqlen_k)
-    keep = dropout_mask(int(seed.item()), batch, heads, seqlen_q, seqlen_k, dropout_p, device=q.device,
+    keep = dropout_mask(int(req.seed.item()), batch, heads, seqlen_q, seqlen_k, req.dropout_p, device=q.device,
                         batch_offset=batch_offset)
     return torch.where(keep, probs, -probs)
+
+
+def _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, head_dim,
+                   batch, heads, seqlen_q, seqlen_k):
+    """Validate the options flash_attn_func and the varlen functions share -> (scale, dropout_p, request fields).
+    Causal becomes the band's right edge at the diagonal; a window wider than the sequences, no window."""
+    dropout_p = check_dropout(dropout_p)
+    left, right = check_window(window_size)
+    if not isinstance(causal, bool):
+        causal = bool(causal)
+    if causal:
+        right = 0
+    left, right = unbounded_window(left, right, seqlen_q, seqlen_k)
+    fields = dict(window_left=left, window_right=right, softcap=check_softcap(softcap),
+                  alibi_slopes=check_alibi(alibi_slopes, qq, batch, heads), sinks=check_sinks(sinks, qq, heads))
+    return resolve_scale(softmax_scale, head_dim), dropout_p, fields
 
 
 def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks,
            head_dim, deterministic=False):
     """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed)."""
-    qq, kk, vv = _ops._unpack(q, k, v)
+    qq, kk, vv = _ops.unpack(q, k, v)
     check_qkv(qq, kk, vv, layout="bshd")
-    dropout_p = check_dropout(dropout_p)
-    window = check_window(window_size)
-    softcap = check_softcap(softcap)
-    alibi_slopes = check_alibi(alibi_slopes, qq, qq.shape[0], qq.shape[2])
-    sinks = check_sinks(sinks, qq, qq.shape[2])
-    scale = resolve_scale(softmax_scale, head_dim)
+    scale, dropout_p, fields = _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, sinks, head_dim, qq.shape[0], qq.shape[2], qq.shape[1],
+                                              kk.shape[1])
     diagonal_offset = kk.shape[1] - qq.shape[1]  # bottom-right alignment
-    out, lse, seed = _attention(q, k, v, scale, bool(causal), diagonal_offset, window=window, softcap=softcap,
-                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
-                                deterministic=deterministic)
+    out, lse, req = _attention(q, k, v, scale, dropout_p=dropout_p, deterministic=deterministic,
+                               diagonal_offset=diagonal_offset, **fields)
     if return_attn_probs:
         s_dmask = None
         if dropout_p > 0:
-            s_dmask = _dropout_debug_mask(qq, kk, scale, causal, window, softcap, alibi_slopes, sinks, dropout_p,
-                                          seed, diagonal_offset)
+            s_dmask = _dropout_debug_mask(qq, kk, req, diagonal_offset, req.alibi_slopes)
         return out, lse, s_dmask
     return out
 
@@ -203,20 +214,17 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, return_attn_probs, sinks, head_dim):
-    qq, kk, vv = _ops._unpack(q, k, v)
+            window_size, softcap, alibi_slopes, return_attn_probs, sinks, head_dim, deterministic):
+    qq, kk, vv = _ops.unpack(q, k, v)
     check_qkv(qq, kk, vv, layout="thd")
     cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, qq)
     batch = cu_q.numel() - 1
-    dropout_p = check_dropout(dropout_p)
-    window = check_window(window_size)
-    softcap = check_softcap(softcap)
-    alibi_slopes = check_alibi(alibi_slopes, qq, batch, qq.shape[1])
-    sinks = check_sinks(sinks, qq, qq.shape[1])
-    scale = resolve_scale(softmax_scale, head_dim)
-    out, lse, seed = _attention(q, k, v, scale, bool(causal), 0, window=window, softcap=softcap,
-                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
-                                varlen=(cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k)))
+    scale, dropout_p, fields = _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, sinks, head_dim, batch, qq.shape[1], max_seqlen_q,
+                                              max_seqlen_k)
+    out, lse, req = _attention(q, k, v, scale, dropout_p=dropout_p, deterministic=deterministic, cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+                               **fields)
     if return_attn_probs:
         s_dmask = None
         if dropout_p > 0:
@@ -226,10 +234,12 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                 sq, sk = bounds_q[b + 1] - bounds_q[b], bounds_k[b + 1] - bounds_k[b]
                 if sq == 0 or sk == 0:
                     continue
-                slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+                slopes = req.alibi_slopes
+                if slopes is not None and slopes.dim() == 2:
+                    slopes = slopes[b]
                 s_dmask[b, :, :sq, :sk] = _dropout_debug_mask(
-                    qq[None, bounds_q[b]:bounds_q[b + 1]], kk[None, bounds_k[b]:bounds_k[b + 1]], scale, causal,
-                    window, softcap, slopes, sinks, dropout_p, seed, sk - sq, batch_offset=b)[0]
+                    qq[None, bounds_q[b]:bounds_q[b + 1]], kk[None, bounds_k[b]:bounds_k[b + 1]], req, sk - sq,
+                    slopes, batch_offset=b)[0]
         return out, lse, s_dmask
     return out
 
@@ -257,7 +267,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   "flashtile.flash_attn_with_kvcache for paged caches, or gather the pages first.")
     check_qkv(q, k, v, layout="thd")  # before _varlen, which would read k = None as packed inputs
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, q.shape[-1])
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, q.shape[-1], deterministic)
 
 
 @_with_docs("(total, nheads, headdim)", "(nheads, total)")
@@ -274,7 +284,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """
     _check_packed("qkv", qkv, 3, 4)
     return _varlen(qkv, None, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, qkv.shape[-1])
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, qkv.shape[-1], deterministic)
 
 
 @_with_docs("(total_q, nheads, headdim)", "(nheads, total_q)")
@@ -293,7 +303,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """
     _check_packed("kv", kv, 2, 4)
     return _varlen(q, kv, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, kv.shape[-1])
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, kv.shape[-1], deterministic)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -333,5 +343,41 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         attn_mask = check_attn_mask(attn_mask, query, query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     scale = resolve_scale(scale, query.shape[-1], name="scale")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views: the kernels take any strides
-    out, _, _ = _attention(q, k, v, scale, bool(is_causal), 0, attn_bias=attn_mask, dropout_p=dropout_p)
+    out, _, _ = _attention(q, k, v, scale, dropout_p=dropout_p, window_right=0 if is_causal else -1,
+                           attn_bias=attn_mask)
     return out.transpose(1, 2)  # diagonal offset 0 above: top-left alignment
+
+
+def explain(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+            dropout_p=0.0, softmax_scale=None, deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None, target=None):
+    """Which backend would run flash_attn_func(q, k, v, ...) (or flash_attn_varlen_func, when cu_seqlens_q/_k are
+    given), forward and backward, and why each backend before it declines. Nothing runs; the arguments are
+    validated as the call would validate them (and raise the same errors).
+
+    target: a flashtile.dispatch.Target to ask about another machine (e.g. Target("cuda", 90, False), an H100)
+    instead of the tensors' own device. Returns a flashtile.dispatch.Explanation; print it for a report:
+
+        call: q (2, 4096, 16, 128) k (2, 4096, 4, 128) v (2, 4096, 4, 128) bfloat16; causal; on cuda, sm_90
+        forward: gluon-hopper
+        backward: triton
+          not gluon-hopper: deterministic=True (or torch.use_deterministic_algorithms): ...
+    """
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    check_qkv(q, k, v, layout="thd" if varlen else "bshd")
+    if varlen:
+        cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
+        batch, heads = cu_q.numel() - 1, q.shape[1]
+        seqlens = (max_seqlen_q, max_seqlen_k)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    else:
+        batch, heads = q.shape[0], q.shape[2]
+        seqlens = (q.shape[1], k.shape[1])
+        extra = dict(diagonal_offset=k.shape[1] - q.shape[1])
+    scale, dropout_p, fields = _flash_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, sinks, q.shape[-1], batch, heads, *seqlens)
+    seed = torch.zeros((1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None  # not drawn: no call
+    req = AttentionRequest(softmax_scale=abs(scale) or 1.0, dropout_p=dropout_p, seed=seed,
+                           deterministic=bool(deterministic) or torch.are_deterministic_algorithms_enabled(),
+                           **fields, **extra)
+    return dispatch.explain_request(q, k, v, req, target=target)

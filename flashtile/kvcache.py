@@ -8,10 +8,12 @@ TRITON_INTERPRET=1, else the pure-PyTorch reference (flashtile.reference.kvcache
 """
 import torch
 
-from ._ops import _use_kernels, _warn_cpu_fallback, eager
+from ._ops import eager
+from .dispatch import _warn_cpu_fallback, uses_kernels as _use_kernels
 from ._validate import (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, check_alibi,
                         check_softcap, check_window, resolve_scale)
 from .kernels import decode as _decode
+from .request import KVCacheRequest
 from .reference import kvcache as _reference
 
 # An fp8 cache holds float8 e4m3 values with one descale factor per (batch, kv head), as FlashAttention-3's.
@@ -25,67 +27,69 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # decode step. The fakes make them traceable by torch.compile; (a!) marks the cache as mutated in place.
 
 _LIB = torch.library.Library("flashtile", "FRAGMENT")
-_LIB.define("kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor? cache_seqlens, "
-            "int cache_seqlen, Tensor? cache_batch_idx, Tensor? block_table, Tensor? rotary_cos, "
-            "Tensor? rotary_sin, bool rotary_interleaved, Tensor? k_descale, Tensor? v_descale) -> ()")
-_LIB.define("kvcache_attn(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, int cache_seqlen, "
-            "int seqlen_new, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, "
-            "Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, Tensor? alibi_slopes, "
-            "float softmax_scale, bool causal, int window_left, int window_right, float softcap, int num_splits, "
-            "Tensor? k_descale, Tensor? v_descale) -> (Tensor, Tensor)")
+# The trailing arguments of both ops are KVCacheRequest's fields (flashtile.request), in declaration order.
+_LIB.define(f"kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, {KVCacheRequest.schema()}) "
+            f"-> ()")
+_LIB.define(f"kvcache_attn(Tensor q, Tensor k_cache, Tensor v_cache, {KVCacheRequest.schema()}) -> (Tensor, Tensor)")
 
 
-def _kvcache_append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
-                         rotary_cos, rotary_sin, rotary_interleaved, k_descale, v_descale):
-    """k (rotated when rotary_cos is given) and v into cache rows cache_seqlens[b] + i (cache_seqlen for every b
-    when cache_seqlens is None), in place."""
+def append(k_cache, v_cache, k, v, req: KVCacheRequest):
+    """k (rotated when req.rotary_cos is given) and v into cache rows cache_seqlens[b] + i (req.cache_seqlen for every
+    b when req.cache_seqlens is None), in place."""
     if _use_kernels(k_cache):
-        _decode.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
-                               rotary_cos, rotary_sin, rotary_interleaved, k_descale, v_descale)
+        _decode.kvcache_append(k_cache, v_cache, k, v, req.cache_seqlens, req.cache_seqlen, req.cache_batch_idx,
+                               req.block_table, req.rotary_cos, req.rotary_sin, req.rotary_interleaved,
+                               req.k_descale, req.v_descale)
         return
     _warn_cpu_fallback()
     # Rotary in fp32, as the kernel computes it, then rounded to the cache's dtype.
-    _reference.append_kv_(k_cache, v_cache, k.float(), v, cache_seqlen if cache_seqlens is None else cache_seqlens,
-                          cache_batch_idx=cache_batch_idx, block_table=block_table, rotary_cos=rotary_cos,
-                          rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, k_descale=k_descale,
-                          v_descale=v_descale)
+    _reference.append_kv_(k_cache, v_cache, k.float(), v,
+                          req.cache_seqlen if req.cache_seqlens is None else req.cache_seqlens,
+                          cache_batch_idx=req.cache_batch_idx, block_table=req.block_table, rotary_cos=req.rotary_cos,
+                          rotary_sin=req.rotary_sin, rotary_interleaved=req.rotary_interleaved,
+                          k_descale=req.k_descale, v_descale=req.v_descale)
 
 
-def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad,
-                       block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal,
-                       window_left, window_right, softcap, num_splits, k_descale, v_descale):
+def attention(q, k_cache, v_cache, req: KVCacheRequest):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32) of q over each sequence's cache rows
     [cache_leftpad[b], cache_seqlens[b] + seqlen_new)."""
     if _use_kernels(q):
-        return _decode.kvcache_attention(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new,
-                                         cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-                                         rotary_interleaved, alibi_slopes, softmax_scale, causal, window_left,
-                                         window_right, softcap, num_splits, k_descale, v_descale)
+        return _decode.kvcache_attention(q, k_cache, v_cache, req.cache_seqlens, req.cache_seqlen, req.seqlen_new,
+                                         req.cache_batch_idx, req.cache_leftpad, req.block_table, req.rotary_cos,
+                                         req.rotary_sin, req.rotary_interleaved, req.alibi_slopes, req.softmax_scale,
+                                         req.causal, req.window_left, req.window_right, req.softcap, req.num_splits,
+                                         req.k_descale, req.v_descale)
     _warn_cpu_fallback()
     out, lse = _reference.kvcache_attention(
-        q.float(), k_cache, v_cache, cache_seqlen if cache_seqlens is None else cache_seqlens,
-        seqlen_new=seqlen_new, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
+        q.float(), k_cache, v_cache, req.cache_seqlen if req.cache_seqlens is None else req.cache_seqlens,
+        seqlen_new=req.seqlen_new, cache_batch_idx=req.cache_batch_idx, cache_leftpad=req.cache_leftpad,
+        block_table=req.block_table, rotary_cos=req.rotary_cos, rotary_sin=req.rotary_sin,
+        rotary_interleaved=req.rotary_interleaved, softmax_scale=req.softmax_scale, causal=req.causal,
+        window_size=(req.window_left, req.window_right), softcap=req.softcap, alibi_slopes=req.alibi_slopes,
+        k_descale=req.k_descale, v_descale=req.v_descale)
     return out.to(q.dtype), lse.float()
 
 
+def _kvcache_append_op(k_cache, v_cache, k, v, *fields, **named):
+    append(k_cache, v_cache, k, v, KVCacheRequest.unflatten(fields, named))
+
+
+def _kvcache_attn_op(q, k_cache, v_cache, *fields, **named):
+    return attention(q, k_cache, v_cache, KVCacheRequest.unflatten(fields, named))
+
+
 for _device in ("CPU", "CUDA"):
-    _LIB.impl("kvcache_append", _kvcache_append_impl, _device)
-    _LIB.impl("kvcache_attn", _kvcache_attn_impl, _device)
+    _LIB.impl("kvcache_append", _kvcache_append_op, _device)
+    _LIB.impl("kvcache_attn", _kvcache_attn_op, _device)
 
 
 @torch.library.register_fake("flashtile::kvcache_append")
-def _kvcache_append_fake(k_cache, v_cache, k, v, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
-                         rotary_cos, rotary_sin, rotary_interleaved, k_descale, v_descale):
+def _kvcache_append_fake(k_cache, v_cache, k, v, *fields, **named):
     return None
 
 
 @torch.library.register_fake("flashtile::kvcache_attn")
-def _kvcache_attn_fake(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad,
-                       block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, softmax_scale, causal,
-                       window_left, window_right, softcap, num_splits, k_descale, v_descale):
+def _kvcache_attn_fake(q, k_cache, v_cache, *fields, **named):
     batch, seqlen_q, num_heads, head_dim = q.shape
     return q.new_empty((batch, seqlen_q, num_heads, head_dim)), q.new_empty((batch, num_heads, seqlen_q),
                                                                            dtype=torch.float32)
@@ -157,27 +161,25 @@ class _Call:
         return out, lse
 
 
-def _remember(key, k_cache, v_cache, args, rotary_interleaved, causal, num_splits, int_seqlens):
+def _remember(key, q, k_cache, v_cache, k, v, req: KVCacheRequest, int_seqlens):
     """After a validated call that needed no copies: keep its plans under its key (not when the reference ran:
     no plans)."""
-    (q, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
-     alibi_slopes, k_descale, v_descale, seqlen_new, scale, window_left, window_right, softcap) = args
     call = _Call()
     call.attn = _decode.plan(_decode.attention_key(
-        q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-        rotary_sin, rotary_interleaved, alibi_slopes, scale, causal, window_left, window_right, softcap, num_splits,
-        k_descale, v_descale))
+        q, k_cache, v_cache, req.cache_seqlens, req.seqlen_new, req.cache_batch_idx, req.cache_leftpad,
+        req.block_table, req.rotary_cos, req.rotary_sin, req.rotary_interleaved, req.alibi_slopes, req.softmax_scale,
+        req.causal, req.window_left, req.window_right, req.softcap, req.num_splits, req.k_descale, req.v_descale))
     call.append = None
-    if k is not None and seqlen_new > 0:
-        call.append = _decode.plan(_decode.append_key(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                                      block_table, rotary_cos, rotary_sin, rotary_interleaved,
-                                                      k_descale, v_descale))
+    if k is not None and req.seqlen_new > 0:
+        call.append = _decode.plan(_decode.append_key(k_cache, v_cache, k, v, req.cache_seqlens, req.cache_batch_idx,
+                                                      req.block_table, req.rotary_cos, req.rotary_sin,
+                                                      req.rotary_interleaved, req.k_descale, req.v_descale))
         if call.append is None:
             return
     if call.attn is None:
         return
-    call.capacity = _decode._capacity(k_cache, block_table)
-    call.seqlen_new = seqlen_new
+    call.capacity = _decode._capacity(k_cache, req.block_table)
+    call.seqlen_new = req.seqlen_new
     call.int_seqlens = int_seqlens
     call.device_index = q.get_device()
     if len(_CALLS) >= _decode.MAX_PLANS:
@@ -347,7 +349,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     A row that sees no key outputs 0 and has LSE -inf.
 
     Arguments:
-        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32. headdim: a multiple of 8, at most 256.
+        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32. headdim: a multiple of 8, at most 512.
         k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) without block_table, or
             (num_blocks, page_block_size, nheads_k, headdim) with one (a paged cache; any page size: 16, 32, ...,
             256). q's dtype, or float8_e4m3fn with k_descale/v_descale. The headdim must be contiguous.
@@ -400,37 +402,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     given = (q, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
              alibi_slopes, k_descale, v_descale)
-    args = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                     num_splits, k_descale, v_descale)
-    (q, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
-     alibi_slopes, k_descale, v_descale, seqlen_new, scale, window_left, window_right, softcap) = args
+    q, k, v, req = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                             rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale)
     # Eager calls skip the dispatcher: going through torch.ops costs ~4 us of host time per op (measured on the CPU),
     # as much as a small decode step takes on the GPU.
     if eager(q, k_cache, v_cache):
-        append, attn = _kvcache_append_impl, _kvcache_attn_impl
+        if k is not None and req.seqlen_new > 0:
+            append(k_cache, v_cache, k, v, req)
+        out, lse = attention(q, k_cache, v_cache, req)
     else:
-        append, attn = kvcache_append, kvcache_attn
-    if k is not None and seqlen_new > 0:
-        append(k_cache, v_cache, k, v, cache_seqlens, cache_seqlen, cache_batch_idx, block_table, rotary_cos,
-               rotary_sin, rotary_interleaved, k_descale, v_descale)
-    out, lse = attn(q, k_cache, v_cache, cache_seqlens, cache_seqlen, seqlen_new, cache_batch_idx, cache_leftpad,
-                    block_table, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, scale, causal, window_left,
-                    window_right, softcap, num_splits, k_descale, v_descale)
-    normalized = (q, k, v, rotary_cos, rotary_sin, cache_seqlens if cache_seqlens is not None else given[5],
-                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale, v_descale)
+        if k is not None and req.seqlen_new > 0:
+            kvcache_append(k_cache, v_cache, k, v, *req.flatten())
+        out, lse = kvcache_attn(q, k_cache, v_cache, *req.flatten())
+    normalized = (q, k, v, req.rotary_cos, req.rotary_sin,
+                  req.cache_seqlens if req.cache_seqlens is not None else given[5], req.cache_batch_idx,
+                  req.cache_leftpad, req.block_table, req.alibi_slopes, req.k_descale, req.v_descale)
     if key is not None and all(a is b for a, b in zip(normalized, given)):
-        _remember(key, k_cache, v_cache, args, rotary_interleaved, causal, num_splits, _is_int(given[5]))
+        _remember(key, q, k_cache, v_cache, k, v, req, _is_int(given[5]))
     return (out, lse) if return_softmax_lse else out
 
 
 def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
               k_descale, v_descale):
-    """Check flash_attn_with_kvcache's arguments; return them normalised: (q, k, v, rotary_cos, rotary_sin,
-    cache_seqlens tensor or None, cache_seqlen, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-    k_descale, v_descale, seqlen_new, scale, window_left, window_right, softcap). Tensors the kernels need contiguous
-    come back contiguous (a copy where they were not)."""
+    """Check flash_attn_with_kvcache's arguments -> (q, k, v, KVCacheRequest), normalised: tensors the kernels need
+    contiguous come back contiguous (a copy where they were not); an int cache_seqlens becomes cache_seqlen."""
     _check_tensor("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}; for one "
@@ -497,5 +494,9 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically, 1 = no split), got "
                          f"{num_splits!r}.")
     k_descale, v_descale = _check_descale(k_descale, v_descale, q, k_cache, batch, num_kv_heads)
-    return (q, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes, k_descale, v_descale, seqlen_new, scale, window_left, window_right, softcap)
+    return q, k, v, KVCacheRequest(
+        cache_seqlens=cache_seqlens, cache_seqlen=cache_seqlen, seqlen_new=seqlen_new, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, softmax_scale=scale, causal=causal,
+        window_left=window_left, window_right=window_right, softcap=softcap, num_splits=num_splits,
+        k_descale=k_descale, v_descale=v_descale)

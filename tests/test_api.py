@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import flashtile
+from flashtile._settings import SETTINGS
 import flashtile.kernels._common
 import flashtile.kernels.configs
 from flashtile.reference import naive_attention
@@ -646,7 +647,9 @@ def _assert_opcheck_passes(op, args):
 @pytest.mark.parametrize("shape", OPCHECK_SHAPES)
 def test_opcheck_attn_fwd(shape, causal, gen):
     q, k, v, scale, offset = _opcheck_inputs(shape, gen, requires_grad=True)
-    _assert_opcheck_passes(torch.ops.flashtile.attn_fwd.default, (q, k, v, scale, causal, offset))
+    # The op's trailing arguments are AttentionRequest's fields: softmax_scale, diagonal_offset, window_left,
+    # window_right (causal: the right edge at the diagonal), ...
+    _assert_opcheck_passes(torch.ops.flashtile.attn_fwd.default, (q, k, v, scale, offset, -1, 0 if causal else -1))
 
 
 @pytest.mark.parametrize("with_dlse", [pytest.param(False, id="dlse-None"), pytest.param(True, id="dlse-tensor")])
@@ -654,11 +657,12 @@ def test_opcheck_attn_fwd(shape, causal, gen):
 @pytest.mark.parametrize("shape", OPCHECK_SHAPES)
 def test_opcheck_attn_bwd(shape, causal, with_dlse, gen):
     q, k, v, scale, offset = _opcheck_inputs(shape, gen, requires_grad=False)
-    out, lse = torch.ops.flashtile.attn_fwd(q, k, v, scale, causal, offset)
+    right = 0 if causal else -1
+    out, lse = torch.ops.flashtile.attn_fwd(q, k, v, scale, offset, -1, right)
     dout = _randn(out.shape, gen)
     dlse = _randn(lse.shape, gen) if with_dlse else None
     _assert_opcheck_passes(torch.ops.flashtile.attn_bwd.default,
-                           (dout, q, k, v, out, lse, dlse, scale, causal, offset))
+                           (dout, q, k, v, out, lse, dlse, False, scale, offset, -1, right))
 
 
 class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
@@ -702,7 +706,7 @@ def test_eager_calls_skip_the_dispatcher(gen, monkeypatch):
         calls.append(1), _apply(*a))[1])
     direct = run()
     assert calls, "the eager call did not take _AttnFunction"
-    monkeypatch.setattr(_ops, "EAGER_DIRECT", False)
+    monkeypatch.setattr(SETTINGS, "eager_direct", False)
     calls.clear()
     through_op = run()
     assert not calls

@@ -1,17 +1,21 @@
-"""CPU tests of the benchmark's pure parts: FLOP counting, the shape suite and its filters, the correctness guard,
-error reporting through run_suite (with a fake timer), the table, and the results files."""
+"""CPU tests of the benchmark's pure parts (flashtile/bench/): FLOP counting, the shape suite and its filters, the
+correctness guard, error reporting through run_suite (with a fake timer), the table, the results files, and the
+command line without a GPU."""
 
 import json
+import os
+import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` lives at the repo root
+from flashtile.bench import runner as bench
+from flashtile.bench.registry import PROVIDERS, Prepared, Provider, Shape, Unsupported, _sdpa_prepare
 
-from benchmarks import bench  # noqa: E402
-from benchmarks.registry import PROVIDERS, Prepared, Provider, Shape, Unsupported, _sdpa_prepare  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,7 +158,7 @@ def test_sdpa_provider_layout_roundtrip_on_cpu():
 def test_fa4_import_adds_the_cutlass_dsl_path(tmp_path, monkeypatch):
     """`pip install --target` skips the DSL's .pth file; the fa4 provider adds dsl_packages to sys.path itself.
     Mirrors the installed layout: flash_attn/cute and nvidia_cutlass_dsl are namespace packages."""
-    from benchmarks import registry
+    from flashtile.bench import registry
     (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text(
         "import cutlass\n\ndef flash_attn_func(q, k, v, qv=None, softmax_scale=None, causal=False):\n"
@@ -303,8 +307,8 @@ def test_run_suite_nan_output_is_wrong_not_ok():
 
 def _result(provider, mode, tflops, status="ok", seqlen=16384, headdim=128, causal=False, detail=""):
     shape = Shape(16384 // seqlen, seqlen, seqlen, 2048 // headdim, 2048 // headdim, headdim, causal)
-    return bench.Result(provider, mode, shape.label, shape.batch, seqlen, seqlen, shape.heads, shape.heads,
-                        headdim, causal, "bf16", status, ms=1.0 if tflops else None, tflops=tflops, detail=detail)
+    return bench.Result(**asdict(shape), provider=provider, mode=mode, dtype="bf16", status=status,
+                        ms=1.0 if tflops else None, tflops=tflops, detail=detail)
 
 
 def test_format_table_columns_and_ratios():
@@ -356,9 +360,11 @@ def test_format_table_without_baseline_has_no_ratios():
 
 
 def test_format_table_accepts_json_dicts():
-    from dataclasses import asdict
-    results = [asdict(_result("flashtile", "fwd", 500.0)), asdict(_result("fa4", "fwd", 250.0))]
-    assert "2.00x" in bench.format_table(json.loads(json.dumps(results)))
+    # rows as the results file holds them: the Result's fields and its shape's label
+    results = [bench._jsonable(_result("flashtile", "fwd", 500.0)), bench._jsonable(_result("fa4", "fwd", 250.0))]
+    assert results[0]["label"] == "B1 H16 S16k D128"
+    text = bench.format_table(json.loads(json.dumps(results)))
+    assert "2.00x" in text and "| B1 H16 S16k D128 | fwd" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -382,8 +388,7 @@ def test_result_path_naming_and_no_clobber(tmp_path):
 
 
 def test_write_json_roundtrip_strict(tmp_path):
-    results = [_result("flashtile", "fwd", 500.0)]
-    results[0].max_abs_diff = float("nan")
+    results = [replace(_result("flashtile", "fwd", 500.0), max_abs_diff=float("nan"))]
     meta = bench.collect_metadata({"quick": True}, "bf16", providers=["flashtile", "fa4"])
     for key in ("date", "gpu", "torch", "triton", "cuda", "flashtile_commit", "args", "provider_versions"):
         assert key in meta
@@ -391,13 +396,14 @@ def test_write_json_roundtrip_strict(tmp_path):
     data = json.loads(path.read_text())     # strict JSON: NaN is written as a string, not dropped
     assert data["results"][0]["max_abs_diff"] == "nan"
     assert data["results"][0]["tflops"] == 500.0
+    assert data["results"][0]["label"] == "B1 H16 S16k D128" and data["results"][0]["headdim"] == 128
     assert data["metadata"]["args"] == {"quick": True}
     assert not (tmp_path / "sub" / "r.json.tmp").exists()
 
 
 def test_plot_writes_png_next_to_json(tmp_path):
     pytest.importorskip("matplotlib")
-    from benchmarks import plot
+    from flashtile.bench import plot
     results = [_result(p, m, t, seqlen=s, headdim=d, causal=c, status=st)
                for p, t, st in [("flashtile", 500.0, "ok"), ("sdpa-cudnn", 400.0, "wrong"), ("flex", None, "error")]
                for m in ("fwd", "bwd") for s in (1024, 16384) for d in (64, 128) for c in (False, True)]
@@ -414,3 +420,73 @@ def test_main_without_gpu_exits_cleanly(capsys):
     assert bench.main(["--quick"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert bench.main(["--providers", "nope"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command line
+
+
+def test_package_never_imports_the_benchmarks_folder():
+    """The top-level benchmarks/ folder (tile sweeps, results) is not in the wheel: nothing in flashtile/ imports it."""
+    import ast
+    for path in (REPO / "flashtile").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not [n for n in names if n.split(".")[0] == "benchmarks"], f"{path} imports {names}"
+
+
+def test_bench_help_from_another_directory_without_a_gpu(tmp_path):
+    """`python -m flashtile bench --help` is the user's entry point: it must not need a GPU or a checkout's cwd."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "flashtile", "bench", "--help"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "usage: python -m flashtile bench" in out.stdout and "--quick" in out.stdout
+    for name in ("features", "decode", "plot"):
+        assert f"\n  {name} " in out.stdout
+
+
+@pytest.mark.parametrize("name", ["features", "decode", "plot"])
+def test_subcommand_help(name, capsys):
+    from flashtile import bench as bench_pkg
+    with pytest.raises(SystemExit) as exc:
+        bench_pkg.main([name, "--help"])
+    assert exc.value.code == 0
+    assert f"usage: python -m flashtile bench {name}" in capsys.readouterr().out
+
+
+def test_subcommands_without_gpu_exit_cleanly(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    from flashtile import bench as bench_pkg
+    assert bench_pkg.main(["features"]) == 2
+    assert bench_pkg.main(["decode", "--batch", "1", "--kv", "4k"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("no CUDA device") == 2
+
+
+def test_results_go_to_the_current_directory_by_default():
+    assert bench.build_parser().parse_args([]).out == "bench-results"
+    assert not Path(bench.DEFAULT_OUT).is_absolute()
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    from flashtile.bench import plot
+    path = bench.write_json({"metadata": {}, "results": [_result("flashtile", "fwd", 500.0)]}, tmp_path / "r.json")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` now raises ModuleNotFoundError
+    assert plot.main([str(path)]) == 2
+    assert "plotting needs matplotlib" in capsys.readouterr().err
+    assert not path.with_suffix(".png").exists()
+    assert plot.main([str(tmp_path / "missing.json")]) == 2
+    assert "no results file" in capsys.readouterr().err
+
+
+def test_verbs(capsys):
+    from flashtile.__main__ import VERBS, main
+    assert list(VERBS) == ["check", "bench", "explain"]
+    assert main([]) == 2 and "verbs:" in capsys.readouterr().err
+    assert main(["--help"]) == 0 and "bench" in capsys.readouterr().out
+    assert main(["nope"]) == 2 and "unknown verb 'nope'" in capsys.readouterr().err
+    assert main(["check", "--help"]) == 0 and "float64 reference" in capsys.readouterr().out
+    assert main(["check", "extra"]) == 2 and "takes no arguments" in capsys.readouterr().err

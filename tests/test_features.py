@@ -425,12 +425,12 @@ def test_packed_backward_writes_one_tensor():
     autograd would have to scatter into a zero-filled copy."""
     b, s, h, d = 1, 20, 2, 16
     qkv = torch.randn((b, s, 3, h, d), device=DEVICE)
-    out, lse = torch.ops.flashtile.attn_fwd(qkv, None, None, 0.25, False, 0)
-    grads = torch.ops.flashtile.attn_bwd(torch.randn_like(out), qkv, None, None, out, lse, None, 0.25, False, 0)
+    out, lse = torch.ops.flashtile.attn_fwd(qkv, None, None, 0.25)
+    grads = torch.ops.flashtile.attn_bwd(torch.randn_like(out), qkv, None, None, out, lse, None, False, 0.25)
     assert len(grads) == 1 and grads[0].shape == qkv.shape and grads[0].is_contiguous()
     q, kv = qkv[:, :, 0].contiguous(), qkv[:, :, 1:].contiguous()
-    out, lse = torch.ops.flashtile.attn_fwd(q, kv, None, 0.25, False, 0)
-    grads = torch.ops.flashtile.attn_bwd(torch.randn_like(out), q, kv, None, out, lse, None, 0.25, False, 0)
+    out, lse = torch.ops.flashtile.attn_fwd(q, kv, None, 0.25)
+    grads = torch.ops.flashtile.attn_bwd(torch.randn_like(out), q, kv, None, out, lse, None, False, 0.25)
     assert [g.shape for g in grads] == [q.shape, kv.shape]
 
 

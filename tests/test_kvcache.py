@@ -30,6 +30,7 @@ from flashtile.kernels.configs import TileConfig
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.reference import kvcache as reference
 from flashtile.reference import naive_attention
+from flashtile.request import KVCacheRequest
 from flashtile.testing import K, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -829,16 +830,17 @@ def _opcheck_inputs(seed):
 
 def test_opcheck_append(request):
     q, k_cache, v_cache, k, v, seqlens, table, cos, sin = _opcheck_inputs(_seed(request))
-    torch.library.opcheck(torch.ops.flashtile.kvcache_append.default,
-                          (k_cache, v_cache, k, v, seqlens, 0, None, table, cos, sin, True, None, None))
+    req = KVCacheRequest(cache_seqlens=seqlens, seqlen_new=k.shape[1], block_table=table, rotary_cos=cos,
+                         rotary_sin=sin, rotary_interleaved=True)
+    torch.library.opcheck(torch.ops.flashtile.kvcache_append.default, (k_cache, v_cache, k, v, *req.flatten()))
 
 
 @pytest.mark.parametrize("num_splits", (1, 2))
 def test_opcheck_attn(request, num_splits):
     q, k_cache, v_cache, k, v, seqlens, table, cos, sin = _opcheck_inputs(_seed(request))
-    torch.library.opcheck(torch.ops.flashtile.kvcache_attn.default,
-                          (q, k_cache, v_cache, seqlens, 0, 2, None, None, table, cos, sin, False, None, 0.25, True,
-                           -1, -1, 0.0, num_splits, None, None))
+    req = KVCacheRequest(cache_seqlens=seqlens, seqlen_new=2, block_table=table, rotary_cos=cos, rotary_sin=sin,
+                         rotary_interleaved=False, softmax_scale=0.25, causal=True, num_splits=num_splits)
+    torch.library.opcheck(torch.ops.flashtile.kvcache_attn.default, (q, k_cache, v_cache, *req.flatten()))
 
 
 _FALLBACK_SCRIPT = textwrap.dedent("""

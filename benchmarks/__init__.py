@@ -1,1 +1,0 @@
-"""flashtile benchmarks: `python -m benchmarks.bench --help` (or `python -m flashtile bench`)."""

@@ -1,0 +1,34 @@
+"""The benchmark `python -m flashtile bench` runs: flashtile against its peers, in the same run on the same GPU.
+
+    python -m flashtile bench [options]              the attention suite: TFLOP/s and ratios (runner.py)
+    python -m flashtile bench features [options]     each feature's cost against the plain kernel (features.py)
+    python -m flashtile bench decode [options]       KV-cache decoding against SDPA and flash-attn (decode.py)
+    python -m flashtile bench plot FILE [--out PNG]  re-plot a suite's results JSON (plot.py; needs matplotlib)
+
+Each takes --help. The benchmarks need a CUDA GPU (their --help does not); results are JSON (the suite adds a PNG
+when matplotlib is installed: `pip install flashtile[bench]`) written to --out, ./bench-results by default, with
+the GPU, torch, triton and the date. Modules: registry (providers and shapes), runner (flops, the correctness
+check, timing, the table, results files), plot, features, decode. `import flashtile` never imports this package.
+"""
+import importlib
+import sys
+
+PROG = "python -m flashtile bench"
+
+# sub-command -> (module of this package whose main(argv, prog) runs it, one line for the usage text)
+SUBCOMMANDS = {
+    "features": ("features", "each feature's cost against the plain kernel (16k, d128, bf16)"),
+    "decode": ("decode", "KV-cache decoding against torch SDPA and flash-attn"),
+    "plot": ("plot", "re-plot a suite's results JSON (needs matplotlib)"),
+}
+
+
+def main(argv=None, prog=PROG):
+    """Run the suite, or the sub-command named by argv[0]; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(f"{__name__}.{SUBCOMMANDS[argv[0]][0]}")
+        return module.main(argv[1:], prog=f"{prog} {argv[0]}")
+    from . import runner
+
+    return runner.main(argv, prog=prog)

@@ -1,0 +1,350 @@
+"""Which backend runs an attention request, and why: the one place that decides.
+
+Backends, tried in order; the first whose allow-list accepts the request runs it:
+
+1. ``gluon-hopper``: the warp-specialized Gluon kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py).
+2. ``triton``: the portable Triton kernels (kernels/forward.py, kernels/backward.py), on any CUDA GPU, and on CPU
+   tensors inside Triton's interpreter (TRITON_INTERPRET=1, how CI tests them).
+3. ``reference``: the pure-PyTorch reference (reference/fallback.py) for CPU tensors otherwise (warned once).
+
+Each backend's ``decline_forward`` / ``decline_backward`` returns None when it takes the request, else the reason it
+does not, in words a user can act on. `explain` (and ``python -m flashtile explain``) reports every backend's answer
+for a call, forward and backward: "why did it fall back" is answered by reading the reasons.
+
+Forward and backward are decided separately: a call whose forward runs on the Gluon kernel may take the portable
+backward (deterministic=True, a float bias at head dim 64, ...) and the other way round.
+"""
+import dataclasses
+import os
+import sys
+import warnings
+from typing import Optional
+
+import torch
+
+from ._settings import SETTINGS
+from .kernels import _gluon, configs
+from .kernels.features import BIAS_BOOL, Features
+from .request import AttentionRequest
+
+# Head dims the Gluon kernels are compiled for (q, k and v alike).
+GLUON_HEAD_DIMS = (64, 128)
+# Head dims at which the Gluon backward's ring has room for a float attn_mask tile (a bool mask fits at both): at
+# d128 a [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
+# 64 KB more than the 194 KB in use.
+GLUON_BWD_FLOAT_BIAS_HEAD_DIMS = (128,)
+# Fewer keys than this (by head dim) take the portable backward: at 1k, d64 (B16 H32, H200) the Gluon backward ran at
+# 0.92-0.95x the portable one (every program has only 8 query tiles to spread its prologue over).
+GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 128: 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a call runs: device type, GPU architecture (compute capability major * 10 + minor; 0 off a GPU) and
+    whether Triton's interpreter runs the kernels. `explain` can pretend another (e.g. an H100 from a laptop)."""
+    device: str
+    arch: int
+    interpreting: bool
+
+    @classmethod
+    def of(cls, t):
+        if t.is_cuda and not configs.INTERPRETING:
+            major, minor = torch.cuda.get_device_capability(t.device)
+            return cls("cuda", major * 10 + minor, False)
+        return cls(t.device.type, 0, configs.INTERPRETING)
+
+
+def features(req: AttentionRequest) -> Features:
+    """The kernels' view of a request (kernels/features.py)."""
+    return Features(window_left=req.window_left, window_right=req.window_right, softcap=req.softcap,
+                    alibi_slopes=req.alibi_slopes, attn_bias=req.attn_bias, sinks=req.sinks,
+                    dropout_p=req.dropout_p, seed=req.seed, cu_seqlens_q=req.cu_seqlens_q,
+                    cu_seqlens_k=req.cu_seqlens_k, max_seqlen_q=req.max_seqlen_q, max_seqlen_k=req.max_seqlen_k)
+
+
+def _seqlens(q, k, req):
+    """(Sq, Sk) of the problem: the tensors' sequence dims, or the longest sequences of a varlen batch."""
+    if req.varlen:
+        return req.max_seqlen_q, req.max_seqlen_k
+    return q.shape[1], k.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backends
+
+
+class GluonHopper:
+    name = "gluon-hopper"
+    summary = "warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64 or 128"
+
+    @staticmethod
+    def _decline_inputs(q, k, v, req, target):
+        if not _gluon.AVAILABLE:
+            return "this Triton has no Gluon dialect (triton.experimental.gluon); Triton >= 3.5 has it"
+        if target.device != "cuda":
+            return f"needs CUDA tensors; these are on {target.device}" + (
+                " (Triton's interpreter cannot run Gluon kernels)" if target.interpreting else "")
+        if target.arch // 10 != 9:
+            return f"needs a Hopper GPU (sm_90); this one is sm_{target.arch}"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"needs float16 or bfloat16 inputs, got {q.dtype}"
+        if q.shape[-1] not in GLUON_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+            return (f"needs head dim 64 or 128 for q, k and v alike, got {q.shape[-1]} / {k.shape[-1]} / "
+                    f"{v.shape[-1]}")
+        if not configs._tma_ok((q, k, v)):
+            return ("needs 16-byte aligned data pointers and strides (TMA descriptors); call .contiguous() on "
+                    "q, k, v")
+        if req.varlen:
+            if req.attn_bias is not None:
+                return "an attn_mask with a varlen batch is not implemented here"
+            if q.shape[0] == 0 or k.shape[0] == 0:
+                return "an empty packed batch (no queries or no keys at all)"
+        elif req.attn_bias is not None:
+            sq, sk = _seqlens(q, k, req)
+            if not features(req).gluon_bias_ok(q.dtype, sq, sk):
+                return ("its attn_mask must be bool or of the inputs' dtype, full along queries and keys (not "
+                        "broadcast), with a unit key stride and 16-byte aligned rows")
+        return None
+
+    def decline_forward(self, q, k, v, req, target):
+        if not SETTINGS.gluon_forward:
+            return "turned off (FLASHTILE_GLUON=0 or SETTINGS.gluon_forward)"
+        return self._decline_inputs(q, k, v, req, target)
+
+    def decline_backward(self, dout, q, k, v, req, target):
+        if not SETTINGS.gluon_backward:
+            return "turned off (FLASHTILE_GLUON_BWD=0 or SETTINGS.gluon_backward)"
+        if req.deterministic:
+            return ("deterministic=True (or torch.use_deterministic_algorithms): this backward adds dQ by bulk "
+                    "reductions in a varying order")
+        reason = self._decline_inputs(q, k, v, req, target)
+        if reason is not None:
+            return reason
+        if req.attn_bias is not None:
+            if req.dropout_p > 0:
+                return "an attn_mask together with dropout is not implemented in this backward"
+            if req.attn_bias.dtype != torch.bool and q.shape[-1] not in GLUON_BWD_FLOAT_BIAS_HEAD_DIMS:
+                return (f"a float attn_mask's tiles do not fit its shared memory at head dim {q.shape[-1]} "
+                        f"(only {GLUON_BWD_FLOAT_BIAS_HEAD_DIMS})")
+        if req.varlen:
+            # The mean key length stands for Sk (the threshold was measured at fixed length only).
+            seqlen_k = k.shape[0] / max(req.cu_seqlens_k.numel() - 1, 1)
+        else:
+            seqlen_k = k.shape[1]
+        minimum = GLUON_BWD_MIN_SEQLEN_K[q.shape[-1]]
+        if seqlen_k < minimum:
+            return f"{seqlen_k:g} keys: below {minimum} at head dim {q.shape[-1]} the portable backward is faster"
+        if dout.dtype != q.dtype or not configs._tma_ok((dout,)):
+            return "the output gradient must have q's dtype and 16-byte aligned strides"
+        return None
+
+    def forward(self, q, k, v, req):
+        from .kernels import hopper_fwd
+        return hopper_fwd.attention_forward(q, k, v, req.softmax_scale, req.diagonal_offset, features(req))
+
+    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+
+
+class PortableTriton:
+    name = "triton"
+    summary = "portable Triton kernels: any CUDA GPU, every dtype and option; CPU tensors in Triton's interpreter"
+
+    @staticmethod
+    def _decline(target):
+        if target.device == "cuda" or target.interpreting:
+            return None
+        return (f"{target.device} tensors run the kernels only inside Triton's interpreter: set TRITON_INTERPRET=1 "
+                f"before importing flashtile (slow; for tests), or move the tensors to a CUDA GPU")
+
+    def decline_forward(self, q, k, v, req, target):
+        return self._decline(target)
+
+    def decline_backward(self, dout, q, k, v, req, target):
+        return self._decline(target)
+
+    def forward(self, q, k, v, req):
+        from .kernels import forward as fwd_kernels
+        return fwd_kernels.attention_forward(q, k, v, req.softmax_scale, req.diagonal_offset, features(req))
+
+    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+
+
+class Reference:
+    name = "reference"
+    summary = "pure-PyTorch reference (float32, O(seqlen^2) memory): the CPU fallback"
+
+    def decline_forward(self, q, k, v, req, target):
+        return None
+
+    def decline_backward(self, dout, q, k, v, req, target):
+        return None
+
+    def forward(self, q, k, v, req):
+        from .reference import fallback
+        _warn_cpu_fallback()
+        with torch.no_grad():
+            return fallback.forward(q, k, v, req)
+
+    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+        from .reference import fallback
+        _warn_cpu_fallback()
+        dq, dk, dv, dbias, dsinks = fallback.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad)
+        if grads is None:
+            return [dq, dk, dv], dbias, dsinks
+        for buffer, value in zip(grads[1], (dq, dk, dv)):
+            buffer.copy_(value)
+        return grads[0], dbias, dsinks
+
+
+BACKENDS = (GluonHopper(), PortableTriton(), Reference())
+
+
+def _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+    from .kernels import backward as bwd_kernels
+    dq = dk = dv = None
+    if grads is not None:
+        dq, dk, dv = grads[1]
+    dq, dk, dv, dbias, dsinks = bwd_kernels.attention_backward(
+        dout, q, k, v, out, lse, dlse, req.softmax_scale, req.diagonal_offset, features(req), dq=dq, dk=dk, dv=dv,
+        bias_grad=bias_requires_grad, deterministic=req.deterministic)
+    return (grads[0] if grads is not None else [dq, dk, dv]), dbias, dsinks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Choosing
+
+
+def choose_forward(q, k, v, req, target=None):
+    """The backend that runs the forward of (q, k, v, req): unpacked inputs; target defaults to q's."""
+    target = target or Target.of(q)
+    for backend in BACKENDS:
+        if backend.decline_forward(q, k, v, req, target) is None:
+            return backend
+    raise AssertionError("unreachable: the reference takes every request")
+
+
+def choose_backward(dout, q, k, v, req, target=None):
+    target = target or Target.of(q)
+    for backend in BACKENDS:
+        if backend.decline_backward(dout, q, k, v, req, target) is None:
+            return backend
+    raise AssertionError("unreachable: the reference takes every request")
+
+
+def forward(q, k, v, req):
+    """(out, lse) of unpacked q, k, v on the chosen backend."""
+    return choose_forward(q, k, v, req).forward(q, k, v, req)
+
+
+def _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in):
+    """For packed inputs, one gradient buffer per packed tensor and (dq, dk, dv) views of it the backends write;
+    None for separate inputs."""
+    from .kernels import _common
+    if packed_k is None:
+        grads = [_common.empty(packed_q.shape, q.dtype, q.device)]
+        return grads, tuple(grads[0].unbind(-3))
+    if v_in is None:
+        grads = [_common.empty(q.shape, q.dtype, q.device), _common.empty(packed_k.shape, k.dtype, k.device)]
+        return grads, (grads[0],) + tuple(grads[1].unbind(-3))
+    return None
+
+
+def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
+    """([dq, dk, dv] or the packed gradients, dbias, dsinks) for possibly packed q, k, v (k None: packed qkv;
+    v None: packed kv), on the chosen backend."""
+    packed_q, packed_k, v_in = q, k, v
+    if k is None:
+        q, k, v = q.unbind(-3)
+    elif v is None:
+        k, v = k.unbind(-3)
+    grads = _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in)
+    backend = choose_backward(dout, q, k, v, req)
+    return backend.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CPU fallback's one-time warning
+
+_warned_cpu_fallback = False
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel():
+    """stacklevel of the first frame outside torch and flashtile: the op is reached through torch's dispatcher
+    (forward) or its autograd engine (backward), so no fixed depth points at the caller."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_cpu_fallback():
+    global _warned_cpu_fallback
+    if not _warned_cpu_fallback:
+        _warned_cpu_fallback = True
+        warnings.warn("flashtile: CPU tensors run the pure-PyTorch reference implementation (O(seqlen^2) memory). "
+                      "Set TRITON_INTERPRET=1 before importing flashtile to run the Triton kernels in Triton's "
+                      "interpreter instead, or move the tensors to a CUDA GPU.", stacklevel=_user_stacklevel())
+
+
+def uses_kernels(t):
+    """Whether tensors like t run Triton kernels at all (a CUDA GPU, or the interpreter): flashtile.kvcache's rule."""
+    return t.is_cuda or configs.INTERPRETING
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Explaining
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Every backend's answer for one call, forward and backward (None = takes it)."""
+    request: AttentionRequest
+    shapes: str
+    target: Target
+    forward: list
+    backward: list
+
+    @property
+    def forward_backend(self):
+        return next(name for name, reason in self.forward if reason is None)
+
+    @property
+    def backward_backend(self):
+        return next(name for name, reason in self.backward if reason is None)
+
+    def __str__(self):
+        where = (f"{self.target.device}" + (f", sm_{self.target.arch}" if self.target.arch else "")
+                 + (", Triton interpreter" if self.target.interpreting else ""))
+        lines = [f"call: {self.shapes}; {self.request.describe()}; on {where}"]
+        for stage, answers in (("forward", self.forward), ("backward", self.backward)):
+            chosen = next(name for name, reason in answers if reason is None)
+            lines.append(f"{stage}: {chosen}")
+            for name, reason in answers:
+                if name == chosen:
+                    break
+                lines.append(f"  not {name}: {reason}")
+        return "\n".join(lines)
+
+
+def explain_request(q, k, v, req, dout=None, target: Optional[Target] = None):
+    """The Explanation for unpacked q, k, v and a request (dout defaults to a tensor like the output)."""
+    target = target or Target.of(q)
+    if dout is None:
+        dout = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    fwd = []
+    for backend in BACKENDS:
+        reason = backend.decline_forward(q, k, v, req, target)
+        fwd.append((backend.name, reason))
+        if reason is None:
+            break
+    bwd = []
+    for backend in BACKENDS:
+        reason = backend.decline_backward(dout, q, k, v, req, target)
+        bwd.append((backend.name, reason))
+        if reason is None:
+            break
+    shapes = f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {str(q.dtype).replace('torch.', '')}"
+    return Explanation(req, shapes, target, fwd, bwd)

@@ -1,0 +1,174 @@
+"""The request object and the dispatch layer: schemas derived from the request's fields, each backend's allow-list
+and its reasons, `explain`, the varlen `deterministic` pass-through, and double backward's clear error."""
+import pytest
+import torch
+
+import flashtile
+from flashtile import _ops, dispatch
+from flashtile._settings import SETTINGS, override
+from flashtile.dispatch import Target
+from flashtile.request import AttentionRequest, KVCacheRequest, unbounded_window
+
+H100 = Target("cuda", 90, False)
+
+
+def _qkv(b=2, sq=256, sk=256, h=4, hk=2, d=64, dtype=torch.bfloat16, requires_grad=False):
+    gen = torch.Generator().manual_seed(sq * 7 + d)
+    q = torch.randn((b, sq, h, d), generator=gen).to(dtype).requires_grad_(requires_grad)
+    k = torch.randn((b, sk, hk, d), generator=gen).to(dtype).requires_grad_(requires_grad)
+    v = torch.randn((b, sk, hk, d), generator=gen).to(dtype).requires_grad_(requires_grad)
+    return q, k, v
+
+
+def test_schema_follows_the_fields():
+    """Every field appears in the op schemas in declaration order, with its default; positions and gradient slots
+    come from the same list."""
+    names = AttentionRequest.field_names()
+    schema = str(torch.ops.flashtile.attn_fwd.default._schema)
+    for name in names:
+        assert f" {name}" in schema
+    args = [a.name for a in torch.ops.flashtile.attn_fwd.default._schema.arguments]
+    assert args == ["q", "k", "v"] + list(names)
+    bwd = [a.name for a in torch.ops.flashtile.attn_bwd.default._schema.arguments]
+    assert bwd[-len(names):] == list(names)
+    assert _ops._GRAD_SLOTS["attn_bias"] == 3 + names.index("attn_bias")
+    kv_args = [a.name for a in torch.ops.flashtile.kvcache_attn.default._schema.arguments]
+    assert kv_args == ["q", "k_cache", "v_cache"] + list(KVCacheRequest.field_names())
+
+
+def test_flatten_round_trip():
+    slopes = torch.rand(4)
+    req = AttentionRequest(softmax_scale=0.5, diagonal_offset=3, window_right=0, alibi_slopes=slopes, dropout_p=0.1)
+    again = AttentionRequest.unflatten(req.flatten())
+    assert again == req and again.alibi_slopes is slopes
+    assert req.causal and not req.mask_left and req.mask_right and not req.varlen
+    assert "causal" in req.describe() and "alibi" in req.describe() and "dropout_p=0.1" in req.describe()
+
+
+@pytest.mark.parametrize("left, right, sq, sk, expect", [
+    pytest.param(2 ** 63 - 1, 2 ** 31, 10, 20, (-1, -1), id="huge"),
+    pytest.param(19, 9, 10, 20, (-1, -1), id="exactly-wide-enough"),
+    pytest.param(18, 8, 10, 20, (18, 8), id="one-short"),
+    pytest.param(5, 0, 1, 7, (5, -1), id="one-query-row-right-0"),
+    pytest.param(-1, 0, 4, 4, (-1, 0), id="causal"),
+])
+def test_unbounded_window(left, right, sq, sk, expect):
+    assert unbounded_window(left, right, sq, sk) == expect
+
+
+def test_huge_window_matches_full_attention():
+    """window_size entries up to 2**63 - 1 mean unbounded (no int32 overflow anywhere)."""
+    q, k, v = _qkv(1, 33, 47, 2, 1, 16, torch.float32)
+    full = flashtile.flash_attn_func(q, k, v, causal=True)
+    for window in ((2 ** 63 - 1, 2 ** 63 - 1), (2 ** 31 + 5, 0), (2 ** 31 - 1, -1)):
+        torch.testing.assert_close(flashtile.flash_attn_func(q, k, v, causal=True, window_size=window), full)
+
+
+def test_gluon_allow_list_reasons():
+    q, k, v = _qkv()
+    req = AttentionRequest(softmax_scale=0.125, window_right=0)
+    gluon = dispatch.GluonHopper()
+    assert gluon.decline_forward(q, k, v, req, H100) is None
+    assert "Hopper" in gluon.decline_forward(q, k, v, req, Target("cuda", 80, False))
+    assert "CUDA" in gluon.decline_forward(q, k, v, req, Target("cpu", 0, True))
+    assert "float16 or bfloat16" in gluon.decline_forward(*(t.float() for t in (q, k, v)), req, H100)
+    q96, k96, v96 = _qkv(d=96)
+    assert "head dim" in gluon.decline_forward(q96, k96, v96, req, H100)
+    with override(gluon_forward=False):
+        assert "FLASHTILE_GLUON=0" in gluon.decline_forward(q, k, v, req, H100)
+    dout = torch.empty_like(q)
+    det = AttentionRequest(softmax_scale=0.125, deterministic=True)
+    assert "deterministic" in gluon.decline_backward(dout, q, k, v, det, H100)
+    short = _qkv(sk=300)
+    assert "keys" in gluon.decline_backward(dout, *short, req, H100)  # d64 below GLUON_BWD_MIN_SEQLEN_K
+    qs, ks, vs = _qkv(sk=4096, d=128)
+    assert gluon.decline_backward(torch.empty_like(qs), qs, ks, vs, req, H100) is None
+    bias = torch.zeros((2, 4, 256, 4096), dtype=torch.bfloat16)
+    with_bias = AttentionRequest(softmax_scale=0.125, attn_bias=bias, dropout_p=0.1)
+    assert "dropout" in gluon.decline_backward(torch.empty_like(qs), qs, ks, vs, with_bias, H100)
+
+
+def test_portable_and_reference():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 16, torch.float32)
+    req = AttentionRequest(softmax_scale=0.25)
+    assert dispatch.PortableTriton().decline_forward(q, k, v, req, Target("cpu", 0, True)) is None
+    assert "TRITON_INTERPRET" in dispatch.PortableTriton().decline_forward(q, k, v, req, Target("cpu", 0, False))
+    assert dispatch.choose_forward(q, k, v, req, Target("cpu", 0, False)).name == "reference"
+    assert dispatch.choose_forward(q, k, v, req, H100).name == "triton"  # fp32 takes the portable kernels
+
+
+def test_explain():
+    q, k, v = _qkv(2, 4096, 4096, 16, 4, 128)
+    text = str(flashtile.explain(q, k, v, causal=True, deterministic=True, target=H100))
+    assert "forward: gluon-hopper" in text and "backward: triton" in text and "not gluon-hopper: deterministic" in text
+    exp = flashtile.explain(q.float(), k.float(), v.float(), target=Target("cuda", 80, False))
+    assert exp.forward_backend == "triton" and "sm_90" in str(exp)
+    with pytest.raises(ValueError, match="window_size"):
+        flashtile.explain(q, k, v, window_size=(-3, 0))
+
+
+def test_explain_cli(capsys):
+    from flashtile.__main__ import main
+    assert main(["explain", "--batch", "1", "--seqlen", "1024", "--heads", "4", "--head-dim", "128", "--dtype",
+                 "bf16", "--causal", "--arch", "90"]) == 0
+    out = capsys.readouterr().out
+    assert "forward: gluon-hopper" in out
+
+
+def test_varlen_passes_deterministic(monkeypatch):
+    """flash_attn_varlen_func and its packed forms hand `deterministic` to the request (it used to be dropped)."""
+    seen = []
+    real = dispatch.backward
+
+    def spy(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
+        seen.append(req.deterministic)
+        return real(dout, q, k, v, out, lse, dlse, req, bias_requires_grad)
+
+    monkeypatch.setattr(dispatch, "backward", spy)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    qkv = torch.randn((12, 3, 2, 16), requires_grad=True)
+    flashtile.flash_attn_varlen_qkvpacked_func(qkv, cu, 7, deterministic=True).sum().backward()
+    q, kv = torch.randn((12, 2, 16), requires_grad=True), torch.randn((12, 2, 2, 16), requires_grad=True)
+    flashtile.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 7, 7, deterministic=True).sum().backward()
+    k, v = torch.randn((12, 2, 16), requires_grad=True), torch.randn((12, 2, 16), requires_grad=True)
+    flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, deterministic=True).sum().backward()
+    flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7).sum().backward()
+    assert seen == [True, True, True, False]
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "op"])
+def test_double_backward_raises(eager, monkeypatch):
+    """A gradient penalty through the attention raises instead of silently dropping the second-order term."""
+    monkeypatch.setattr(SETTINGS, "eager_direct", eager)
+    q, k, v = _qkv(1, 9, 9, 2, 2, 16, torch.float32, requires_grad=True)
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        (out.sum() + dq.square().sum()).backward()
+    # A plain backward is unaffected.
+    q.grad = None
+    flashtile.flash_attn_func(q, k, v).sum().backward()
+    assert q.grad is not None
+
+
+@pytest.mark.gpu
+def test_varlen_deterministic_dq_is_bit_identical():
+    """deterministic=True reaches the varlen backward: dq is bit-identical over repeated calls on Hopper (where the
+    default Gluon backward adds dQ in a varying order)."""
+    torch.manual_seed(0)
+    lens = [1000, 3000, 2048, 17, 4000]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    total, h, hk, d = sum(lens), 16, 4, 128
+    q = torch.randn((total, h, d), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn((total, hk, d), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn((total, hk, d), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn((total, h, d), device="cuda", dtype=torch.bfloat16)
+    first = None
+    for _ in range(8):
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                               deterministic=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        if first is None:
+            first = grads
+        for a, b in zip(grads, first):
+            assert torch.equal(a, b)
