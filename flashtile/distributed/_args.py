@@ -6,6 +6,7 @@ from ._ring import Options
 
 FUNCTION_IDS = {"ring": 1, "zigzag": 2, "varlen": 3, "ulysses": 4, "unshard": 5}
 _DTYPE_IDS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_UNBOUNDED = 2 ** 30
 
 
 def _check_no_dropout(dropout_p):
@@ -22,7 +23,8 @@ def options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slo
     _check_no_dropout(dropout_p)
     if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)):
         raise TypeError(f"causal must be a bool, got {causal!r}.")
-    window = _local.check_window(window_size)
+    # A side past any sequence length is no bound (the kernels take int32 offsets).
+    window = tuple(-1 if side >= _UNBOUNDED else side for side in _local.check_window(window_size))
     softcap = _local.check_softcap(softcap)
     alibi_slopes = _local.check_alibi(alibi_slopes, q, batch, heads)
     scale = _local.resolve_scale(softmax_scale, q.shape[-1])

@@ -8,11 +8,11 @@ Every context-parallel scheme here runs the same two calls on the tokens one ran
   global ones (docs/derivation.md, ch. 6 and 7).
 plus the argument checks of the public API and, for Ulysses, the public flash_attn_func.
 
-Today they sit on the kernels' launchers (kernels.forward.attention_forward with out_dtype, and
-kernels.backward.attention_backward with output buffers) and, for CPU tensors without TRITON_INTERPRET, on
-flashtile._ops' reference fallbacks. Block outputs and block gradients are float32 whatever the inputs' dtype, so
-that merging and summing them over the ring adds no rounding per step: the error of a W-rank result is the error
-of one device's (docs/distributed.md, "Precision").
+A Block becomes an AttentionRequest (flashtile/request.py) and flashtile.dispatch picks the backend, as for any
+call. Block outputs and block gradients are float32 whatever the inputs' dtype, so that merging and summing them
+over the ring adds no rounding per step (docs/distributed.md, "Precision"): the backward hands the chosen backend
+float32 gradient buffers; the forward calls the chosen kernel launcher itself with out_dtype=float32 (the backends'
+forward takes no output dtype), or the float32 reference on float32 copies of the inputs.
 
 # q, out: [B, Sq, Hq, D(v)]   k, v: [B, Sk, Hk, D(v)]   lse: [B, Hq, Sq] fp32
 # varlen blocks: q [total_q, Hq, D], k, v [total_k, Hk, D], lse [Hq, total_q]
@@ -22,10 +22,11 @@ from typing import Optional
 
 import torch
 
-from .. import _ops, _validate
+from .. import _validate, dispatch
 from ..interface import flash_attn_func
-from ..kernels import backward as _bwd_kernels
 from ..kernels import forward as _fwd_kernels
+from ..kernels import hopper_fwd as _hopper_fwd
+from ..request import AttentionRequest
 
 # The public API's argument checks (each raises TypeError/ValueError naming the value and the fix).
 check_qkv = _validate.check_qkv
@@ -35,12 +36,7 @@ check_dropout = _validate.check_dropout
 check_alibi = _validate.check_alibi
 resolve_scale = _validate.resolve_scale
 local_attention = flash_attn_func  # Ulysses: the whole sequence of some heads is an ordinary local call
-
-
-def use_kernels(t):
-    """Whether flashtile runs Triton kernels for tensors like t (CUDA, or the CPU under TRITON_INTERPRET=1): the
-    distributed merge kernel follows the same rule."""
-    return _ops._use_kernels(t)
+use_kernels = dispatch.uses_kernels  # whether tensors like t run Triton kernels (the merge kernel follows suit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,48 +64,38 @@ class Block:
     deterministic: bool = False
     varlen: Optional[Varlen] = None
 
-    def _varlen_args(self):
-        if self.varlen is None:
-            return None, None, 0, 0
-        cu, n = self.varlen.cu_seqlens, self.varlen.max_seqlen
-        return cu, cu, n, n
+    def request(self):
+        """The block as an AttentionRequest (causal is the band's right edge at the diagonal)."""
+        cu = None if self.varlen is None else self.varlen.cu_seqlens
+        longest = 0 if self.varlen is None else self.varlen.max_seqlen
+        return AttentionRequest(softmax_scale=self.softmax_scale, diagonal_offset=self.diagonal_offset,
+                                window_left=self.window[0], window_right=0 if self.causal else self.window[1],
+                                softcap=self.softcap, alibi_slopes=self.alibi_slopes, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                                deterministic=self.deterministic)
 
 
 def block_forward(q, k, v, block: Block):
     """(out, lse), both float32 (lse natural log), of q's rows over k/v's rows under `block`. Shapes: module
     docstring. A row that sees no key gets out 0 and lse -inf."""
-    cu_q, cu_k, max_q, max_k = block._varlen_args()
-    window_left, window_right = block.window
+    req = block.request()
+    backend = dispatch.choose_forward(q, k, v, req)
     with torch.no_grad():
-        if not _ops._use_kernels(q):
-            # The float32 reference (CPU without the interpreter): float32 inputs give a float32 output.
-            return _ops._attn_fwd_impl(q.float(), k.float(), v.float(), block.softmax_scale, block.causal,
-                                       block.diagonal_offset, window_left, window_right, block.softcap,
-                                       block.alibi_slopes, None, None, 0.0, None, cu_q, cu_k, max_q, max_k,
-                                       block.deterministic)
-        feats = _ops._features(block.causal, window_left, window_right, block.softcap, block.alibi_slopes, None,
-                               None, 0.0, None, cu_q, cu_k, max_q, max_k)
-        return _fwd_kernels.attention_forward(q, k, v, block.softmax_scale, block.diagonal_offset, feats,
-                                              out_dtype=torch.float32)
+        if backend.name == "reference":
+            return backend.forward(q.float(), k.float(), v.float(), req)
+        launch = _hopper_fwd.attention_forward if backend.name == "gluon-hopper" else _fwd_kernels.attention_forward
+        return launch(q, k, v, req.softmax_scale, req.diagonal_offset, dispatch.features(req),
+                      out_dtype=torch.float32)
 
 
 def block_backward(dout, q, k, v, out, lse, dlse, block: Block):
     """(dq, dk, dv) in float32: the block's share of the gradients, given the final out and lse of q's rows (and
     dlse, the gradient reaching lse, or None). dk and dv sum over the query heads of each kv head."""
+    req = block.request()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    cu_q, cu_k, max_q, max_k = block._varlen_args()
-    window_left, window_right = block.window
-    if not _ops._use_kernels(q):
-        # The float32 reference (CPU without the interpreter): float32 inputs give float32 gradients.
-        grads = _ops._attn_bwd_impl(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, dlse,
-                                    block.softmax_scale, block.causal, block.diagonal_offset, window_left,
-                                    window_right, block.softcap, block.alibi_slopes, None, False, None, 0.0, None,
-                                    cu_q, cu_k, max_q, max_k, block.deterministic)
-        return tuple(grads[:3])
-    feats = _ops._features(block.causal, window_left, window_right, block.softcap, block.alibi_slopes, None, None,
-                           0.0, None, cu_q, cu_k, max_q, max_k)
-    dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-    dq, dk, dv, _, _ = _bwd_kernels.attention_backward(dout, q, k, v, out, lse, dlse, block.softmax_scale,
-                                                       block.diagonal_offset, feats, dq=dq, dk=dk, dv=dv,
-                                                       deterministic=block.deterministic)
-    return dq, dk, dv
+    grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    backend = dispatch.choose_backward(dout, q, k, v, req)
+    if backend.name == "reference":  # float32 copies: its gradients come in the inputs' dtype
+        dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
+    backend.backward(dout, q, k, v, out, lse, dlse, req, False, ([], grads))
+    return grads
