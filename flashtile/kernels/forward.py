@@ -202,8 +202,10 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, Alibi, Bias, BlockCount, BlockList, Sink
         tl.store(p_lse + o_m, lse, mask=o_m < seqlen_q)
 
 
-def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
-    """Launch the forward kernel. Returns (out, lse fp32 natural log); shapes in the module docstring.
+def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, out_dtype=None):
+    """Launch the forward kernel. Returns (out, lse fp32 natural log); shapes in the module docstring. out_dtype:
+    out's dtype, default q's (float32 for context parallelism's block outputs, which are merged across ranks:
+    flashtile/distributed).
 
     Inputs are assumed validated (flashtile._validate) and `feats` resolved (flashtile.kernels.features);
     softmax_scale must be > 0 (the public API turns a negative scale into a positive one on -q). Query i sees key
@@ -215,19 +217,20 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     if hopper_fwd.supports(q, k, v, feats, softmax_scale):
         # Hopper, 16-bit, d 64/128 (an attn_mask is read by TMA; varlen and dropout too): the warp-specialized
         # Gluon kernel (kernels/hopper_fwd.py).
-        return hopper_fwd.attention_forward(q, k, v, softmax_scale, diagonal_offset, feats)
+        return hopper_fwd.attention_forward(q, k, v, softmax_scale, diagonal_offset, feats, out_dtype)
+    out_dtype = out_dtype or q.dtype
     seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
     seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
     if feats.varlen:
         batch = feats.cu_seqlens_q.numel() - 1
-        out = _common.empty((q.shape[0], num_heads, head_dim_v), q.dtype, q.device)
+        out = _common.empty((q.shape[0], num_heads, head_dim_v), out_dtype, q.device)
         lse = _common.empty((num_heads, q.shape[0]), torch.float32, q.device)
         strides = [(0,) + tuple(t.stride()[:2]) for t in (q, k, v, out)]
         lse_strides = (0, lse.stride(0))
         seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
     else:
         batch = q.shape[0]
-        out = _common.empty((batch, seqlen_q, num_heads, head_dim_v), q.dtype, q.device)
+        out = _common.empty((batch, seqlen_q, num_heads, head_dim_v), out_dtype, q.device)
         lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
         strides = [tuple(t.stride()[:3]) for t in (q, k, v, out)]
         lse_strides = (lse.stride(0), lse.stride(1))

@@ -511,7 +511,6 @@ if AVAILABLE:
                                        drop_rescale, half, HEAD_DIM, BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT,
                                        SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)
                     t += 1
-        dtype: gl.constexpr = ds_smem.dtype
         rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
         dcol = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
         keep = gl.expand_dims(rows < seqlen_k, 1)
@@ -521,8 +520,10 @@ if AVAILABLE:
                 + gl.expand_dims(rows.to(gl.int64) * stride_dvs, 1) + dcol)
         if DROPOUT:
             dv = dv * drop_rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
-        gl.store(p_dk, dk.to(dtype), mask=keep)
-        gl.store(p_dv, dv.to(dtype), mask=keep)
+        # In the buffers' dtype: q's for the public API; float32 for context parallelism's block gradients, which
+        # are summed over the ring (flashtile/distributed/_local.py) and would otherwise be rounded once per block.
+        gl.store(p_dk, dk.to(dK.dtype.element_ty), mask=keep)
+        gl.store(p_dv, dv.to(dV.dtype.element_ty), mask=keep)
 
     @gluon.jit
     def _grouped_order(i_n, i_bh, group):

@@ -1095,9 +1095,11 @@ def mod_scalars(softmax_scale, softcap, scaled_q=False):
     return softmax_scale * LOG2E.value, 1.0, 1.0 / softmax_scale
 
 
-def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
-    """Same contract as kernels.forward.attention_forward for the cases `supports` accepts."""
+def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, out_dtype=None):
+    """Same contract as kernels.forward.attention_forward for the cases `supports` accepts. An out_dtype other
+    than q's (float32) is stored from registers: the output staging buffer holds q's dtype."""
     varlen = feats.varlen
+    out_dtype = out_dtype or q.dtype
     if varlen:
         # Packed [total, H, D] sequences (kernel note at _varlen_item): 4-D views [1, total, H, D] for the
         # descriptors, lse [H, total_q]; each item adds its sequence's own Sk - Sq to the offsets below.
@@ -1105,7 +1107,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         num_kv_heads = k.shape[1]
         batch = feats.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
-        out = _common.empty((total_q, num_heads, head_dim), q.dtype, q.device)
+        out = _common.empty((total_q, num_heads, head_dim), out_dtype, q.device)
         lse = _common.empty((num_heads, total_q), torch.float32, q.device)
         diagonal_offset = 0
         q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
@@ -1114,7 +1116,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-        out = _common.empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+        out = _common.empty((batch, seqlen_q, num_heads, head_dim), out_dtype, q.device)
         lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
         q4, k4, v4, o4 = q, k, v, out
         out_strides = (out.stride(0), out.stride(1), out.stride(2))
@@ -1150,6 +1152,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
             # every listed block is masked anyway.
             counts, indices, count_strides, idx_cols = feats.block_lists(block_m, BLOCK_N, False, seqlen_q,
                                                                          seqlen_k, mark_full=not feats.banded)
+    stage_o = stage_o and out_dtype == q.dtype
     n_m = triton.cdiv(seqlen_q, block_m)
     tile_map = lse  # a placeholder, never read without varlen
     if varlen:

@@ -1,0 +1,101 @@
+"""The one place flashtile.distributed reaches into flashtile's internals: the local attention of one block.
+
+Every context-parallel scheme here runs the same two calls on the tokens one rank holds:
+- block_forward(q, k, v, block) -> (out, lse): attention of some query rows over some key rows, with the mask
+  placed by an explicit diagonal offset (the block's position in the global sequence);
+- block_backward(dout, q, k, v, out, lse, dlse, block) -> (dq, dk, dv) in float32, where out and lse are the
+  FINAL (merged) output and LSE of those query rows, so that P = exp(S - lse) and delta = rowsum(dO * O) are the
+  global ones (docs/derivation.md, ch. 6 and 7).
+plus the argument checks of the public API and, for Ulysses, the public flash_attn_func.
+
+A Block becomes an AttentionRequest (flashtile/request.py) and flashtile.dispatch picks the backend, as for any
+call. Block outputs and block gradients are float32 whatever the inputs' dtype, so that merging and summing them
+over the ring adds no rounding per step (docs/distributed.md, "Precision"): the backward hands the chosen backend
+float32 gradient buffers; the forward calls the chosen kernel launcher itself with out_dtype=float32 (the backends'
+forward takes no output dtype), or the float32 reference on float32 copies of the inputs.
+
+# q, out: [B, Sq, Hq, D(v)]   k, v: [B, Sk, Hk, D(v)]   lse: [B, Hq, Sq] fp32
+# varlen blocks: q [total_q, Hq, D], k, v [total_k, Hk, D], lse [Hq, total_q]
+"""
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .. import _validate, dispatch
+from ..interface import flash_attn_func
+from ..kernels import forward as _fwd_kernels
+from ..kernels import hopper_fwd as _hopper_fwd
+from ..request import AttentionRequest
+
+# The public API's argument checks (each raises TypeError/ValueError naming the value and the fix).
+check_qkv = _validate.check_qkv
+check_window = _validate.check_window
+check_softcap = _validate.check_softcap
+check_dropout = _validate.check_dropout
+check_alibi = _validate.check_alibi
+resolve_scale = _validate.resolve_scale
+local_attention = flash_attn_func  # Ulysses: the whole sequence of some heads is an ordinary local call
+use_kernels = dispatch.uses_kernels  # whether tensors like t run Triton kernels (the merge kernel follows suit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Varlen:
+    """A packed batch for one block call: the same sequences on the query and key side (self-attention pieces).
+    cu_seqlens: int32 (n + 1,) on the inputs' device; max_seqlen: the longest."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """How one block call masks and modifies its scores.
+
+    softmax_scale > 0 (the kernels take the row max before scaling). causal / window = (left, right) (-1 unbounded)
+    are placed by diagonal_offset: query row i sees key row j iff i + offset - left <= j <= i + offset + right
+    (right = 0 when causal). ALiBi adds -slope * |i + offset - j|. With varlen, each sequence aligns to its own
+    bottom-right corner instead and diagonal_offset is unused. alibi_slopes: fp32 (H,) or (B, H)."""
+    softmax_scale: float
+    causal: bool = False
+    diagonal_offset: int = 0
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None
+    deterministic: bool = False
+    varlen: Optional[Varlen] = None
+
+    def request(self):
+        """The block as an AttentionRequest (causal is the band's right edge at the diagonal)."""
+        cu = None if self.varlen is None else self.varlen.cu_seqlens
+        longest = 0 if self.varlen is None else self.varlen.max_seqlen
+        return AttentionRequest(softmax_scale=self.softmax_scale, diagonal_offset=self.diagonal_offset,
+                                window_left=self.window[0], window_right=0 if self.causal else self.window[1],
+                                softcap=self.softcap, alibi_slopes=self.alibi_slopes, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                                deterministic=self.deterministic)
+
+
+def block_forward(q, k, v, block: Block):
+    """(out, lse), both float32 (lse natural log), of q's rows over k/v's rows under `block`. Shapes: module
+    docstring. A row that sees no key gets out 0 and lse -inf."""
+    req = block.request()
+    backend = dispatch.choose_forward(q, k, v, req)
+    with torch.no_grad():
+        if backend.name == "reference":
+            return backend.forward(q.float(), k.float(), v.float(), req)
+        launch = _hopper_fwd.attention_forward if backend.name == "gluon-hopper" else _fwd_kernels.attention_forward
+        return launch(q, k, v, req.softmax_scale, req.diagonal_offset, dispatch.features(req),
+                      out_dtype=torch.float32)
+
+
+def block_backward(dout, q, k, v, out, lse, dlse, block: Block):
+    """(dq, dk, dv) in float32: the block's share of the gradients, given the final out and lse of q's rows (and
+    dlse, the gradient reaching lse, or None). dk and dv sum over the query heads of each kv head."""
+    req = block.request()
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    backend = dispatch.choose_backward(dout, q, k, v, req)
+    if backend.name == "reference":  # float32 copies: its gradients come in the inputs' dtype
+        dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
+    backend.backward(dout, q, k, v, out, lse, dlse, req, False, ([], grads))
+    return grads

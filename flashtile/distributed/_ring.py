@@ -1,0 +1,182 @@
+"""The ring engine shared by ring_flash_attn_func, zigzag_ring_flash_attn_func and ring_flash_attn_varlen_func.
+
+W ranks; at step s rank r holds the key/value block of rank (r - s) mod W, computes its pieces (_plan) against its
+own queries, and passes the block on to rank r + 1 while the next one arrives from rank r - 1.
+
+Forward (docs/derivation.md, ch. 7): each piece returns (out_i, lse_i) over its keys, both float32; they are
+merged in float32 (_merge.merge_),
+    lse = log(exp(lse) + exp(lse_i)),   out = exp(lse_old - lse) * out + exp(lse_i - lse) * out_i,
+and rounded to the inputs' dtype once at the end, so the error does not grow with W.
+
+Backward: every piece runs the block backward with the FINAL out and lse of its query rows (P = exp(S - lse) is
+then the global softmax, delta = rowsum(dO * O) the global one), so the pieces' gradients simply add up: dQ in a
+local float32 accumulator, dK/dV in float32 accumulators that travel around the ring with their block and, after
+W steps, arrive back at the rank that owns it. Each step's accumulator arrives while the next step computes.
+
+# internal layout: q, out [B, S_local, H, D]; k, v [B, S_local_k, Hk, D]; lse [B, H, S_local] (varlen: B = 1)
+"""
+import dataclasses
+
+import torch
+
+from . import _comm
+from ._local import Block, block_backward, block_forward
+from ._merge import merge_
+from ._plan import Mask, Piece
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The call's attention options, checked (softmax_scale > 0)."""
+    softmax_scale: float
+    causal: bool
+    window: tuple
+    softcap: float
+    alibi_slopes: object  # fp32 (H,) or (B, H) tensor, or None
+    deterministic: bool
+
+    @property
+    def mask(self):
+        return Mask.of(self.causal, self.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+    """steps[s]: the pieces rank comm.rank computes at step s, against the key block of rank (rank - s) mod W."""
+    comm: _comm.Comm
+    options: Options
+    steps: tuple
+
+
+def _block(options: Options, piece: Piece):
+    """The local call of one piece."""
+    slopes = options.alibi_slopes
+    if slopes is not None and slopes.dim() == 2 and piece.seq_ids is not None:
+        # Varlen ALiBi per sequence: the pieces' sequences are a subset of the batch's.
+        slopes = slopes[list(piece.seq_ids)] if piece.varlen is not None else slopes[piece.seq_ids[0]]
+    if piece.masked:
+        return Block(options.softmax_scale, options.causal, piece.offset, options.window, options.softcap, slopes,
+                     options.deterministic, piece.varlen)
+    return Block(options.softmax_scale, False, piece.offset, (-1, -1), options.softcap, slopes,
+                 options.deterministic, piece.varlen)
+
+
+def _rows(t, piece: Piece, keys=False):
+    """The piece's rows of a [B, S, H, D] tensor: a packed piece takes all of batch entry 0, as [S, H, D]."""
+    if piece.varlen is not None:
+        return t[0]
+    return t[:, piece.k0:piece.k1] if keys else t[:, piece.q0:piece.q1]
+
+
+def _lse_rows(lse, piece: Piece):
+    return lse[0] if piece.varlen is not None else lse[:, :, piece.q0:piece.q1]
+
+
+def _unpack(t, piece: Piece):
+    return t.unsqueeze(0) if piece.varlen is not None else t
+
+
+def _covers_all_rows(plan: RingPlan, n_rows):
+    """Whether every local query row is in some piece (else the rows no piece reaches must start at 0)."""
+    reached = 0
+    for lo, hi in sorted((p.q0, p.q1) for pieces in plan.steps for p in pieces):
+        if lo > reached:
+            return False
+        reached = max(reached, hi)
+    return reached >= n_rows
+
+
+def ring_forward(q, k, v, plan: RingPlan):
+    """(out in q's dtype, lse fp32) of the local queries over the whole ring."""
+    comm = plan.comm
+    alloc = torch.empty if _covers_all_rows(plan, q.shape[1]) else torch.zeros
+    out = alloc(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = (k, v)
+    for step, pieces in enumerate(plan.steps):
+        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
+        for piece in pieces:
+            out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
+                                         _block(plan.options, piece))
+            merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], _unpack(out_i, piece),
+                   _unpack(lse_i, piece))
+        if pending is not None:
+            kv = tuple(pending.wait())
+    return out.to(q.dtype), lse
+
+
+def _add_rows(acc, grad, lo, hi, like):
+    """acc[:, lo:hi] += grad; acc None: the first contribution, taken as it is when it covers every row (the block
+    gradients are fresh float32 tensors), else float32 zeros shaped like `like` first."""
+    if acc is None:
+        if lo == 0 and hi == like.shape[1]:
+            return grad
+        acc = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    acc[:, lo:hi] += grad
+    return acc
+
+
+def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options):
+    """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's
+    (dk, dv) for the key block (None when every piece was skipped)."""
+    dk = dv = None
+    for piece in pieces:
+        grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True),
+                               _rows(kv[1], piece, True), _rows(out, piece), _lse_rows(lse, piece),
+                               None if dlse is None else _lse_rows(dlse, piece), _block(options, piece))
+        dq_i, dk_i, dv_i = (_unpack(g, piece) for g in grads)
+        k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
+        q1 = q.shape[1] if piece.varlen is not None else piece.q1
+        dq = _add_rows(dq, dq_i, 0 if piece.varlen is not None else piece.q0, q1, q)
+        dk = _add_rows(dk, dk_i, k0, k1, kv[0])
+        dv = _add_rows(dv, dv_i, k0, k1, kv[1])
+    return dq, dk, dv
+
+
+def ring_backward(dout, dlse, q, k, v, out, lse, plan: RingPlan):
+    """(dq, dk, dv) in float32 for the local shards (dlse: None or the gradient reaching lse)."""
+    comm = plan.comm
+    dq = None
+    kv = (k, v)
+    travelling = None  # the previous rank's dK/dV accumulators, arriving for the block held next
+    for step, pieces in enumerate(plan.steps):
+        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
+        dq, dk, dv = _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, plan.options)
+        if travelling is not None:
+            dk_in, dv_in = travelling.wait()
+            dk = dk_in if dk is None else dk.add_(dk_in)
+            dv = dv_in if dv is None else dv.add_(dv_in)
+        if dk is None:
+            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
+        if comm.world == 1:
+            break
+        travelling = _comm.RingExchange(comm, (dk, dv))
+        if pending is not None:
+            kv = tuple(pending.wait())
+    if comm.world > 1:
+        dk, dv = travelling.wait()  # after W hops each accumulator is back with its block's owner
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    return dq, dk, dv
+
+
+class RingAttention(torch.autograd.Function):
+    """(out, lse) of ring_forward, with ring_backward as its gradient. Every rank of the group must run the
+    backward (it exchanges blocks): backpropagate through the output on all of them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        out, lse = ring_forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ring_backward(dout, dlse, q, k, v, out, lse, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
