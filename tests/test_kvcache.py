@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from flashtile import kvcache
+from flashtile._settings import SETTINGS
 from flashtile.kernels import configs, decode
 from flashtile.kernels.configs import TileConfig
 from flashtile.kvcache import flash_attn_with_kvcache
@@ -396,17 +397,17 @@ def test_page_slabs_match_rows(request, monkeypatch, page_size, block_n, nest):
     inp = make_inputs(case, _seed(request))
     k_store = inp.layout.place(inp.k_logical, float("nan"))
     v_store = inp.layout.place(inp.v_logical, float("nan"))
-    monkeypatch.setattr(decode, "TILE_OVERRIDE", [TileConfig(64, block_n, 4, 2)])
+    monkeypatch.setattr(SETTINGS, "decode_tiles", [TileConfig(64, block_n, 4, 2)])
     results = []
     for slabs in (True, False):
-        monkeypatch.setattr(decode, "PAGE_SLABS", slabs)
+        monkeypatch.setattr(SETTINGS, "page_slabs", slabs)
         monkeypatch.setattr(decode, "_PLANS", {})
         results.append(flash_attn_with_kvcache(inp.q, k_store, v_store, cache_seqlens=inp.cache_seqlens,
                                                cache_leftpad=inp.leftpad, block_table=inp.layout.block_table,
                                                num_splits=2, return_softmax_lse=True))
         (plan,) = decode._PLANS.values()
-        assert plan.split.constexprs["BLOCK_N"] == block_n
-        assert plan.split.constexprs["PAGE_SLAB"] == (slabs and nest)
+        assert plan.split.constexprs["CFG"].BLOCK_N == block_n
+        assert plan.split.constexprs["FEAT"].PAGE_SLAB == (slabs and nest)
     for got, want in zip(*results):
         assert torch.equal(got, want)
 
@@ -513,7 +514,7 @@ def test_auto_splits_fill_the_programs(poison, request):
 def test_many_splits_combine_in_chunks(poison, request, monkeypatch):
     """More splits than one step of the combine holds: the online merge across its chunks. The keys grow along the
     cache, so the running max rises in the last chunk and the earlier chunks must be rescaled."""
-    monkeypatch.setattr(decode, "TILE_OVERRIDE", [TileConfig(16, 16, 4, 1)])
+    monkeypatch.setattr(SETTINGS, "decode_tiles", [TileConfig(16, 16, 4, 1)])
     splits = decode.COMBINE_BLOCK_S + 9
     # One 16-key block per split, so that every split of the second chunk has keys.
     case = Case(batch=1, heads=2, kv_heads=1, capacity=16 * splits, lengths=(16 * splits - 7,), num_splits=splits,
@@ -537,7 +538,7 @@ def test_splits_agree(request):
 
 def test_small_tiles_many_row_blocks(poison, request, monkeypatch):
     """Tiles of 16 rows x 16 keys: a GQA group spans row blocks, and the causal key range differs per block."""
-    monkeypatch.setattr(decode, "TILE_OVERRIDE", [TileConfig(16, 16, 4, 1)])
+    monkeypatch.setattr(SETTINGS, "decode_tiles", [TileConfig(16, 16, 4, 1)])
     run_case(Case(seqlen_q=9, heads=6, kv_heads=2, capacity=70, causal=True, num_splits=2, seqlen_new=3),
              _seed(request))
 

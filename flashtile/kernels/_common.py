@@ -48,8 +48,9 @@ def empty(shape, dtype, device):
 
 
 class Flags(NamedTuple):
-    """The feature constexprs (FEAT): a launch without a feature compiles none of its code (docs/derivation.md#8).
-    A kernel family ignores the flags it has no use for; its launcher leaves them at their defaults."""
+    """The feature constexprs (FEAT) of the forward and backward kernels: a launch without a feature compiles none
+    of its code (docs/derivation.md#8). A kernel ignores the flags it has no use for; its launcher leaves them at
+    their defaults. Passed as one constexpr (constexpr_groups)."""
     MASK_LEFT: bool = False  # the band's left edge: j >= i + diag - left
     MASK_RIGHT: bool = False  # the band's right edge: j <= i + diag + right (causal: right = 0)
     SOFTCAP: int = 0  # 0 off, 1 exact tanh, 2 the hardware approximation (16-bit inputs on a GPU)
@@ -64,7 +65,8 @@ class Flags(NamedTuple):
 
 
 class Config(NamedTuple):
-    """The code-generation constexprs (CFG): tiles, head dims, memory path and matmul precision."""
+    """The code-generation constexprs (CFG): tiles, head dims, memory path and matmul precision. Passed as one
+    constexpr (constexpr_groups)."""
     HEAD_DIM: int
     HEAD_DIM_V: int
     BLOCK_M: int  # query rows per tile
@@ -81,6 +83,14 @@ class CuSeqlens(NamedTuple):
     """VARLEN: int32 (B + 1,) row offsets of the packed sequences in q and in k (placeholders otherwise)."""
     q: object
     k: object
+
+
+def constexpr_groups(**groups):
+    """Constexpr arguments by name for a launch whose kernel takes NamedTuple groups of constexprs (FEAT, CFG):
+    each group with its fields wrapped as tl.constexpr. Triton 3.6 hands a NamedTuple constexpr's plain fields to
+    the kernel as Python values, which its builtins (tl.zeros, calls of jit functions) reject; wrapped, the fields
+    are constexprs in 3.6 and in 3.9 alike, and hash and compare by value (launch keys, Triton's cache)."""
+    return {name: type(group)(*map(tl.constexpr, group)) for name, group in groups.items()}
 
 
 class Seq(NamedTuple):
@@ -181,6 +191,15 @@ def _slice_view(ptr, strides, i_b, row0, i_h, rows, HEAD_DIM: tl.constexpr, BLOC
 
 
 @triton.jit
+def _head_views(A, B, strides_a, strides_b, i_b, row0, i_h, rows, BLOCK_R: tl.constexpr, CFG: tl.constexpr):
+    """Views of head i_h of batch entry i_b, rows [row0, row0 + rows), in two [B, S, H, D] tensors read or written
+    together: A with CFG.HEAD_DIM (q, k, dk) and B with CFG.HEAD_DIM_V (out or dout, v, dv)."""
+    view_a = _slice_view(A, strides_a, i_b, row0, i_h, rows, CFG.HEAD_DIM, BLOCK_R, CFG.BLOCK_D, CFG.USE_TMA)
+    view_b = _slice_view(B, strides_b, i_b, row0, i_h, rows, CFG.HEAD_DIM_V, BLOCK_R, CFG.BLOCK_DV, CFG.USE_TMA)
+    return view_a, view_b
+
+
+@triton.jit
 def _load_tile(view, start, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                USE_TMA: tl.constexpr):
     """Rows [start, start + BLOCK_R) of a View; rows >= view.rows and columns >= HEAD_DIM read as 0."""
@@ -264,6 +283,24 @@ def _seq_bounds(cu_seqlens, i_b, seq, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _query_block(heads, cu_seqlens, seq, FEAT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The coordinates of a program that owns one query block: block i_m (program id 0; under MASK_RIGHT the
+    blocks near the end, which see the most keys, are launched first so that the last wave is short) of query head
+    i_h of batch entry i_b (program id 1 = i_bh = i_b * H + i_h), its kv head i_hk (grouped-query attention: query
+    heads share kv head h // group_size), and _seq_bounds' (starts, Seq). Returns (i_m, i_bh, i_b, i_h, i_hk,
+    starts, seq)."""
+    i_m = tl.program_id(0)
+    if FEAT.MASK_RIGHT:
+        i_m = tl.num_programs(0) - 1 - i_m
+    i_bh = tl.program_id(1)
+    i_b = i_bh // heads.num_heads
+    i_h = i_bh % heads.num_heads
+    i_hk = i_h // heads.group_size
+    starts, seq = _seq_bounds(cu_seqlens, i_b, seq, FEAT.VARLEN)
+    return i_m, i_bh, i_b, i_h, i_hk, starts, seq
+
+
+@triton.jit
 def _band_span(first, last, n_keys, diag, band, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     """Keys [lo, hi) that query `first` or query `last` (first <= last, hence every query between) may see, of
     n_keys keys: lo = first + diag - left, hi = last + diag + right + 1, clipped to [0, n_keys].
@@ -302,14 +339,29 @@ def _key_range(start_m, seq, band, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.const
 @triton.jit
 def _query_range(start_n, seq, band, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """Query rows [lo, hi) that see any key of the key block starting at start_n (the transpose of _key_range:
-    query i sees key j iff j - diag - right <= i <= j - diag + left). lo is rounded down to a query block; rows
-    outside [lo, hi) are skipped."""
-    lo, hi = _band_span(start_n, start_n + BLOCK_N - 1, seq.seqlen_q, -seq.diag, Band(band.right, band.left),
-                        MASK_RIGHT, MASK_LEFT)
+    """Query rows [lo, hi) that see any key of the key block starting at start_n: the transpose of _band_span (query
+    i sees key j iff j - diag - right <= i <= j - diag + left). lo is rounded down to a query block; rows outside
+    [lo, hi) are skipped."""
     if MASK_RIGHT:
-        lo = (lo // BLOCK_M) * BLOCK_M
+        lo = (tl.maximum(start_n - seq.diag - band.right, 0) // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+    if MASK_LEFT:
+        hi = tl.minimum(seq.seqlen_q, start_n + BLOCK_N - 1 - seq.diag + band.left + 1)
+    else:
+        hi = seq.seqlen_q
     return lo, hi
+
+
+@triton.jit
+def _streamed_block(block_list, it, BLOCK: tl.constexpr, BLOCK_SKIP: tl.constexpr):
+    """First row of the block an inner loop streams at iteration `it` of tl.range(lo, hi, 1 if BLOCK_SKIP else
+    BLOCK): `it` itself, or with BLOCK_SKIP the it-th block of the list (Features.block_lists)."""
+    if BLOCK_SKIP:
+        start = tl.load(block_list + it) * BLOCK
+    else:
+        start = it
+    return start
 
 
 @triton.jit

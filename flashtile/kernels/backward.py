@@ -16,9 +16,10 @@ import triton.language as tl
 
 from . import _common, _launch, configs
 from . import hopper_bwd
-from ._common import (BIAS_BOOL, BIAS_FLOAT, LOG2E, BiasView, Config, CuSeqlens, Dropout, Heads, Scale, Seq, _attention_mask,
-                      _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma,
-                      _query_range, _score_mod, _score_unit, _seq_bounds, _slice_view, _store_tile)
+from ._common import (BIAS_BOOL, BIAS_FLOAT, LOG2E, BiasView, Config, CuSeqlens, Dropout, Heads, Scale, Seq,
+                      _attention_mask, _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile,
+                      _mma, _query_block, _query_range, _score_mod, _score_unit, _seq_bounds, _head_views, _slice_view,
+                      _store_tile, _streamed_block)
 from .features import Features
 
 # Delta and the log2 LSE are stored per (batch, head) padded to a multiple of this many rows (the largest query
@@ -130,10 +131,7 @@ def _bwd_dkdv_inner(b_dk, b_dv, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.con
     r_n = (start_n + tl.arange(0, CFG.BLOCK_N))[:, None]
     # BLOCK_SKIP: [lo, hi) indexes the list of query blocks a bool attn_mask lets this key block be seen by.
     for it in tl.range(lo, hi, 1 if FEAT.BLOCK_SKIP else CFG.BLOCK_M):
-        if FEAT.BLOCK_SKIP:
-            start_m = tl.load(prog.block_list + it) * CFG.BLOCK_M
-        else:
-            start_m = it
+        start_m = _streamed_block(prog.block_list, it, CFG.BLOCK_M, FEAT.BLOCK_SKIP)
         o_m = start_m + tl.arange(0, CFG.BLOCK_M)
         r_m = o_m[None, :]
         b_q = _load_tile(prog.view_a, start_m, CFG.HEAD_DIM, CFG.BLOCK_M, CFG.BLOCK_D, CFG.USE_TMA)
@@ -174,10 +172,8 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, rows, strides, seq, cu_seqlens, head
     start_n = i_n * CFG.BLOCK_N
     starts, seq = _seq_bounds(cu_seqlens, i_b, seq, FEAT.VARLEN)
     if start_n < seq.seqlen_k:  # a varlen grid covers the longest sequence
-        k_view = _slice_view(K, strides.k, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM, CFG.BLOCK_N,
-                             CFG.BLOCK_D, CFG.USE_TMA)
-        v_view = _slice_view(V, strides.v, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM_V, CFG.BLOCK_N,
-                             CFG.BLOCK_DV, CFG.USE_TMA)
+        k_view, v_view = _head_views(K, V, strides.k, strides.v, i_b, starts[1], i_hk, seq.seqlen_k, CFG.BLOCK_N,
+                                     CFG)
         b_k = _load_tile(k_view, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
         b_v = _load_tile(v_view, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
         b_dk = tl.zeros([CFG.BLOCK_N, CFG.BLOCK_D], tl.float32)
@@ -192,10 +188,8 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, rows, strides, seq, cu_seqlens, head
         for g in range(0, heads.group_size):
             i_h = i_hk * heads.group_size + g
             i_bh = i_b * heads.num_heads * heads.group_size + i_h
-            q_view = _slice_view(Q, strides.q, i_b, starts[0], i_h, seq.seqlen_q, CFG.HEAD_DIM, CFG.BLOCK_M,
-                                 CFG.BLOCK_D, CFG.USE_TMA)
-            do_view = _slice_view(dOut, strides.dout, i_b, starts[0], i_h, seq.seqlen_q, CFG.HEAD_DIM_V,
-                                  CFG.BLOCK_M, CFG.BLOCK_DV, CFG.USE_TMA)
+            q_view, do_view = _head_views(Q, dOut, strides.q, strides.dout, i_b, starts[0], i_h, seq.seqlen_q,
+                                          CFG.BLOCK_M, CFG)
             row0 = i_bh.to(tl.int64) * rows.pad
             slope, bias_view = _head_features(alibi, bias, i_b, i_h, seq, FEAT, CFG.BLOCK_M, CFG.BLOCK_N)
             if FEAT.BLOCK_SKIP:
@@ -212,10 +206,8 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, rows, strides, seq, cu_seqlens, head
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, prog, lo_h, hi_h, FEAT.MASK_LEFT or FEAT.MASK_RIGHT, FEAT,
                                          CFG)
 
-        dk_view = _slice_view(dK, strides.dk, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM, CFG.BLOCK_N,
-                              CFG.BLOCK_D, CFG.USE_TMA)
-        dv_view = _slice_view(dV, strides.dv, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM_V, CFG.BLOCK_N,
-                              CFG.BLOCK_DV, CFG.USE_TMA)
+        dk_view, dv_view = _head_views(dK, dV, strides.dk, strides.dv, i_b, starts[1], i_hk, seq.seqlen_k,
+                                       CFG.BLOCK_N, CFG)
         _store_tile(dk_view, (b_dk * scale.sm_scale).to(dK.dtype.element_ty), start_n, CFG.HEAD_DIM, CFG.BLOCK_N,
                     CFG.BLOCK_D, CFG.USE_TMA)
         _store_tile(dv_view, b_dv.to(dV.dtype.element_ty), start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV,
@@ -232,10 +224,7 @@ def _bwd_dq_inner(b_dq, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.constexpr, 
     r_m = o_m[:, None]
     # BLOCK_SKIP: [lo, hi) indexes the list of key blocks a bool attn_mask lets this query block see.
     for it in tl.range(lo, hi, 1 if FEAT.BLOCK_SKIP else CFG.BLOCK_N):
-        if FEAT.BLOCK_SKIP:
-            start_n = tl.load(prog.block_list + it) * CFG.BLOCK_N
-        else:
-            start_n = it
+        start_n = _streamed_block(prog.block_list, it, CFG.BLOCK_N, FEAT.BLOCK_SKIP)
         r_n = (start_n + tl.arange(0, CFG.BLOCK_N))[None, :]
         b_k = _load_tile(prog.view_a, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
         b_v = _load_tile(prog.view_b, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
@@ -256,7 +245,8 @@ def _bwd_dq_inner(b_dq, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.constexpr, 
             # The bias is added after the softcap, so its gradient is dS itself.
             dbias = prog.dbias_view
             tl.store(dbias.handle + r_m.to(tl.int64) * dbias.stride_m + r_n * dbias.stride_n,
-                     b_ds.to(dbias.handle.dtype.element_ty), mask=(r_m < dbias.seq.seqlen_q) & (r_n < dbias.seq.seqlen_k))
+                     b_ds.to(dbias.handle.dtype.element_ty),
+                     mask=(r_m < dbias.seq.seqlen_q) & (r_n < dbias.seq.seqlen_k))
         if FEAT.SOFTCAP:
             b_ds = b_ds * (1.0 - b_t * b_t)
         b_dq = _mma(b_ds.to(b_k.dtype), b_k, b_dq, CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_D]
@@ -268,24 +258,13 @@ def _bwd_dq_kernel(Q, K, V, dOut, dQ, rows, strides, seq, cu_seqlens, heads, ban
                    dbias, dropout, FEAT: tl.constexpr, CFG: tl.constexpr):
     """One program per (query block, batch * head). Argument groups: Rows and Strides above, the others _common's
     (dbias: a Bias, the [B, H, Sq, Sk] output of dS under DBIAS)."""
-    i_m = tl.program_id(0)
-    if FEAT.MASK_RIGHT:
-        i_m = tl.num_programs(0) - 1 - i_m  # heaviest query blocks first, as in the forward
-    i_bh = tl.program_id(1)
-    i_b = i_bh // heads.num_heads
-    i_h = i_bh % heads.num_heads
-    i_hk = i_h // heads.group_size
+    i_m, i_bh, i_b, i_h, i_hk, starts, seq = _query_block(heads, cu_seqlens, seq, FEAT, CFG.BLOCK_M)
     start_m = i_m * CFG.BLOCK_M
-    starts, seq = _seq_bounds(cu_seqlens, i_b, seq, FEAT.VARLEN)
     if start_m < seq.seqlen_q:
-        q_view = _slice_view(Q, strides.q, i_b, starts[0], i_h, seq.seqlen_q, CFG.HEAD_DIM, CFG.BLOCK_M,
-                             CFG.BLOCK_D, CFG.USE_TMA)
-        do_view = _slice_view(dOut, strides.dout, i_b, starts[0], i_h, seq.seqlen_q, CFG.HEAD_DIM_V, CFG.BLOCK_M,
-                              CFG.BLOCK_DV, CFG.USE_TMA)
-        k_view = _slice_view(K, strides.k, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM, CFG.BLOCK_N,
-                             CFG.BLOCK_D, CFG.USE_TMA)
-        v_view = _slice_view(V, strides.v, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM_V, CFG.BLOCK_N,
-                             CFG.BLOCK_DV, CFG.USE_TMA)
+        q_view, do_view = _head_views(Q, dOut, strides.q, strides.dout, i_b, starts[0], i_h, seq.seqlen_q,
+                                      CFG.BLOCK_M, CFG)
+        k_view, v_view = _head_views(K, V, strides.k, strides.v, i_b, starts[1], i_hk, seq.seqlen_k, CFG.BLOCK_N,
+                                     CFG)
         b_q = _load_tile(q_view, start_m, CFG.HEAD_DIM, CFG.BLOCK_M, CFG.BLOCK_D, CFG.USE_TMA)
         b_do = _load_tile(do_view, start_m, CFG.HEAD_DIM_V, CFG.BLOCK_M, CFG.BLOCK_DV, CFG.USE_TMA)
         o_m = start_m + tl.arange(0, CFG.BLOCK_M)
@@ -386,7 +365,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
             _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads),
             (q, k, v, dout, dk, dv, *args, Heads(num_kv_heads, num_heads // num_kv_heads), *features,
              blocks or fargs.no_blocks, dropout),
-            dict(FEAT=flags._replace(BLOCK_SKIP=blocks is not None), CFG=config(cfg, False)),
+            _common.constexpr_groups(FEAT=flags._replace(BLOCK_SKIP=blocks is not None), CFG=config(cfg, False)),
             q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def launch_dq(cfg):
@@ -396,7 +375,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
             _bwd_dq_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads),
             (q, k, v, dout, dq, *args, Heads(num_heads, num_heads // num_kv_heads), *features,
              blocks or fargs.no_blocks, dbias, dropout),
-            dict(FEAT=flags._replace(BLOCK_SKIP=blocks is not None, DBIAS=bias_grad), CFG=config(cfg, even_n)),
+            _common.constexpr_groups(FEAT=flags._replace(BLOCK_SKIP=blocks is not None, DBIAS=bias_grad),
+                                     CFG=config(cfg, even_n)),
             q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     dkdv_candidates, dq_candidates = configs.backward_candidates(max(head_dim, head_dim_v), feats.mask_right,

@@ -17,7 +17,7 @@ import triton.language as tl
 from . import _common, _launch, configs, hopper_fwd
 from ._common import (BIAS_BOOL, BIAS_FLOAT, LN2, LOG2E, Config, Dropout, Heads, Scale, Seq, _attention_mask,
                       _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma,
-                      _score_mod, _score_unit, _seq_bounds, _slice_view, _store_tile)
+                      _query_block, _score_mod, _score_unit, _head_views, _store_tile, _streamed_block)
 from .features import Features
 
 
@@ -62,10 +62,7 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
     # BLOCK_SKIP: [lo, hi) indexes the list of key blocks a bool attn_mask lets this query block see
     # (Features.block_lists); fully masked tiles are not in it.
     for it in tl.range(lo, hi, 1 if FEAT.BLOCK_SKIP else CFG.BLOCK_N):
-        if FEAT.BLOCK_SKIP:
-            start_n = tl.load(prog.block_list + it) * CFG.BLOCK_N
-        else:
-            start_n = it
+        start_n = _streamed_block(prog.block_list, it, CFG.BLOCK_N, FEAT.BLOCK_SKIP)
         r_n = (start_n + tl.arange(0, CFG.BLOCK_N))[None, :]
         b_k = _load_tile(prog.k_view, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
         b_s = _mma(b_q, tl.trans(b_k), None, CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
@@ -127,26 +124,13 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, s
                      dropout, FEAT: tl.constexpr, CFG: tl.constexpr):
     """One program per (query block, batch * head). Argument groups: Strides above; the others are _common's
     (CuSeqlens, Seq, Heads, Band, Scale, Alibi, Bias, Blocks, Dropout; constexprs Flags and Config)."""
-    i_m = tl.program_id(0)
-    if FEAT.MASK_RIGHT:
-        # Query blocks near the end see the most keys under a causal mask: launch them first so the last wave is
-        # short.
-        i_m = tl.num_programs(0) - 1 - i_m
-    i_bh = tl.program_id(1)
-    i_b = i_bh // heads.num_heads
-    i_h = i_bh % heads.num_heads
-    i_hk = i_h // heads.group_size  # grouped-query attention: query heads share kv head h // group_size
+    i_m, i_bh, i_b, i_h, i_hk, starts, seq = _query_block(heads, cu_seqlens, seq, FEAT, CFG.BLOCK_M)
     start_m = i_m * CFG.BLOCK_M
-    starts, seq = _seq_bounds(cu_seqlens, i_b, seq, FEAT.VARLEN)
     if start_m < seq.seqlen_q:  # a varlen grid covers the longest sequence; shorter ones have nothing here
-        q_view = _slice_view(Q, strides.q, i_b, starts[0], i_h, seq.seqlen_q, CFG.HEAD_DIM, CFG.BLOCK_M,
-                             CFG.BLOCK_D, CFG.USE_TMA)
-        k_view = _slice_view(K, strides.k, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM, CFG.BLOCK_N,
-                             CFG.BLOCK_D, CFG.USE_TMA)
-        v_view = _slice_view(V, strides.v, i_b, starts[1], i_hk, seq.seqlen_k, CFG.HEAD_DIM_V, CFG.BLOCK_N,
-                             CFG.BLOCK_DV, CFG.USE_TMA)
-        o_view = _slice_view(Out, strides.out, i_b, starts[0], i_h, seq.seqlen_q, CFG.HEAD_DIM_V, CFG.BLOCK_M,
-                             CFG.BLOCK_DV, CFG.USE_TMA)
+        q_view, o_view = _head_views(Q, Out, strides.q, strides.out, i_b, starts[0], i_h, seq.seqlen_q, CFG.BLOCK_M,
+                                     CFG)
+        k_view, v_view = _head_views(K, V, strides.k, strides.v, i_b, starts[1], i_hk, seq.seqlen_k, CFG.BLOCK_N,
+                                     CFG)
         slope, bias_view = _head_features(alibi, bias, i_b, i_h, seq, FEAT, CFG.BLOCK_M, CFG.BLOCK_N)
         seed = 0
         if FEAT.DROPOUT:
@@ -222,6 +206,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
     args = (q, k, v, out, lse, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens,
             Heads(num_heads, num_heads // num_kv_heads), feats.band,
             Scale(softmax_scale, softmax_scale * LOG2E.value, feats.softcap), fargs.alibi, fargs.bias)
+    dropout = Dropout(fargs.seed, fargs.dropout_threshold, 1.0 - feats.dropout_p)
 
     def launch(cfg):
         # The single-loop form, except for fp32 under tf32: there the operand rounding (_common._round_tf32) gave
@@ -229,14 +214,12 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features):
         even_n = (not feats.banded and not feats.varlen and seqlen_k % cfg.block_n == 0
                   and not (q.dtype == torch.float32 and spec.precision == "tf32"))
         blocks = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
-        flags = fargs.flags._replace(BLOCK_SKIP=blocks is not None)
+        config = Config(head_dim, head_dim_v, cfg.block_m, cfg.block_n, spec.block_d(head_dim),
+                        spec.block_d(head_dim_v), even_n, spec.use_tma, spec.precision, spec.dot_upcast)
         return _launch.launch(
             _attn_fwd_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads),
-            args + (blocks or fargs.no_blocks, fargs.sinks, Dropout(fargs.seed, fargs.dropout_threshold,
-                                                                     1.0 - feats.dropout_p)),
-            dict(FEAT=flags, CFG=Config(head_dim, head_dim_v, cfg.block_m, cfg.block_n, spec.block_d(head_dim),
-                                        spec.block_d(head_dim_v), even_n, spec.use_tma, spec.precision,
-                                        spec.dot_upcast)),
+            args + (blocks or fargs.no_blocks, fargs.sinks, dropout),
+            _common.constexpr_groups(FEAT=fargs.flags._replace(BLOCK_SKIP=blocks is not None), CFG=config),
             q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     configs.launch_first_that_compiles(("fwd", max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
