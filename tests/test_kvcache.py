@@ -980,7 +980,7 @@ def _decode_step(inp, layout, k_store, v_store, **kw):
 
 @pytest.mark.gpu
 def test_gpu_fast_launch(request, fresh_plans):
-    """From the second call of a shape on, the launches go straight to the compiled kernels (decode._Launch) and
+    """From the second call of a shape on, the launches go straight to the compiled kernels (_launch.Bound) and
     give the same bits as the first call's launches through Triton's JITFunction; a misaligned q gets a plan of its
     own (Triton specializes on 16-byte alignment) and the same bits again."""
     case = Case(batch=2, heads=32, kv_heads=8, head_dim=128, capacity=4096, page_size=16, seqlen_new=1,
@@ -999,6 +999,10 @@ def test_gpu_fast_launch(request, fresh_plans):
     calls = list(kvcache._CALLS.values())
     assert len(calls) == 2  # aligned q, misaligned q
     assert all(c.attn.split.compiled is not None and c.append.launch.compiled is not None for c in calls)
+    # One compile cache for every launch (kernels/_launch.py): the plans' kernels are in it.
+    from flashtile.kernels import _launch
+    cached = {key[0] for key in _launch._COMPILED}
+    assert {decode._kvcache_split_kernel, decode._kvcache_append_kernel} <= cached
     assert decode.fast_stream(torch.cuda.current_device()) is not None
     for got in results[1:]:
         for a, b in zip(got, results[0]):

@@ -32,6 +32,15 @@ BIAS_FLOAT = tl.constexpr(1)  # an additive float bias
 BIAS_BOOL = tl.constexpr(2)  # a bool mask, True = attend
 
 
+@triton.jit
+def _probe_kernel():
+    pass
+
+
+# Triton decides at decoration time whether kernels are compiled or interpreted (TRITON_INTERPRET=1).
+INTERPRETING = type(_probe_kernel).__name__ == "InterpretedFunction"
+
+
 def batch_strides(t, varlen):
     """(batch, seqlen, head) strides of a [B, S, H, D] tensor, or of a packed [total, H, D] one (batch stride 0)."""
     return (0,) + tuple(t.stride()[:2]) if varlen else tuple(t.stride()[:3])
@@ -86,10 +95,14 @@ class CuSeqlens(NamedTuple):
 
 
 def constexpr_groups(**groups):
-    """Constexpr arguments by name for a launch whose kernel takes NamedTuple groups of constexprs (FEAT, CFG):
-    each group with its fields wrapped as tl.constexpr. Triton 3.6 hands a NamedTuple constexpr's plain fields to
-    the kernel as Python values, which its builtins (tl.zeros, calls of jit functions) reject; wrapped, the fields
-    are constexprs in 3.6 and in 3.9 alike, and hash and compare by value (launch keys, Triton's cache)."""
+    """Constexpr arguments by name for a launch whose kernel takes NamedTuple groups of constexprs (FEAT, CFG).
+    Compiled, each group's fields are wrapped as tl.constexpr: Triton 3.6 hands a NamedTuple constexpr's plain
+    fields to the kernel as Python values, which its builtins (tl.zeros, calls of jit functions) reject; wrapped,
+    they are constexprs in 3.6 and 3.9 alike, and hash and compare by value (launch keys, Triton's cache). The
+    interpreter takes the plain values (its loop indices are Python ints, which do not combine with tl.constexpr
+    in every operator)."""
+    if INTERPRETING:
+        return groups
     return {name: type(group)(*map(tl.constexpr, group)) for name, group in groups.items()}
 
 
@@ -423,7 +436,7 @@ def _score_mod(b_s, r_m, r_n, scale, slope, bias, diag, FEAT: tl.constexpr):
     `bias`, from _load_bias, when FEAT.BIAS is BIAS_FLOAT). FEAT.SOFTCAP: 0 off, 1 exact tanh, 2 the hardware
     approximation.
 
-    Returns (s, t): s in the units of _mod_unit (multiply by it for log2 units; the callers fold that into the
+    Returns (s, t): s in the units of _score_unit (multiply by it for log2 units; the callers fold that into the
     exp2's fused multiply-add, as the plain path does with scale * log2(e)), and t = tanh(scale q.k / softcap),
     which the backward needs for d softcap(x) / dx = 1 - t^2 (t is s without softcap). With softcap alone s is
     t itself: one multiply per score fewer."""

@@ -16,6 +16,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from .._settings import SETTINGS
+from . import _common
 
 log = logging.getLogger("flashtile")
 
@@ -35,13 +36,8 @@ def tile_override(kind):
     return None if tiles is None else list(tiles)
 
 
-@triton.jit
-def _probe_kernel():
-    pass
-
-
-# Triton decides at decoration time whether kernels are compiled or interpreted (TRITON_INTERPRET=1).
-INTERPRETING = type(_probe_kernel).__name__ == "InterpretedFunction"
+# Whether kernels run in Triton's interpreter (TRITON_INTERPRET=1, decided when they are decorated).
+INTERPRETING = _common.INTERPRETING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +203,11 @@ def backward_candidates(head_dim, causal, dtype, spec):
         dkdv, dq = [TileConfig(32, 32, 8, 1)], [TileConfig(32, 32, 8, 1)]
     if spec.arch != 0 and head_dim <= 256:
         dkdv, dq = dkdv + _fallbacks(head_dim, dtype), dq + _fallbacks(head_dim, dtype)
-    return tile_override("bwd_dkdv") or dkdv, tile_override("bwd_dq") or dq
+    if tile_override("bwd_dkdv") is not None:
+        dkdv = tile_override("bwd_dkdv")
+    if tile_override("bwd_dq") is not None:
+        dq = tile_override("bwd_dq")
+    return dkdv, dq
 
 
 # The tile choices: launch key (kernel family, what the compiled kernel depends on besides the tiles, the candidate
