@@ -724,6 +724,9 @@ def test_launch_key_is_at_least_as_fine_as_tritons():
     assert _arg_key(0.5) == _arg_key(2.0)
     t = torch.zeros(64, dtype=torch.float16)
     assert _arg_key(t) == _arg_key(t[8:]) != _arg_key(t[1:]) and _arg_key(t) != _arg_key(t.float())
+    # Argument groups (tuples, NamedTuples): field by field, nested.
+    assert _arg_key((32, (t, 0.5))) == _arg_key((48, (t[8:], 2.0))) != _arg_key((32, (t[1:], 0.5)))
+    assert _arg_key((32, 1)) != _arg_key((32, 3)) and _arg_key((40,)) != _arg_key((48,))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile._settings import SETTINGS
 from flashtile.kernels import configs
 from flashtile.kernels.configs import TileConfig
 from flashtile.kernels.features import Features
@@ -83,7 +84,7 @@ def test_sliding_window(poison, sq, sk, window, causal):
 def test_window_stages_small_tiles(poison, monkeypatch, window):
     """Small tiles put many key blocks left of, inside and right of the band: the masked left edge, the unmasked
     middle, the masked right edge and the skipped blocks all occur, with ragged ends."""
-    monkeypatch.setattr(configs, "TILE_OVERRIDE", [TileConfig(16, 16, 4, 1)])
+    monkeypatch.setattr(SETTINGS, "tiles", [TileConfig(16, 16, 4, 1)])
     monkeypatch.setattr(configs, "_CHOSEN", {})
     _check_flash(1, 75, 61, 2, 1, 16, torch.float32, seed=sum(window) + 40, window=window)
 
@@ -92,7 +93,7 @@ def test_window_skips_blocks(monkeypatch):
     """Blocks outside the band are never loaded: poisoning K and V outside it changes nothing."""
     sq = sk = 128
     q, k, v = make_qkv(1, sq, sk, 2, 2, 16, torch.float32, device=DEVICE, seed=3, grad=False)
-    monkeypatch.setattr(configs, "TILE_OVERRIDE", [TileConfig(16, 16, 4, 1)])
+    monkeypatch.setattr(SETTINGS, "tiles", [TileConfig(16, 16, 4, 1)])
     monkeypatch.setattr(configs, "_CHOSEN", {})
     window = (8, 0)
     clean = flashtile.flash_attn_func(q, k, v, window_size=window)
@@ -258,7 +259,7 @@ def test_mask_tiles_skipped(poison, monkeypatch):
     """Tiles a bool mask hides entirely are skipped (block map), and the result still matches: a block-sparse
     mask (document masking) with small tiles, values poisoned in the skipped tiles' keys for the rows they
     cannot reach."""
-    monkeypatch.setattr(configs, "TILE_OVERRIDE", [TileConfig(16, 16, 4, 1)])
+    monkeypatch.setattr(SETTINGS, "tiles", [TileConfig(16, 16, 4, 1)])
     monkeypatch.setattr(configs, "_CHOSEN", {})
     s, h, d = 80, 2, 16
     docs = torch.arange(s, device=DEVICE) // 32  # documents of 32 tokens: 0, 0, ..., 1, 1, ..., 2
@@ -594,7 +595,7 @@ def test_cpu_fallback_runs_the_features():
 @pytest.mark.parametrize("kind", ("float", "bool"))
 def test_mask_tma_path(poison, monkeypatch, kind):
     """attn_mask tiles read through TMA descriptors (what Hopper runs for a full, aligned mask), forced on."""
-    monkeypatch.setattr(configs, "TMA_OVERRIDE", True)
+    monkeypatch.setattr(SETTINGS, "tma", True)
     b, sq, sk, h, d = 2, 50, 64, 2, 32
     q, k, v = make_qkv(b, sq, sk, h, h, d, torch.bfloat16, device=DEVICE, seed=121)
     dout = _dout(q, 122)

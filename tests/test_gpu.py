@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile._settings import SETTINGS
 from flashtile.kernels import configs
 
 from flashtile.testing import assert_close, check_against_reference, cu_seqlens, make_qkv, max_err, reference_fwd_bwd
@@ -112,7 +113,7 @@ def test_pointer_path_matches_tma(monkeypatch, causal):
     q, k, v = make_qkv(2, 777, 1031, 8, 2, 128, torch.bfloat16, device=DEVICE, seed=6)
     dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
     tma = _fwd_bwd(q, k, v, dout, causal)
-    monkeypatch.setattr(configs, "TMA_OVERRIDE", False)
+    monkeypatch.setattr(SETTINGS, "tma", False)
     ptr = _fwd_bwd(q, k, v, dout, causal)
     for a, b in zip(tma, ptr):
         if a.dtype == torch.float32:  # the LSE
@@ -310,7 +311,6 @@ def test_repeated_calls_skip_the_jit(monkeypatch):
     JITFunction.run at all in a repeated forward and backward, with the same results as the JIT path (dQ within
     rounding: the Hopper backward adds it in a varying order)."""
     import triton
-    from flashtile.kernels import _launch
     q, k, v = make_qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16, device=DEVICE, seed=5)
     dout = torch.randn(q.shape, device=DEVICE, dtype=torch.bfloat16)
     first = _fwd_bwd(q, k, v, dout, True)
@@ -321,7 +321,7 @@ def test_repeated_calls_skip_the_jit(monkeypatch):
     monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", no_jit)
     cached = _fwd_bwd(q, k, v, dout, True)
     monkeypatch.undo()
-    monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+    monkeypatch.setattr(SETTINGS, "fast_launch", False)
     jit = _fwd_bwd(q, k, v, dout, True)
     for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), first, cached, jit):
         if name == "dq":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile._settings import SETTINGS
 from flashtile.kernels import configs
 from flashtile.kernels.configs import TileConfig
 
@@ -89,7 +90,7 @@ def test_other_head_dims(poison, d):
 def test_causal_stages_small_tiles(poison, monkeypatch, tiles, sq, sk):
     """Small, unequal tiles put many blocks on each side of the diagonal: the unmasked stage, the masked diagonal
     stage and the skipped blocks all occur, for both signs of Sk - Sq."""
-    monkeypatch.setattr(configs, "TILE_OVERRIDE", [tiles])
+    monkeypatch.setattr(SETTINGS, "tiles", [tiles])
     monkeypatch.setattr(configs, "_CHOSEN", {})
     _check(1, sq, sk, 4, 2, 32, True, torch.float32, seed=sq + sk)
 
@@ -101,14 +102,14 @@ def test_causal_stages_small_tiles(poison, monkeypatch, tiles, sq, sk):
 ])
 def test_tma_path(poison, monkeypatch, b, sq, sk, h, hk, d, causal, dtype):
     """The tensor-descriptor path (what Hopper runs), forced on: zero-filled edges must behave like masked loads."""
-    monkeypatch.setattr(configs, "TMA_OVERRIDE", True)
+    monkeypatch.setattr(SETTINGS, "tma", True)
     _check(b, sq, sk, h, hk, d, causal, dtype, seed=7)
 
 
 @pytest.mark.parametrize("use_tma", (False, True), ids=("pointers", "tma"))
 def test_strided_inputs(poison, monkeypatch, use_tma):
     """q, k, v as slices of one packed (B, S, 3, H, D) tensor: only the last dimension is contiguous."""
-    monkeypatch.setattr(configs, "TMA_OVERRIDE", use_tma)
+    monkeypatch.setattr(SETTINGS, "tma", use_tma)
     b, s, h, d = 2, 37, 4, 32
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     qkv = torch.randn((b, s, 3, h, d), generator=gen, device=DEVICE).to(torch.float16)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from flashtile import kvcache
+from flashtile._settings import SETTINGS
 from flashtile.kernels import configs, decode
 from flashtile.kernels.configs import TileConfig
 from flashtile.kvcache import flash_attn_with_kvcache
@@ -397,17 +398,17 @@ def test_page_slabs_match_rows(request, monkeypatch, page_size, block_n, nest):
     inp = make_inputs(case, _seed(request))
     k_store = inp.layout.place(inp.k_logical, float("nan"))
     v_store = inp.layout.place(inp.v_logical, float("nan"))
-    monkeypatch.setattr(decode, "TILE_OVERRIDE", [TileConfig(64, block_n, 4, 2)])
+    monkeypatch.setattr(SETTINGS, "decode_tiles", [TileConfig(64, block_n, 4, 2)])
     results = []
     for slabs in (True, False):
-        monkeypatch.setattr(decode, "PAGE_SLABS", slabs)
+        monkeypatch.setattr(SETTINGS, "page_slabs", slabs)
         monkeypatch.setattr(decode, "_PLANS", {})
         results.append(flash_attn_with_kvcache(inp.q, k_store, v_store, cache_seqlens=inp.cache_seqlens,
                                                cache_leftpad=inp.leftpad, block_table=inp.layout.block_table,
                                                num_splits=2, return_softmax_lse=True))
         (plan,) = decode._PLANS.values()
-        assert plan.split.constexprs["BLOCK_N"] == block_n
-        assert plan.split.constexprs["PAGE_SLAB"] == (slabs and nest)
+        assert plan.split.constexprs["CFG"].BLOCK_N == block_n
+        assert plan.split.constexprs["FEAT"].PAGE_SLAB == (slabs and nest)
     for got, want in zip(*results):
         assert torch.equal(got, want)
 
@@ -514,7 +515,7 @@ def test_auto_splits_fill_the_programs(poison, request):
 def test_many_splits_combine_in_chunks(poison, request, monkeypatch):
     """More splits than one step of the combine holds: the online merge across its chunks. The keys grow along the
     cache, so the running max rises in the last chunk and the earlier chunks must be rescaled."""
-    monkeypatch.setattr(decode, "TILE_OVERRIDE", [TileConfig(16, 16, 4, 1)])
+    monkeypatch.setattr(SETTINGS, "decode_tiles", [TileConfig(16, 16, 4, 1)])
     splits = decode.COMBINE_BLOCK_S + 9
     # One 16-key block per split, so that every split of the second chunk has keys.
     case = Case(batch=1, heads=2, kv_heads=1, capacity=16 * splits, lengths=(16 * splits - 7,), num_splits=splits,
@@ -538,7 +539,7 @@ def test_splits_agree(request):
 
 def test_small_tiles_many_row_blocks(poison, request, monkeypatch):
     """Tiles of 16 rows x 16 keys: a GQA group spans row blocks, and the causal key range differs per block."""
-    monkeypatch.setattr(decode, "TILE_OVERRIDE", [TileConfig(16, 16, 4, 1)])
+    monkeypatch.setattr(SETTINGS, "decode_tiles", [TileConfig(16, 16, 4, 1)])
     run_case(Case(seqlen_q=9, heads=6, kv_heads=2, capacity=70, causal=True, num_splits=2, seqlen_new=3),
              _seed(request))
 
@@ -981,7 +982,7 @@ def _decode_step(inp, layout, k_store, v_store, **kw):
 
 @pytest.mark.gpu
 def test_gpu_fast_launch(request, fresh_plans):
-    """From the second call of a shape on, the launches go straight to the compiled kernels (decode._Launch) and
+    """From the second call of a shape on, the launches go straight to the compiled kernels (_launch.Bound) and
     give the same bits as the first call's launches through Triton's JITFunction; a misaligned q gets a plan of its
     own (Triton specializes on 16-byte alignment) and the same bits again."""
     case = Case(batch=2, heads=32, kv_heads=8, head_dim=128, capacity=4096, page_size=16, seqlen_new=1,
@@ -1000,6 +1001,10 @@ def test_gpu_fast_launch(request, fresh_plans):
     calls = list(kvcache._CALLS.values())
     assert len(calls) == 2  # aligned q, misaligned q
     assert all(c.attn.split.compiled is not None and c.append.launch.compiled is not None for c in calls)
+    # One compile cache for every launch (kernels/_launch.py): the plans' kernels are in it.
+    from flashtile.kernels import _launch
+    cached = {key[0] for key in _launch._COMPILED}
+    assert {decode._kvcache_split_kernel, decode._kvcache_append_kernel} <= cached
     assert decode.fast_stream(torch.cuda.current_device()) is not None
     for got in results[1:]:
         for a, b in zip(got, results[0]):

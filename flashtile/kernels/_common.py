@@ -1,4 +1,5 @@
-"""Pieces every attention kernel shares: constants, tile loads/stores, the matmul wrapper, the causal ranges.
+"""Pieces every portable kernel shares: constants, argument groups, tile loads/stores, the matmul wrapper, and the
+one component that decides which keys each query sees (sequences, block ranges, the band and the mask).
 
 Tensor layout in every kernel file: q, out: [B, Sq, Hq, D]; k, v: [B, Sk, Hk, D]; lse: [B, Hq, Sq].
 A tile is BLOCK_R rows of one (batch, head) slice with the head dim padded to BLOCK_D (a power of two).
@@ -7,7 +8,14 @@ Two ways to reach memory, chosen per launch by the constexpr USE_TMA:
 - TMA tensor descriptors built on the device (Hopper and newer, 16-byte aligned base and strides): the copy
   engine does the address arithmetic and zero-fills rows/columns outside the tensor, so ragged edges cost nothing.
 - Plain pointers with masks: any GPU, any strides, and what the interpreter tests by default.
+
+Arguments travel in groups (typing.NamedTuple below). Triton passes a tuple argument field by field, each field
+specialized as a flat argument would be (a stride of 1 becomes a constant, an integer divisible by 16 is marked
+so), and a kernel reads the fields by name; a group of constexprs is one constexpr argument. Triton 3.6 and 3.9
+keep a constexpr group's fields constexpr when read as `GROUP.FIELD` (not when unpacked into names).
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +25,26 @@ from triton.language.random import philox
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E), see docs/derivation.md#5-kernel-tricks
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): natural-log LSE = log2-LSE * LN2
 
+# What attn_mask holds: the BIAS constexpr of every kernel, portable and Gluon (features.Features.bias_kind; the
+# host reads .value). Whether its tiles are read through TMA descriptors is the separate constexpr BIAS_TMA.
+BIAS_NONE = tl.constexpr(0)
+BIAS_FLOAT = tl.constexpr(1)  # an additive float bias
+BIAS_BOOL = tl.constexpr(2)  # a bool mask, True = attend
+
+
+@triton.jit
+def _probe_kernel():
+    pass
+
+
+# Triton decides at decoration time whether kernels are compiled or interpreted (TRITON_INTERPRET=1).
+INTERPRETING = type(_probe_kernel).__name__ == "InterpretedFunction"
+
+
+def batch_strides(t, varlen):
+    """(batch, seqlen, head) strides of a [B, S, H, D] tensor, or of a packed [total, H, D] one (batch stride 0)."""
+    return (0,) + tuple(t.stride()[:2]) if varlen else tuple(t.stride()[:3])
+
 
 def empty(shape, dtype, device):
     """Every buffer a launcher hands to a kernel comes from here (outputs and scratch). The tests replace it with a
@@ -24,69 +52,194 @@ def empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@triton.jit
-def _slice_base(ptr, i_b, row0, i_h, stride_b, stride_s, stride_h):
-    """Start of the (batch i_b, head i_h) slice, from sequence row row0 on (a varlen sequence's first row, else 0).
-    int64 before multiplying by strides: B * S * H * D may pass 2^31 elements."""
-    return (ptr + tl.cast(i_b, tl.int64) * stride_b + tl.cast(row0, tl.int64) * stride_s
-            + tl.cast(i_h, tl.int64) * stride_h)
+# ----------------------------------------------------------------------------------------------------------------
+# Argument groups of the forward and backward kernels
+
+
+class Flags(NamedTuple):
+    """The feature constexprs (FEAT) of the forward and backward kernels: a launch without a feature compiles none
+    of its code (docs/derivation.md#8). A kernel ignores the flags it has no use for; its launcher leaves them at
+    their defaults. Passed as one constexpr (constexpr_groups)."""
+    MASK_LEFT: bool = False  # the band's left edge: j >= i + diag - left
+    MASK_RIGHT: bool = False  # the band's right edge: j <= i + diag + right (causal: right = 0)
+    SOFTCAP: int = 0  # 0 off, 1 exact tanh, 2 the hardware approximation (16-bit inputs on a GPU)
+    HAS_ALIBI: bool = False
+    BIAS: int = 0  # BIAS_NONE / BIAS_FLOAT / BIAS_BOOL
+    BIAS_TMA: bool = False  # attn_mask tiles read through a TMA descriptor
+    BLOCK_SKIP: bool = False  # loop over the lists of blocks a bool mask leaves visible (Features.block_lists)
+    HAS_SINKS: bool = False
+    DROPOUT: bool = False
+    VARLEN: bool = False  # packed sequences delimited by cu_seqlens
+    DBIAS: bool = False  # the dQ kernel also writes dS, the gradient of a float bias
+
+
+class Config(NamedTuple):
+    """The code-generation constexprs (CFG): tiles, head dims, memory path and matmul precision. Passed as one
+    constexpr (constexpr_groups)."""
+    HEAD_DIM: int
+    HEAD_DIM_V: int
+    BLOCK_M: int  # query rows per tile
+    BLOCK_N: int  # key rows per tile
+    BLOCK_D: int  # HEAD_DIM padded to a power of two
+    BLOCK_DV: int
+    EVEN_N: bool  # no band, no varlen, Sk a multiple of BLOCK_N: no masked stage after the unmasked one
+    USE_TMA: bool
+    PRECISION: str  # tl.dot input_precision for fp32 operands: "ieee" or "tf32"
+    DOT_UPCAST: bool  # the interpreter's 16-bit workaround (_mma)
+
+
+class CuSeqlens(NamedTuple):
+    """VARLEN: int32 (B + 1,) row offsets of the packed sequences in q and in k (placeholders otherwise)."""
+    q: object
+    k: object
+
+
+def constexpr_groups(**groups):
+    """Constexpr arguments by name for a launch whose kernel takes NamedTuple groups of constexprs (FEAT, CFG).
+    Compiled, each group's fields are wrapped as tl.constexpr: Triton 3.6 hands a NamedTuple constexpr's plain
+    fields to the kernel as Python values, which its builtins (tl.zeros, calls of jit functions) reject; wrapped,
+    they are constexprs in 3.6 and 3.9 alike, and hash and compare by value (launch keys, Triton's cache). The
+    interpreter takes the plain values (its loop indices are Python ints, which do not combine with tl.constexpr
+    in every operator)."""
+    if INTERPRETING:
+        return groups
+    return {name: type(group)(*map(tl.constexpr, group)) for name, group in groups.items()}
+
+
+class Seq(NamedTuple):
+    """Extent of one (batch entry's) sequence: what flash-attn's SeqlenInfoQK holds."""
+    seqlen_q: int
+    seqlen_k: int
+    diag: int  # query i sits at key position i + diag (bottom-right alignment: Sk - Sq)
+
+
+class Band(NamedTuple):
+    """Query i sees key j iff i + diag - left <= j <= i + diag + right, each bound only where its MASK_* flag is on."""
+    left: int
+    right: int
+
+
+class Heads(NamedTuple):
+    num_heads: int  # query heads (kv heads in the dK/dV kernel's grid)
+    group_size: int  # query heads per kv head (grouped-query attention)
+
+
+class Scale(NamedTuple):
+    sm_scale: float  # the softmax scale, > 0
+    qk_scale: float  # sm_scale * log2(e)
+    softcap: float  # 0: off
+
+
+class Alibi(NamedTuple):
+    slopes: object  # fp32 (H,) or (B, H)
+    stride_b: int  # 0 for (H,)
+
+
+class Bias(NamedTuple):
+    """attn_mask: [B|1, H|1, Sq, Sk] (a bool mask viewed as uint8), strides (b, h, i, j), 0 along broadcast dims."""
+    ptr: object
+    strides: tuple
+
+
+class Blocks(NamedTuple):
+    """Features.block_lists: per (batch|1, head|1, resident block) the count and indices of the streamed blocks."""
+    counts: object
+    indices: object
+    strides: tuple  # (b, h) of the counts, 0 along broadcast dims
+    cols: int  # indices per list
+
+
+class Dropout(NamedTuple):
+    seed: object  # int64 (1,) tensor
+    threshold: int  # keep iff the top 31 bits of the draw are >= threshold = round(p * 2^31)
+    scale: float  # 1 - p in the forward, 1 / (1 - p) in the backward
+
+
+class View(NamedTuple):
+    """Rows of one (batch, head) slice: a TMA descriptor or the slice's base pointer, its rows and row stride."""
+    handle: object
+    rows: int
+    stride: int
+
+
+class BiasView(NamedTuple):
+    """attn_mask tiles of one (batch, head): a TMA descriptor or the base pointer, the extent and the strides."""
+    handle: object
+    seq: Seq
+    stride_m: int
+    stride_n: int
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory
 
 
 @triton.jit
-def _seq_bounds(CuSeqQ, CuSeqK, i_b, seqlen_q, seqlen_k, diag_offset, VARLEN: tl.constexpr):
-    """(q_start, k_start, seqlen_q, seqlen_k, diag_offset) of batch entry i_b: a varlen sequence's rows in the
-    packed tensors (sequence b is rows [cu[b], cu[b + 1])) and its own bottom-right offset, or the fixed-length
-    launch's values."""
-    if VARLEN:
-        q_start = tl.load(CuSeqQ + i_b)
-        seqlen_q = tl.load(CuSeqQ + i_b + 1) - q_start
-        k_start = tl.load(CuSeqK + i_b)
-        seqlen_k = tl.load(CuSeqK + i_b + 1) - k_start
-        diag_offset = seqlen_k - seqlen_q
+def _slice_base(ptr, i_b, row0, i_h, strides):
+    """Start of the (batch i_b, head i_h) slice, from sequence row row0 on (a varlen sequence's first row, else 0);
+    strides (b, s, h). int64 before multiplying by strides: B * S * H * D may pass 2^31 elements."""
+    return (ptr + tl.cast(i_b, tl.int64) * strides[0] + tl.cast(row0, tl.int64) * strides[1]
+            + tl.cast(i_h, tl.int64) * strides[2])
+
+
+@triton.jit
+def _descriptor_or_pointer(base, rows, cols, stride_row, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                           USE_TMA: tl.constexpr):
+    """The handle tiles of a [rows, cols] matrix with unit column stride are read through: a TMA descriptor
+    (copies of [BLOCK_R, BLOCK_C], zero-filled outside the matrix), or the base pointer itself."""
+    if USE_TMA:
+        handle = tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[stride_row, 1],
+                                           block_shape=[BLOCK_R, BLOCK_C])
     else:
-        q_start = 0
-        k_start = 0
-    return q_start, k_start, seqlen_q, seqlen_k, diag_offset
+        handle = base
+    return handle
 
 
 @triton.jit
-def _tile_view(base, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+def _slice_view(ptr, strides, i_b, row0, i_h, rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """The View of rows [row0, row0 + rows) of head i_h of batch entry i_b in a [B, S, H, D] tensor."""
+    return View(_descriptor_or_pointer(_slice_base(ptr, i_b, row0, i_h, strides), rows, HEAD_DIM, strides[1],
+                                       BLOCK_R, BLOCK_D, USE_TMA), rows, strides[1])
+
+
+@triton.jit
+def _head_views(A, B, strides_a, strides_b, i_b, row0, i_h, rows, BLOCK_R: tl.constexpr, CFG: tl.constexpr):
+    """Views of head i_h of batch entry i_b, rows [row0, row0 + rows), in two [B, S, H, D] tensors read or written
+    together: A with CFG.HEAD_DIM (q, k, dk) and B with CFG.HEAD_DIM_V (out or dout, v, dv)."""
+    view_a = _slice_view(A, strides_a, i_b, row0, i_h, rows, CFG.HEAD_DIM, BLOCK_R, CFG.BLOCK_D, CFG.USE_TMA)
+    view_b = _slice_view(B, strides_b, i_b, row0, i_h, rows, CFG.HEAD_DIM_V, BLOCK_R, CFG.BLOCK_DV, CFG.USE_TMA)
+    return view_a, view_b
+
+
+@triton.jit
+def _load_tile(view, start, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                USE_TMA: tl.constexpr):
-    """The handle tiles of one (batch, head) slice are read through: a descriptor, or the base pointer itself."""
+    """Rows [start, start + BLOCK_R) of a View; rows >= view.rows and columns >= HEAD_DIM read as 0."""
     if USE_TMA:
-        view = tl.make_tensor_descriptor(base, shape=[rows, HEAD_DIM], strides=[stride_row, 1],
-                                         block_shape=[BLOCK_R, BLOCK_D])
-    else:
-        view = base
-    return view
-
-
-@triton.jit
-def _load_tile(view, start, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows [start, start + BLOCK_R) of a slice; rows >= `rows` and columns >= HEAD_DIM read as 0."""
-    if USE_TMA:
-        tile = view.load([start, 0])
+        tile = view.handle.load([start, 0])
     else:
         o_r = tl.arange(0, BLOCK_R)
         o_d = tl.arange(0, BLOCK_D)
         # The row offset goes through int64 once, so S * stride past 2^31 elements does not wrap.
-        p_tile = view + tl.cast(start, tl.int64) * stride_row + o_r[:, None] * stride_row + o_d[None, :]
-        tile = tl.load(p_tile, mask=((start + o_r)[:, None] < rows) & (o_d[None, :] < HEAD_DIM), other=0.0)
+        p_tile = (view.handle + tl.cast(start, tl.int64) * view.stride + o_r[:, None] * view.stride
+                  + o_d[None, :])
+        tile = tl.load(p_tile, mask=((start + o_r)[:, None] < view.rows) & (o_d[None, :] < HEAD_DIM), other=0.0)
     return tile
 
 
 @triton.jit
-def _store_tile(view, tile, start, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """Write a tile back; what falls outside the slice is dropped."""
+def _store_tile(view, tile, start, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Write a tile back into a View; what falls outside the slice is dropped."""
     if USE_TMA:
-        view.store([start, 0], tile)
+        view.handle.store([start, 0], tile)
     else:
         o_r = tl.arange(0, BLOCK_R)
         o_d = tl.arange(0, BLOCK_D)
-        p_tile = view + tl.cast(start, tl.int64) * stride_row + o_r[:, None] * stride_row + o_d[None, :]
-        tl.store(p_tile, tile, mask=((start + o_r)[:, None] < rows) & (o_d[None, :] < HEAD_DIM))
+        p_tile = (view.handle + tl.cast(start, tl.int64) * view.stride + o_r[:, None] * view.stride
+                  + o_d[None, :])
+        tl.store(p_tile, tile, mask=((start + o_r)[:, None] < view.rows) & (o_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -117,71 +270,150 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     return c
 
 
-@triton.jit
-def _key_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key ranges for the query block starting at start_m (docs/derivation.md#5-kernel-tricks and #8).
-
-    Query i sees key j iff j <= i + diag_offset + window_right (MASK_RIGHT; causal is window_right = 0) and
-    j >= i + diag_offset - window_left (MASK_LEFT). Returns (lo, full_lo, full_hi, hi):
-    keys [full_lo, full_hi) are whole blocks every row of the block sees (no mask); [lo, full_lo) and
-    [full_hi, hi) need the mask (the band's edges and the ragged last block); keys outside [lo, hi) are invisible
-    to every row and never loaded. The masked stages are [lo, min(full_lo, hi)) and [max(full_lo, full_hi), hi),
-    which together with the unmasked one cover [lo, hi) exactly once whatever the order of full_lo and full_hi.
-    """
-    last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    if MASK_RIGHT:
-        hi = tl.maximum(tl.minimum(seqlen_k, last_row + diag_offset + window_right + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seqlen_k, start_m + diag_offset + window_right + 1), 0)
-    else:
-        hi = seqlen_k
-        full_hi = seqlen_k
-    full_hi = (full_hi // BLOCK_N) * BLOCK_N
-    if MASK_LEFT:
-        lo = (tl.maximum(start_m + diag_offset - window_left, 0) // BLOCK_N) * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(last_row + diag_offset - window_left, 0), BLOCK_N) * BLOCK_N
-    else:
-        lo = 0
-        full_lo = 0
-    return lo, full_lo, full_hi, hi
+# ----------------------------------------------------------------------------------------------------------------
+# Which keys each query sees: the one component the forward, the backward and decode share (flash-attn's CuTe code
+# splits it into SeqlenInfoQK, BlockInfo and AttentionMask). The rule is docs/derivation.md#8 (window): query i
+# sees key j iff i + diag - left <= j <= i + diag + right, each side only where its MASK_* flag is on (causal is
+# MASK_RIGHT with right = 0), j < Sk, and, with a bool attn_mask, where the mask is True. The block ranges that
+# follow from it are docs/derivation.md#5-kernel-tricks (stages) and #8 (tiles wholly outside or inside the band).
 
 
 @triton.jit
-def _query_range(start_n, seqlen_q, diag_offset, window_left, window_right,
-                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query rows [lo, hi) that see any key of the key block starting at start_n (the transpose of _key_range):
-    query i sees key j iff j - diag_offset - window_right <= i <= j - diag_offset + window_left. lo is rounded
-    down to a query block; rows outside [lo, hi) are skipped."""
+def _seq_bounds(cu_seqlens, i_b, seq, VARLEN: tl.constexpr):
+    """((q_start, k_start), Seq) of batch entry i_b: a varlen sequence's first rows in the packed tensors
+    (sequence b is rows [cu[b], cu[b + 1])), its lengths and its own bottom-right diagonal; else (0, 0) and the
+    launch's Seq."""
+    if VARLEN:
+        q_start = tl.load(cu_seqlens.q + i_b)
+        seqlen_q = tl.load(cu_seqlens.q + i_b + 1) - q_start
+        k_start = tl.load(cu_seqlens.k + i_b)
+        seqlen_k = tl.load(cu_seqlens.k + i_b + 1) - k_start
+        seq = Seq(seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+        starts = (q_start, k_start)
+    else:
+        starts = (0, 0)
+    return starts, seq
+
+
+@triton.jit
+def _query_block(heads, cu_seqlens, seq, FEAT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The coordinates of a program that owns one query block: block i_m (program id 0; under MASK_RIGHT the
+    blocks near the end, which see the most keys, are launched first so that the last wave is short) of query head
+    i_h of batch entry i_b (program id 1 = i_bh = i_b * H + i_h), its kv head i_hk (grouped-query attention: query
+    heads share kv head h // group_size), and _seq_bounds' (starts, Seq). Returns (i_m, i_bh, i_b, i_h, i_hk,
+    starts, seq)."""
+    i_m = tl.program_id(0)
+    if FEAT.MASK_RIGHT:
+        i_m = tl.num_programs(0) - 1 - i_m
+    i_bh = tl.program_id(1)
+    i_b = i_bh // heads.num_heads
+    i_h = i_bh % heads.num_heads
+    i_hk = i_h // heads.group_size
+    starts, seq = _seq_bounds(cu_seqlens, i_b, seq, FEAT.VARLEN)
+    return i_m, i_bh, i_b, i_h, i_hk, starts, seq
+
+
+@triton.jit
+def _band_span(first, last, n_keys, diag, band, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Keys [lo, hi) that query `first` or query `last` (first <= last, hence every query between) may see, of
+    n_keys keys: lo = first + diag - left, hi = last + diag + right + 1, clipped to [0, n_keys].
+    With first > last it is the keys that both see: the intersection, used for the blocks no row needs masked."""
     if MASK_RIGHT:
-        lo = (tl.maximum(start_n - diag_offset - window_right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(n_keys, last + diag + band.right + 1), 0)
+    else:
+        hi = n_keys
+    if MASK_LEFT:
+        lo = tl.maximum(first + diag - band.left, 0)
     else:
         lo = 0
-    if MASK_LEFT:
-        hi = tl.minimum(seqlen_q, start_n + BLOCK_N - 1 - diag_offset + window_left + 1)
-    else:
-        hi = seqlen_q
     return lo, hi
 
 
 @triton.jit
-def _visible(r_m, r_n, seqlen_k, diag_offset, window_left, window_right,
-             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr):
+def _key_range(start_m, seq, band, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Key ranges for the query block starting at start_m (flash-attn's BlockInfo). Returns (lo, full_lo, full_hi,
+    hi): keys [full_lo, full_hi) are whole blocks every row of the block sees (no mask); [lo, full_lo) and
+    [full_hi, hi) need the mask (the band's edges and the ragged last block); keys outside [lo, hi) are invisible
+    to every row and never loaded. The masked stages are [lo, min(full_lo, hi)) and [max(full_lo, full_hi), hi),
+    which together with the unmasked one cover [lo, hi) exactly once whatever the order of full_lo and full_hi.
+    """
+    last_row = tl.minimum(start_m + BLOCK_M, seq.seqlen_q) - 1
+    lo, hi = _band_span(start_m, last_row, seq.seqlen_k, seq.diag, band, MASK_LEFT, MASK_RIGHT)
+    # The keys both the first and the last row see, rounded inwards to whole blocks.
+    full_lo, full_hi = _band_span(last_row, start_m, seq.seqlen_k, seq.diag, band, MASK_LEFT, MASK_RIGHT)
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    if MASK_LEFT:
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, seq, band, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Query rows [lo, hi) that see any key of the key block starting at start_n: the transpose of _band_span (query
+    i sees key j iff j - diag - right <= i <= j - diag + left). lo is rounded down to a query block; rows outside
+    [lo, hi) are skipped."""
+    if MASK_RIGHT:
+        lo = (tl.maximum(start_n - seq.diag - band.right, 0) // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+    if MASK_LEFT:
+        hi = tl.minimum(seq.seqlen_q, start_n + BLOCK_N - 1 - seq.diag + band.left + 1)
+    else:
+        hi = seq.seqlen_q
+    return lo, hi
+
+
+@triton.jit
+def _streamed_block(block_list, it, BLOCK: tl.constexpr, BLOCK_SKIP: tl.constexpr):
+    """First row of the block an inner loop streams at iteration `it` of tl.range(lo, hi, 1 if BLOCK_SKIP else
+    BLOCK): `it` itself, or with BLOCK_SKIP the it-th block of the list (Features.block_lists)."""
+    if BLOCK_SKIP:
+        start = tl.load(block_list + it) * BLOCK
+    else:
+        start = it
+    return start
+
+
+@triton.jit
+def _visible(r_m, r_n, seq, band, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr):
     """Which (query r_m, key r_n) pairs are inside the band (and, with KEY_BOUND, inside the sequence: the dK/dV
     kernel leaves keys past Sk unmasked, since their rows are never stored). r_m and r_n are index tensors that
     broadcast to the tile ([M, 1] and [1, N], or transposed for the dK/dV kernel)."""
     if MASK_RIGHT:
-        vis = r_n <= r_m + (diag_offset + window_right)  # one add on the index vector
+        vis = r_n <= r_m + (seq.diag + band.right)  # one add on the index vector
         if MASK_LEFT:
-            vis = vis & (r_n >= r_m + (diag_offset - window_left))
+            vis = vis & (r_n >= r_m + (seq.diag - band.left))
         if KEY_BOUND:
-            vis = vis & (r_n < seqlen_k)
+            vis = vis & (r_n < seq.seqlen_k)
     elif MASK_LEFT:
-        vis = r_n >= r_m + (diag_offset - window_left)
+        vis = r_n >= r_m + (seq.diag - band.left)
         if KEY_BOUND:
-            vis = vis & (r_n < seqlen_k)
+            vis = vis & (r_n < seq.seqlen_k)
     else:
-        vis = r_n < seqlen_k
+        vis = r_n < seq.seqlen_k
     return vis
+
+
+@triton.jit
+def _attention_mask(r_m, r_n, seq, band, mask_tile, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr,
+                    MASK_RIGHT: tl.constexpr, BIAS: tl.constexpr, KEY_BOUND: tl.constexpr):
+    """The visible pairs of a tile (flash-attn's AttentionMask): the band and the sequence's end in a MASKED stage
+    (_visible), and a bool attn_mask tile (`mask_tile`, nonzero = attend) in every stage. Call it only when
+    MASKED or BIAS == BIAS_BOOL."""
+    if MASKED:
+        vis = _visible(r_m, r_n, seq, band, MASK_LEFT, MASK_RIGHT, KEY_BOUND)
+        if BIAS == BIAS_BOOL:
+            vis = vis & (mask_tile != 0)
+    else:
+        vis = mask_tile != 0
+    return vis
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Score modifications (docs/derivation.md#8)
 
 
 @triton.jit
@@ -198,84 +430,71 @@ def _tanh_approx(x):
 
 
 @triton.jit
-def _score_mod(b_s, r_m, r_n, sm_scale, softcap, slope, bias, diag_offset, SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
+def _score_mod(b_s, r_m, r_n, scale, slope, bias, diag, FEAT: tl.constexpr):
     """Modified scores from the raw products q.k, in flash-attn's order (docs/derivation.md#8): scale, then
-    softcap * tanh(s / softcap), then the ALiBi bias -slope * |i + diag_offset - j|, then an additive float bias
-    (the tile `bias`, from _load_bias, when BIAS is a float kind). SOFTCAP: 0 off, 1 exact tanh, 2 the hardware
+    softcap * tanh(s / softcap), then the ALiBi bias -slope * |i + diag - j|, then an additive float bias (the tile
+    `bias`, from _load_bias, when FEAT.BIAS is BIAS_FLOAT). FEAT.SOFTCAP: 0 off, 1 exact tanh, 2 the hardware
     approximation.
 
-    Returns (s, t): s in the units of _mod_unit (multiply by it for log2 units; the callers fold that into the
+    Returns (s, t): s in the units of _score_unit (multiply by it for log2 units; the callers fold that into the
     exp2's fused multiply-add, as the plain path does with scale * log2(e)), and t = tanh(scale q.k / softcap),
     which the backward needs for d softcap(x) / dx = 1 - t^2 (t is s without softcap). With softcap alone s is
     t itself: one multiply per score fewer."""
-    if SOFTCAP:
-        if SOFTCAP == 2:
-            t = _tanh_approx(b_s * (sm_scale / softcap))
+    if FEAT.SOFTCAP:
+        if FEAT.SOFTCAP == 2:
+            t = _tanh_approx(b_s * (scale.sm_scale / scale.softcap))
         else:
-            t = _tanh(b_s * (sm_scale / softcap))
-        if HAS_ALIBI or BIAS % 2 == 1:
-            s = t * softcap
+            t = _tanh(b_s * (scale.sm_scale / scale.softcap))
+        if FEAT.HAS_ALIBI or FEAT.BIAS == BIAS_FLOAT:
+            s = t * scale.softcap
         else:
             s = t
     else:
-        s = b_s * sm_scale
+        s = b_s * scale.sm_scale
         t = s
-    if HAS_ALIBI:
-        s = s - slope * tl.abs(r_m + diag_offset - r_n).to(tl.float32)
-    if BIAS % 2 == 1:
+    if FEAT.HAS_ALIBI:
+        s = s - slope * tl.abs(r_m + diag - r_n).to(tl.float32)
+    if FEAT.BIAS == BIAS_FLOAT:
         s = s + bias.to(tl.float32)
     return s, t
 
 
 @triton.jit
-def _mod_unit(sm_scale, softcap, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr):
-    """log2 units per unit of _score_mod's scores (> 0, so a row max can be taken before scaling)."""
-    if SOFTCAP and not (HAS_ALIBI or BIAS % 2 == 1):
-        unit = softcap * LOG2E
+def _score_unit(scale, FEAT: tl.constexpr):
+    """log2 units per unit of the scores the kernels take the row max of (> 0, so the max can be taken before
+    scaling): scale * log2(e) on the raw products, or _score_mod's unit when a modification is on."""
+    if FEAT.SOFTCAP or FEAT.HAS_ALIBI or FEAT.BIAS == BIAS_FLOAT:
+        if FEAT.SOFTCAP and not (FEAT.HAS_ALIBI or FEAT.BIAS == BIAS_FLOAT):
+            unit = scale.softcap * LOG2E
+        else:
+            unit = LOG2E + 0.0 * scale.sm_scale
     else:
-        unit = LOG2E + 0.0 * sm_scale
+        unit = scale.qk_scale
     return unit
 
 
-# BIAS constexpr of the kernels: what attn_mask holds and how its tiles are read.
-#   0 none; 1 float bias, 2 bool mask (pointer loads); 3 float bias, 4 bool mask (TMA descriptor loads).
-# Odd: a float bias; even and > 0: a bool mask; >= 3: TMA.
-
 @triton.jit
-def _bias_view(p_bias, seqlen_q, seqlen_k, stride_bias_m, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """The handle attn_mask tiles of one (batch, head) are read through: a descriptor or the pointer itself."""
-    if BIAS >= 3:
-        view = tl.make_tensor_descriptor(p_bias, shape=[seqlen_q, seqlen_k], strides=[stride_bias_m, 1],
-                                         block_shape=[BLOCK_M, BLOCK_N])
-    else:
-        view = p_bias
-    return view
-
-
-@triton.jit
-def _head_features(Alibi, Bias, i_b, i_h, stride_alibi_b, stride_bias_b, stride_bias_h, stride_bias_m, seqlen_q,
-                   seqlen_k, HAS_ALIBI: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+def _head_features(alibi, bias, i_b, i_h, seq, FEAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """What the score modifications need for query head i_h of batch entry i_b: its ALiBi slope (0 without) and
-    the view its attn_mask tiles are read through."""
+    the BiasView its attn_mask tiles are read through."""
     slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Alibi + i_b * stride_alibi_b + i_h)
-    p_bias = _bias_view(Bias + tl.cast(i_b, tl.int64) * stride_bias_b + tl.cast(i_h, tl.int64) * stride_bias_h,
-                        seqlen_q, seqlen_k, stride_bias_m, BIAS, BLOCK_M, BLOCK_N)
-    return slope, p_bias
+    if FEAT.HAS_ALIBI:
+        slope = tl.load(alibi.slopes + i_b * alibi.stride_b + i_h)
+    base = bias.ptr + tl.cast(i_b, tl.int64) * bias.strides[0] + tl.cast(i_h, tl.int64) * bias.strides[1]
+    handle = _descriptor_or_pointer(base, seq.seqlen_q, seq.seqlen_k, bias.strides[2], BLOCK_M, BLOCK_N,
+                                    FEAT.BIAS_TMA)
+    return slope, BiasView(handle, seq, bias.strides[2], bias.strides[3])
 
 
 @triton.jit
-def _load_bias(view, start_m, start_n, seqlen_q, seqlen_k, stride_bias_m, stride_bias_n, BIAS: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """The attn_mask tile of queries [start_m, +BLOCK_M) x keys [start_n, +BLOCK_N), as [BLOCK_M, BLOCK_N] or
-    (TRANSPOSE) [BLOCK_N, BLOCK_M]; outside the sequence it reads 0 (not attended, for a bool mask). A TMA load
-    costs no per-element address arithmetic, which at a 128 x 64 tile is otherwise several integer ops per score."""
-    if BIAS >= 3:
-        tile = view.load([start_m, start_n])
+def _load_bias(view, start_m, start_n, BIAS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               TRANSPOSE: tl.constexpr):
+    """The attn_mask tile of queries [start_m, +BLOCK_M) x keys [start_n, +BLOCK_N) of a BiasView, as
+    [BLOCK_M, BLOCK_N] or (TRANSPOSE) [BLOCK_N, BLOCK_M]; outside the sequence it reads 0 (not attended, for a bool
+    mask). A TMA load costs no per-element address arithmetic, which at a 128 x 64 tile is otherwise several
+    integer ops per score."""
+    if BIAS_TMA:
+        tile = view.handle.load([start_m, start_n])
         if TRANSPOSE:
             tile = tl.trans(tile)
     else:
@@ -285,9 +504,16 @@ def _load_bias(view, start_m, start_n, seqlen_q, seqlen_k, stride_bias_m, stride
         else:
             r_m = (start_m + tl.arange(0, BLOCK_M))[:, None]
             r_n = (start_n + tl.arange(0, BLOCK_N))[None, :]
-        tile = tl.load(view + r_m.to(tl.int64) * stride_bias_m + r_n.to(tl.int64) * stride_bias_n,
-                       mask=(r_m < seqlen_q) & (r_n < seqlen_k), other=0)
+        tile = tl.load(view.handle + r_m.to(tl.int64) * view.stride_m + r_n.to(tl.int64) * view.stride_n,
+                       mask=(r_m < view.seq.seqlen_q) & (r_n < view.seq.seqlen_k), other=0)
     return tile
+
+
+@triton.jit
+def _block_list(blocks, i_b, i_h, i_r):
+    """(pointer to the list, its length) of resident block i_r of head i_h of batch entry i_b (Blocks)."""
+    row = i_b * blocks.strides[0] + i_h * blocks.strides[1] + i_r
+    return blocks.indices + row.to(tl.int64) * blocks.cols, tl.load(blocks.counts + row)
 
 
 @triton.jit

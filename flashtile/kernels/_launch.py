@@ -1,24 +1,29 @@
-"""Kernel launches that skip Triton's per-call specialization once a kernel has been compiled for a call's key.
+"""The one launcher of every kernel (portable and Gluon; forward, backward, decode) and its compile cache.
 
 `kernel[grid](*args, **constexprs)` (JITFunction.run) re-derives on every call what the compiled kernel depends on:
 each argument's specialization (a tensor's dtype and 16-byte alignment; an integer's width, whether it is 1, whether
-it is divisible by 16), the cache key string built from them, and the launch metadata. For the Gluon kernels (~45
-arguments, TMA descriptors among them) that is ~0.1 ms of host time per launch on the GPU machines' hosts, as long
-as a 4k forward's kernel at batch 1 (benchmarks/NOTES.md, "host overhead").
+it is divisible by 16; a tuple's fields one by one), the cache key string built from them, and the launch metadata.
+For the Gluon kernels (~45 arguments, TMA descriptors among them) that is ~0.1 ms of host time per launch on the GPU
+machines' hosts, as long as a 4k forward's kernel at batch 1 (benchmarks/NOTES.md, "host overhead").
 
 `launch` computes a cheaper key that is at least as fine as Triton's (see _arg_key) and, once the JIT path has
 compiled and launched the kernel for that key, hands later calls' arguments straight to the compiled kernel's
-launcher. The first call of each key, CPU tensors (the interpreter), launch hooks (profilers) and a GPU that is not
-the current device all take the JIT path, so behaviour there is Triton's own.
+launcher. `Bound` is the same launch with everything but the leading arguments fixed, for callers whose own key
+already fixes every specialization (decode's plans): it keeps the compiled kernel and skips even the key. The first
+call of each key, CPU tensors (the interpreter), launch hooks (profilers), SETTINGS.fast_launch off and a GPU that
+is not the current device all take the JIT path, so behaviour there is Triton's own.
 """
 import torch
 import triton
 
-# False: every launch goes through JITFunction.run (for comparisons: benchmarks/NOTES.md).
-FAST_LAUNCH = True
-# Compiled kernels kept per key; past this many the cache starts over.
+from .._settings import SETTINGS
+
+# Compiled kernels kept; past this many keys the cache starts over.
 MAX_KEYS = 4096
 
+# The compile cache: launch key (kernel, every argument's _arg_key, constexprs, options) -> (compiled kernel, the
+# values of the kernel's parameters after the call's arguments: its constexprs, which the launcher skips). Triton
+# keeps its own cache of compiled kernels per JITFunction; this one only saves the work of finding the entry.
 _COMPILED: dict = {}
 
 
@@ -28,9 +33,9 @@ def _hook_set(hook):
 
 
 def fast_stream(device_index):
-    """The current stream's handle when launches may go straight to the compiled kernels: FAST_LAUNCH, a CUDA
-    tensor on the current device, and no launch hooks (profilers get the full JITFunction path). Else None."""
-    if not FAST_LAUNCH or device_index is None or device_index < 0 or not hasattr(triton, "knobs"):
+    """The current stream's handle when launches may go straight to the compiled kernels: SETTINGS.fast_launch, a
+    CUDA tensor on the current device, and no launch hooks (profilers get the full JITFunction path). Else None."""
+    if not SETTINGS.fast_launch or device_index is None or device_index < 0 or not hasattr(triton, "knobs"):
         return None
     runtime = triton.knobs.runtime
     if _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook):
@@ -46,7 +51,7 @@ def off_device(device_index):
 def usable(compiled):
     """Whether a JIT launch's return value can be launched directly: the interpreter returns no compiled kernel,
     and an asynchronously compiling one (a future) is not used either."""
-    return (FAST_LAUNCH and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+    return (SETTINGS.fast_launch and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
             and not hasattr(compiled, "result"))
 
 
@@ -57,9 +62,9 @@ def _int_key(x):
 
 def _arg_key(a):
     """What Triton's specialization of one argument can depend on, or finer: a tensor's dtype and 16-byte alignment;
-    an integer's _int_key; a float's type only (Triton never specializes on float values); a TMA descriptor's
-    dtype, block shape, layout, padding and its shape's and strides' _int_key; anything else (None, constexpr-like
-    values) itself."""
+    an integer's _int_key; a float's type only (Triton never specializes on float values); a tuple (NamedTuple
+    groups) field by field, with its type; a TMA descriptor's dtype, block shape, layout, padding and its shape's and
+    strides' _int_key; anything else (None, constexpr-like values) itself."""
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
     t = type(a)
@@ -69,10 +74,39 @@ def _arg_key(a):
         return _int_key(a)
     if t is float:
         return float
+    if isinstance(a, tuple):
+        return (t,) + tuple(map(_arg_key, a))
     if hasattr(a, "block_shape"):  # a host-side TMA descriptor
         return (a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None), a.padding,
                 tuple(map(_int_key, a.shape)), tuple(map(_int_key, a.strides)))
     return a
+
+
+def _run(compiled, grid, stream, args, tail):
+    """Launch a compiled kernel through its launcher: grid, stream, then every parameter in order (the launcher
+    skips the constexprs among them)."""
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+
+
+def _key(kernel, args, constexprs, options):
+    return (kernel, tuple(map(_arg_key, args)), tuple(constexprs.items()), tuple(options.items()))
+
+
+def _jit_launch(kernel, grid, args, constexprs, options, key=None):
+    """kernel[grid](...) through Triton's JIT; keeps the compiled kernel under key (computed here when None) when it
+    can be launched directly. Returns (the JIT launch's return value, the cache entry or None)."""
+    compiled = kernel[grid](*args, **constexprs, **options)
+    if not usable(compiled):
+        return compiled, None
+    key = _key(kernel, args, constexprs, options) if key is None else key
+    params = kernel.params[len(args):]
+    entry = (compiled, tuple(constexprs[p.name] if p.name in constexprs else p.default for p in params))
+    if len(_COMPILED) >= MAX_KEYS:
+        _COMPILED.clear()
+    _COMPILED[key] = entry
+    return compiled, entry
 
 
 def launch(kernel, grid, args, constexprs, device_index, **options):
@@ -84,21 +118,55 @@ def launch(kernel, grid, args, constexprs, device_index, **options):
     stream = fast_stream(device_index)
     if stream is None or off_device(device_index):
         return kernel[grid](*args, **constexprs, **options)
-    key = (kernel, tuple(map(_arg_key, args)), tuple(constexprs.items()), tuple(options.items()))
+    key = _key(kernel, args, constexprs, options)
     entry = _COMPILED.get(key)
-    if entry is not None:
-        compiled, tail = entry
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
+    if entry is None:
+        return _jit_launch(kernel, grid, args, constexprs, options, key)[0]
+    _run(entry[0], grid, stream, args, entry[1])
+    return entry[0]
+
+
+class Bound:
+    """A launch whose grid, trailing arguments (`static`), constexprs and options are fixed; a call passes the
+    stream (fast_stream's, or None for the JIT path) and the leading arguments.
+
+    For callers whose own key fixes everything Triton specializes on (decode's plans: dtypes, alignment, the value
+    of every integer argument but do_not_specialize ones): the first call with a stream goes through `launch`'s
+    compile cache (the JIT path the first time the key is seen), and the bound launch keeps the compiled kernel, so
+    later calls are one call of its launcher -- no key, no dictionary, no per-argument work."""
+    __slots__ = ("kernel", "grid", "static", "constexprs", "options", "tail", "compiled")
+
+    def __init__(self, kernel, grid, static, constexprs, options):
+        names = list(kernel.arg_names)
         # The launcher takes every parameter in order, constexprs included (it skips them).
-        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
-                     *tail)
+        assert names[len(names) - len(constexprs):] == list(constexprs), "constexprs must be the last parameters"
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.static = tuple(static)
+        self.constexprs = constexprs
+        self.options = options
+        self.tail = self.static + tuple(constexprs.values())
+        self.compiled = None
+
+    def __call__(self, stream, *dynamic):
+        compiled = self.compiled
+        if compiled is not None and stream is not None:
+            grid = self.grid
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                         None, *dynamic, *self.tail)
+            return compiled
+        args = dynamic + self.static
+        key = entry = None
+        if stream is not None:
+            key = _key(self.kernel, args, self.constexprs, self.options)
+            entry = _COMPILED.get(key)
+        if entry is None:
+            # The JIT path: the first call, or one that must not skip it (stream None); a kernel it compiled is
+            # kept all the same (as the first call off the current device or under a profiler still compiles).
+            compiled, entry = _jit_launch(self.kernel, self.grid, args, self.constexprs, self.options, key)
+        else:
+            compiled = entry[0]
+            _run(compiled, self.grid, stream, args, entry[1])
+        if entry is not None:
+            self.compiled = entry[0]
         return compiled
-    compiled = kernel[grid](*args, **constexprs, **options)
-    if usable(compiled):
-        params = kernel.params[len(args):]
-        tail = tuple(constexprs[p.name] if p.name in constexprs else p.default for p in params)
-        if len(_COMPILED) >= MAX_KEYS:
-            _COMPILED.clear()
-        _COMPILED[key] = (compiled, tail)
-    return compiled

@@ -1,17 +1,22 @@
 """Tile, warp and stage choices per GPU family, and how a launch picks its memory path.
 
 Each choice names the measurement that made it. A launch tries its candidates in order and keeps the first that
-compiles and fits (shared memory, registers, compiler crashes on some warp-specialized loops), so a table entry
-that is too big for a GPU costs one failed compile, not a crash.
+compiles and fits (shared memory, registers, compiler crashes), so a table entry that is too big for a GPU costs one
+failed compile, not a crash. SETTINGS.tiles (tests, the tile sweep) replaces the candidate lists and SETTINGS.tma
+forces the memory path (flashtile/_settings.py); both are read at every launch.
 """
 import dataclasses
+import functools
 import logging
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import triton
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
+
+from .._settings import SETTINGS
+from . import _common
 
 log = logging.getLogger("flashtile")
 
@@ -19,26 +24,20 @@ log = logging.getLogger("flashtile")
 TMA_ALIGN_BYTES = 16
 # Smallest head-dim tile: tl.dot needs K >= 16.
 MIN_BLOCK_D = 16
-# Tests may force the memory path (True: descriptors, False: pointers); None lets the hardware decide.
-TMA_OVERRIDE = None
-# Tests and the tile sweep (benchmarks/tune.py) may replace the candidate lists: a list applies to every kernel,
-# a dict {"fwd" | "bwd_dkdv" | "bwd_dq": list} to those it names.
-TILE_OVERRIDE = None
 
 
-def _override(kind):
-    if isinstance(TILE_OVERRIDE, dict):
-        return TILE_OVERRIDE.get(kind)
-    return TILE_OVERRIDE
+def tile_override(kind):
+    """The candidate list SETTINGS.tiles puts in place of the table's for a kernel family ("fwd", "bwd_dkdv",
+    "bwd_dq"): a list applies to every family, a dict {family: list} to those it names; None: the table's. The
+    decode kernel has its own, SETTINGS.decode_tiles."""
+    tiles = SETTINGS.tiles
+    if isinstance(tiles, dict):
+        tiles = tiles.get(kind)
+    return None if tiles is None else list(tiles)
 
 
-@triton.jit
-def _probe_kernel():
-    pass
-
-
-# Triton decides at decoration time whether kernels are compiled or interpreted (TRITON_INTERPRET=1).
-INTERPRETING = type(_probe_kernel).__name__ == "InterpretedFunction"
+# Whether kernels run in Triton's interpreter (TRITON_INTERPRET=1, decided when they are decorated).
+INTERPRETING = _common.INTERPRETING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +46,6 @@ class TileConfig:
     block_n: int  # key rows per tile
     num_warps: int
     num_stages: int
-    # tl.range(warp_specialize=True): Hopper, num_warps=4, TMA, single-loop kernels only. Not in the tables: on
-    # Triton 3.6 it corrupted the forward's loop-carried row max (wrong LSE); kept for the sweep.
-    warp_specialize: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +71,21 @@ def _tma_ok(tensors):
     return True
 
 
-def launch_spec(q, tensors):
+@functools.lru_cache(maxsize=None)
+def _arch(device_index):
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def launch_spec(q, tensors, tma=True):
+    """The LaunchSpec of a launch on q's device and dtype. tensors: those the kernel would read or write through
+    TMA descriptors; tma=False for kernels that never use them (decode)."""
     arch = 0
     if q.is_cuda and not INTERPRETING:
-        arch = torch.cuda.get_device_capability(q.device)[0]
-    if TMA_OVERRIDE is not None:
-        use_tma = TMA_OVERRIDE
+        arch = _arch(q.get_device())
+    if not tma:
+        use_tma = False
+    elif SETTINGS.tma is not None:
+        use_tma = SETTINGS.tma
     else:
         use_tma = arch >= 9 and _tma_ok(tensors)
     if use_tma:
@@ -123,13 +128,13 @@ _H200_D128_FEATURE_TILES = {
 
 
 def forward_candidates(head_dim, causal, dtype, spec, bias_kind=0, softcap=False) -> list[TileConfig]:
-    """Tiles to try, best first. bias_kind (0 none, 1 float, 2 bool; TMA or not) and softcap select the feature
-    variants measured separately."""
-    if _override("fwd") is not None:
-        return list(_override("fwd"))
+    """Tiles to try, best first. bias_kind (features.BIAS_*: 0 none, 1 float, 2 bool) and softcap select the
+    feature variants measured separately."""
+    if tile_override("fwd") is not None:
+        return tile_override("fwd")
     if spec.arch == 0:
         return _INTERPRETER_TILES
-    feature_tiles = _H200_D128_FEATURE_TILES.get((0 if bias_kind == 0 else 2 - bias_kind % 2, softcap, causal))
+    feature_tiles = _H200_D128_FEATURE_TILES.get((bias_kind, softcap, causal))
     if spec.arch == 9 and dtype != torch.float32 and 64 < head_dim <= 128 and feature_tiles is not None:
         return [feature_tiles] + _SAFE_TILES
     if head_dim > 256:
@@ -142,8 +147,8 @@ def forward_candidates(head_dim, causal, dtype, spec, bias_kind=0, softcap=False
             first = [TileConfig(128, 64, 4, 3)]
         elif head_dim <= 128:
             # Causal 128x128 w8 s3: 498-512 (128x64 w4 s2: 463-499 with 14 spills). Non-causal 128x64 w4 s2:
-            # 518-546. Warp specialization (128x128 w4 s2 ws) reached 526-564 but returned a wrong LSE on
-            # Triton 3.6 (out right, row max corrupted: benchmarks/NOTES.md), so no table entry uses it.
+            # 518-546. (tl.range warp specialization reached 526-564 but returned a wrong LSE on Triton 3.6:
+            # benchmarks/NOTES.md; the kernels no longer have that path.)
             first = [TileConfig(128, 128, 8, 3)] if causal else [TileConfig(128, 64, 4, 2)]
         else:
             first = [TileConfig(128, 64, 8, 2)]  # 512-530; 4 warps spill (105)
@@ -198,15 +203,23 @@ def backward_candidates(head_dim, causal, dtype, spec):
         dkdv, dq = [TileConfig(32, 32, 8, 1)], [TileConfig(32, 32, 8, 1)]
     if spec.arch != 0 and head_dim <= 256:
         dkdv, dq = dkdv + _fallbacks(head_dim, dtype), dq + _fallbacks(head_dim, dtype)
-    if _override("bwd_dkdv") is not None:
-        dkdv = list(_override("bwd_dkdv"))
-    if _override("bwd_dq") is not None:
-        dq = list(_override("bwd_dq"))
+    if tile_override("bwd_dkdv") is not None:
+        dkdv = tile_override("bwd_dkdv")
+    if tile_override("bwd_dq") is not None:
+        dq = tile_override("bwd_dq")
     return dkdv, dq
 
 
-# key -> index of the candidate that compiled, so later calls go straight to it.
+# The tile choices: launch key (kernel family, what the compiled kernel depends on besides the tiles, the candidate
+# list) -> Choice, so that later calls go straight to the candidate that compiled instead of failing again on those
+# before it. It also keeps the compiled kernel of the family's last launch with that key, for the sweep's register
+# and spill counts (None in the interpreter). The compiled kernels themselves are _launch's (_COMPILED).
 _CHOSEN: dict = {}
+
+
+class Choice(NamedTuple):
+    index: int  # into the candidate list: 0 the tuned entry, more a fallback
+    compiled: object  # what the last launch returned
 
 
 def chosen(kind, head_dim, causal, dtype, variant=None):
@@ -214,21 +227,24 @@ def chosen(kind, head_dim, causal, dtype, variant=None):
     tuned entry, more: a fallback); the GPU tests read it. variant: a Features.variant() tuple to keep only the
     launches with those feature flags (the launch keys hold it at index 5, the backward's with more flags after
     it); None keeps every variant."""
-    return [(cands[i], i) for key, i in _CHOSEN.items() for cands in (key[-1],)
+    return [(cands[choice.index], choice.index) for key, choice in _CHOSEN.items() for cands in (key[-1],)
             if key[:4] == (kind, head_dim, causal, dtype)
             and (variant is None or tuple(key[5][:len(variant)]) == tuple(variant))]
 
 
+def compiled_kernels(kind, head_dim=None):
+    """[(key, TileConfig, compiled kernel)] of the launches of a kernel family (of head_dim, if given) so far: the
+    tile sweep reads registers and spills from them."""
+    return [(key, key[-1][choice.index], choice.compiled) for key, choice in _CHOSEN.items()
+            if key[0] == kind and (head_dim is None or key[1] == head_dim)]
+
+
 def _is_fit_failure(err):
     # What a candidate that is too big or too clever for this GPU looks like: out of shared memory or registers,
-    # or a compiler pass failing on it (seen with warp-specialized loops in Triton 3.6).
+    # or a compiler pass failing on it.
     if isinstance(err, (OutOfResources, CompilationError)):
         return True
     return isinstance(err, RuntimeError) and "PassManager" in str(err)
-
-
-# key -> the compiled kernel of the last launch (None in the interpreter): registers and spills for the sweep.
-LAST_COMPILED: dict = {}
 
 
 def launch_first_that_compiles(key, candidates: Sequence[TileConfig], launch: Callable[[TileConfig], object]):
@@ -236,18 +252,18 @@ def launch_first_that_compiles(key, candidates: Sequence[TileConfig], launch: Ca
 
     The key is what the compiled kernel depends on besides the tiles (kernel family, head dim, causal, dtype,
     LaunchSpec); the candidate list itself joins it, so that an index remembered under one list (a test's or the
-    sweep's TILE_OVERRIDE) is never applied to another."""
+    sweep's SETTINGS.tiles) is never applied to another."""
     key = key + (tuple(candidates),)
-    start = _CHOSEN.get(key, 0)
-    for i in range(start, len(candidates)):
+    choice = _CHOSEN.get(key)
+    for i in range(choice.index if choice is not None else 0, len(candidates)):
         try:
-            LAST_COMPILED[key] = launch(candidates[i])
+            compiled = launch(candidates[i])
         except Exception as err:  # noqa: BLE001 - narrowed by _is_fit_failure, anything else re-raised
             if not _is_fit_failure(err) or i == len(candidates) - 1:
                 raise
             log.info("flashtile: %s does not fit %s (%s: %s); trying the next tiles", candidates[i], key,
                      type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             continue
-        _CHOSEN[key] = i
+        _CHOSEN[key] = Choice(i, compiled)
         return candidates[i]
     raise AssertionError("unreachable: the last candidate either returns or raises")

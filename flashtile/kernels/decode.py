@@ -27,28 +27,30 @@ Paged addressing is a constexpr variant (PAGED) of the same row addressing in al
 blocks nest (PAGE_SLAB: a block lies inside one page, or covers whole pages) the split kernel adds a page's offset
 to row offsets that are the same for every block, as it does for a contiguous cache.
 
+Which keys a query sees (the band, the cache's end) is _common's component, as in the forward and backward:
+_band_span for a row block's key range, _visible for the band's mask.
+
 A decode step is a few microseconds of GPU time, so the host side matters as much: everything a launch derives
 from shapes, strides, dtypes and flags (tiles, split count, grid, scalar arguments, the compiled kernel) is built
-once per such key (_AttnPlan, _AppendPlan) and each call only allocates its outputs and hands its tensors to the
-compiled kernel (docs/kvcache.md#the-host-side-of-a-decode-step).
+once per such key (_AttnPlan, _AppendPlan, each launch a _launch.Bound) and each call only allocates its outputs and
+hands its tensors to the compiled kernel (docs/kvcache.md#the-host-side-of-a-decode-step).
 """
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _common, _launch, configs
-from ._common import LN2, LOG2E, _mma, _tanh
+from .._settings import SETTINGS
+from ._common import LN2, LOG2E, Band, Heads, Seq, _band_span, _mma, _tanh, _visible
 from ._launch import fast_stream, off_device
 from .configs import TileConfig
 
 # tl.dot needs at least 16 rows: a q_len-1 decode with G = 4 query heads per kv head pads its 4 rows to 16.
 MIN_BLOCK_M = 16
-# A window bound of -1 (unbounded) becomes this distance: farther than any cache a GPU holds, and
-# i + diag + UNBOUNDED stays below 2^31.
-UNBOUNDED = 1 << 30
 # Largest finite float8 e4m3 value: appends into an fp8 cache saturate there instead of becoming NaN.
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -78,17 +80,15 @@ FP8_E4M3_MIN_NORMAL = tl.constexpr(2.0 ** -6)
 # to nearest even: the e4m3 subnormal grid.
 FP8_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0 ** 14)
 
-# Paged caches whose pages and key blocks nest (page size a multiple or a divisor of BLOCK_N): a block is one slab
-# of a page (one table entry per block) or BLOCK_N / page size whole pages, and its row offsets are a page offset
-# plus loop-invariant row-in-page offsets. False: the general per-row form (row % page size and a 64-bit multiply per
-# row; 1030 instead of 700 SASS instructions per loop iteration at pages of 16, sm90), kept for page sizes that do
-# not nest and for the sweep's comparison.
-PAGE_SLABS = True
+# Paged caches whose pages and key blocks nest (page size a multiple or a divisor of BLOCK_N) are read by slabs
+# (PAGE_SLAB): a block is one slab of a page (one table entry per block) or BLOCK_N / page size whole pages, and its
+# row offsets are a page offset plus loop-invariant row-in-page offsets. Otherwise, and with SETTINGS.page_slabs off
+# (tests, the sweep's comparison), the general per-row form: row % page size and a 64-bit multiply per row (1030
+# instead of 700 SASS instructions per loop iteration at pages of 16, sm90).
 # Plans kept (one per distinct shape / dtype / flag combination); past this many the cache starts over.
 MAX_PLANS = 1024
 
-# Tests and the sweep (benchmarks/bench_decode.py --sweep) may replace the split kernel's candidate tiles.
-TILE_OVERRIDE = None
+# SETTINGS.decode_tiles (tests, the sweep: benchmarks/bench_decode.py --sweep) replaces the candidate tiles below.
 # TileConfig.block_m is the most packed rows (query position x query head of the group) per tile; a launch uses
 # the next power of two of Sq * G up to it, at least MIN_BLOCK_M. block_n is the key rows per step.
 # Interpreter: 32-key blocks put several blocks into each split at the test sizes.
@@ -99,8 +99,8 @@ _SAFE_TILES = [TileConfig(64, 64, 4, 2), TileConfig(32, 32, 4, 1)]
 
 def split_candidates(head_dim, dtype, spec):
     """Tiles for the split kernel, best first. dtype is the cache's element type."""
-    if TILE_OVERRIDE is not None:
-        return list(TILE_OVERRIDE)
+    if SETTINGS.decode_tiles is not None:
+        return list(SETTINGS.decode_tiles)
     if spec.arch == 0:
         return _INTERPRETER_TILES
     if dtype == torch.float32:
@@ -171,7 +171,84 @@ def choose_num_splits(requested, programs, max_keys, block_n, slots):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Shared pieces
+# Argument groups and shared pieces
+
+
+class CacheIndex(NamedTuple):
+    """Where each sequence's rows are: int32 per-sequence tensors, a placeholder where absent (constexpr flags)."""
+    seqlens: object  # [B] rows before the append (HAS_SEQLENS; else the int cache_seqlen argument)
+    batch_idx: object  # [B] cache batch row of sequence b (HAS_BATCH_IDX)
+    leftpad: object  # [B] first valid row (HAS_LEFTPAD)
+    block_table: object  # [B, max_pages] (PAGED)
+
+
+class Strides(NamedTuple):
+    """Strides of a launch's tensors: (batch, seqlen, head) of the 4-D ones, the rows' of the 2-D ones."""
+    q: tuple  # q, or k_new in the append
+    k: tuple  # k_cache
+    v: tuple  # v_cache
+    out: tuple  # out, or v_new in the append
+    block_table: int
+    cos: int
+    sin: int
+    alibi: int  # batch stride of (B, Hq) slopes, 0 for (Hq,)
+    descale: int  # batch stride of the [B, Hk] descales
+
+
+class Dims(NamedTuple):
+    """Sizes a launch's plan fixes."""
+    seqlen_q: int  # query rows (the append: new rows)
+    seqlen_new: int  # rows appended by this step (attention: keys past seqlen_b)
+    capacity: int  # rows one sequence can hold
+    heads: Heads  # kv heads, query heads per kv head
+    num_splits: int
+    lse_part_offset: int  # where lse_part starts in the partial-results buffer
+    seqlen_ro: int  # rows of cos / sin
+
+
+class DecodeFlags(NamedTuple):
+    """The split kernel's feature constexprs (FEAT; one constexpr argument, _common.constexpr_groups)."""
+    HAS_SEQLENS: bool
+    HAS_BATCH_IDX: bool
+    HAS_LEFTPAD: bool
+    PAGED: bool
+    PAGE_SIZE: int  # 1 for a contiguous cache
+    PAGE_SLAB: bool  # pages and key blocks nest: per-block page offsets (_block_offsets)
+    ROTARY: bool
+    ROTARY_DIM: int
+    INTERLEAVED: bool
+    ROTARY_PER_ROW: bool  # query i at position seqlen + i (a causal or local mask), else every query at seqlen
+    MASK_LEFT: bool  # the band, as _common.Flags
+    MASK_RIGHT: bool
+    HAS_SOFTCAP: bool
+    HAS_ALIBI: bool
+    HAS_DESCALE: bool  # fp8 cache
+    SPLIT: bool  # write partial results for the combine
+
+
+class DecodeConfig(NamedTuple):
+    """The split kernel's code-generation constexprs (CFG; one constexpr argument, _common.constexpr_groups)."""
+    HEAD_DIM: int
+    BLOCK_M: int  # packed rows (query position x query head of the group) per tile
+    BLOCK_N: int  # key rows per step
+    BLOCK_D: int
+    PRECISION: str
+    DOT_UPCAST: bool
+
+
+@triton.jit
+def _cache_seq(cache, i_b, cache_seqlen, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """(seqlen, cache_b) of sequence i_b: its cache rows before this step's append, and its batch row of a
+    contiguous cache (int64)."""
+    if HAS_SEQLENS:
+        seqlen = tl.load(cache.seqlens + i_b).to(tl.int32)
+    else:
+        seqlen = cache_seqlen
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(cache.batch_idx + i_b).to(tl.int64)
+    else:
+        cache_b = i_b.to(tl.int64)
+    return seqlen, cache_b
 
 
 @triton.jit
@@ -247,10 +324,10 @@ def _row_mask(m_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _rotary_rows(X, p_rows, m_r, pos, Cos, Sin, stride_cos, stride_sin, seqlen_ro,
-                 HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 INTERLEAVED: tl.constexpr):
-    """Rows X + p_rows of a [rows, D] slice with rotary embedding at positions `pos`, in fp32.
+def _rotary_rows(X, p_rows, m_r, pos, rope, strides, seqlen_ro, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rows X + p_rows of a [rows, D] slice with rotary embedding at positions `pos`, in fp32; rope = (cos, sin),
+    their row strides in strides (Strides).
 
     The first ROTARY_DIM dims are rotated in pairs by the angle of row `pos` of cos/sin ([seqlen_ro,
     ROTARY_DIM / 2]): pairs (2t, 2t + 1) when INTERLEAVED (GPT-J), (t, t + ROTARY_DIM / 2) otherwise (GPT-NeoX):
@@ -273,8 +350,8 @@ def _rotary_rows(X, p_rows, m_r, pos, Cos, Sin, stride_cos, stride_sin, seqlen_r
     m_pair = mask & m_rot[None, :]
     x_pair = tl.load(X + p_rows[:, None] + o_pair[None, :], mask=m_pair, other=0.0).to(tl.float32)
     m_angle = m_pair & (pos < seqlen_ro)[:, None]
-    cos = tl.load(Cos + pos[:, None] * stride_cos + o_t[None, :], mask=m_angle, other=1.0).to(tl.float32)
-    sin = tl.load(Sin + pos[:, None] * stride_sin + o_t[None, :], mask=m_angle, other=0.0).to(tl.float32)
+    cos = tl.load(rope[0] + pos[:, None] * strides.cos + o_t[None, :], mask=m_angle, other=1.0).to(tl.float32)
+    sin = tl.load(rope[1] + pos[:, None] * strides.sin + o_t[None, :], mask=m_angle, other=0.0).to(tl.float32)
     sin = tl.where(first[None, :], -sin, sin)
     return x * cos + x_pair * sin
 
@@ -307,56 +384,47 @@ def _quantize_e4m3(x, descale):
 
 
 @triton.jit(do_not_specialize=["cache_seqlen"])
-def _kvcache_append_kernel(KNew, VNew, KCache, VCache, Seqlens, BatchIdx, BlockTable, Cos, Sin, KDescale, VDescale,
-                           cache_seqlen,
-                           stride_knb, stride_kns, stride_knh,
-                           stride_vnb, stride_vns, stride_vnh,
-                           stride_kcb, stride_kcs, stride_kch,
-                           stride_vcb, stride_vcs, stride_vch,
-                           stride_btb, stride_cos, stride_sin, stride_dsb,
-                           seqlen_new, capacity, num_kv_heads, seqlen_ro,
+def _kvcache_append_kernel(KNew, VNew, KCache, VCache, cache, rope, descale, cache_seqlen, strides, dims,
                            HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                            HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
                            PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                            ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
                            QUANTIZE: tl.constexpr):
     """Rows [i_r * BLOCK_R, ...) of k_new / v_new of one (batch, kv head) into cache rows seqlen_b + i. Rows past
-    the cache's capacity are dropped rather than written out of bounds."""
+    the cache's capacity are dropped rather than written out of bounds. cache: the CacheIndex fields as a tuple;
+    rope: (cos, sin); descale: (k, v) [B, Hk] fp32 (QUANTIZE); strides: Strides (q: k_new, out: v_new); dims:
+    Dims (seqlen_q: the rows appended)."""
+    cache = CacheIndex(*cache)
     i_r = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = i_bh // num_kv_heads
-    i_hk = i_bh % num_kv_heads
-    if HAS_SEQLENS:
-        seqlen = tl.load(Seqlens + i_b).to(tl.int32)
-    else:
-        seqlen = cache_seqlen
-    if HAS_BATCH_IDX:
-        cache_b = tl.load(BatchIdx + i_b).to(tl.int64)
-    else:
-        cache_b = i_b.to(tl.int64)
+    i_b = i_bh // dims.heads.num_heads
+    i_hk = i_bh % dims.heads.num_heads
+    seqlen, cache_b = _cache_seq(cache, i_b, cache_seqlen, HAS_SEQLENS, HAS_BATCH_IDX)
 
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     pos = seqlen + o_r  # cache rows written
-    m_r = (o_r < seqlen_new) & (pos < capacity)
+    m_r = (o_r < dims.seqlen_new) & (pos < dims.capacity)
     o_d = tl.arange(0, BLOCK_D)
     mask = _row_mask(m_r, HEAD_DIM, BLOCK_D)
-    major, minor = _cache_slots(BlockTable + i_b.to(tl.int64) * stride_btb, cache_b, pos, m_r, PAGED, PAGE_SIZE)
+    major, minor = _cache_slots(cache.block_table + i_b.to(tl.int64) * strides.block_table, cache_b, pos, m_r, PAGED,
+                                PAGE_SIZE)
 
-    p_kn = i_b.to(tl.int64) * stride_knb + o_r.to(tl.int64) * stride_kns + i_hk * stride_knh  # [BLOCK_R]
-    p_vn = i_b.to(tl.int64) * stride_vnb + o_r.to(tl.int64) * stride_vns + i_hk * stride_vnh
+    s_kn, s_vn = strides.q, strides.out
+    p_kn = i_b.to(tl.int64) * s_kn[0] + o_r.to(tl.int64) * s_kn[1] + i_hk * s_kn[2]  # [BLOCK_R]
+    p_vn = i_b.to(tl.int64) * s_vn[0] + o_r.to(tl.int64) * s_vn[1] + i_hk * s_vn[2]
     if ROTARY:
-        b_k = _rotary_rows(KNew, p_kn, m_r, pos, Cos, Sin, stride_cos, stride_sin, seqlen_ro,
-                           HEAD_DIM, ROTARY_DIM, BLOCK_D, INTERLEAVED)  # [BLOCK_R, BLOCK_D] fp32
+        b_k = _rotary_rows(KNew, p_kn, m_r, pos, rope, strides, dims.seqlen_ro, HEAD_DIM, ROTARY_DIM, BLOCK_D,
+                           INTERLEAVED)  # [BLOCK_R, BLOCK_D] fp32
     else:
         b_k = tl.load(KNew + p_kn[:, None] + o_d[None, :], mask=mask, other=0.0).to(tl.float32)
     b_v = tl.load(VNew + p_vn[:, None] + o_d[None, :], mask=mask, other=0.0)
     if QUANTIZE:
         # fp8 cache with per-(batch, kv head) descale factors: the cache holds value / descale.
-        b_k = _quantize_e4m3(b_k, tl.load(KDescale + i_b * stride_dsb + i_hk))
-        b_v = _quantize_e4m3(b_v.to(tl.float32), tl.load(VDescale + i_b * stride_dsb + i_hk))
+        b_k = _quantize_e4m3(b_k, tl.load(descale[0] + i_b * strides.descale + i_hk))
+        b_v = _quantize_e4m3(b_v.to(tl.float32), tl.load(descale[1] + i_b * strides.descale + i_hk))
 
-    p_kc = major * stride_kcb + minor * stride_kcs + i_hk * stride_kch  # [BLOCK_R]
-    p_vc = major * stride_vcb + minor * stride_vcs + i_hk * stride_vch
+    p_kc = major * strides.k[0] + minor * strides.k[1] + i_hk * strides.k[2]  # [BLOCK_R]
+    p_vc = major * strides.v[0] + minor * strides.v[1] + i_hk * strides.v[2]
     tl.store(KCache + p_kc[:, None] + o_d[None, :], b_k.to(KCache.dtype.element_ty), mask=mask)
     tl.store(VCache + p_vc[:, None] + o_d[None, :], b_v.to(VCache.dtype.element_ty), mask=mask)
 
@@ -371,131 +439,66 @@ def _softcap_log2(s, cap_scale, cap_log2):
     return cap_log2 * _tanh(s * cap_scale)
 
 
-@triton.jit(do_not_specialize=["cache_seqlen"])
-def _kvcache_split_kernel(Q, K, V, Out, Lse, Part,
-                          Seqlens, BatchIdx, Leftpad, BlockTable, Cos, Sin, Alibi, KDescale, VDescale,
-                          cache_seqlen,
-                          stride_qb, stride_qs, stride_qh,
-                          stride_kb, stride_ks, stride_kh,
-                          stride_vb, stride_vs, stride_vh,
-                          stride_ob, stride_os, stride_oh,
-                          stride_btb, stride_cos, stride_sin, stride_ab, stride_dsb,
-                          lse_part_offset, seqlen_q, seqlen_new, capacity, num_kv_heads, group_size, num_splits,
-                          seqlen_ro, qk_scale, cap_scale, cap_log2, window_left, window_right,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr,
-                          HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-                          PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_SLAB: tl.constexpr,
-                          ROTARY: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                          ROTARY_PER_ROW: tl.constexpr,
-                          MASK_DIAG: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                          HAS_DESCALE: tl.constexpr, SPLIT: tl.constexpr,
-                          PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    i_bh = tl.program_id(0)
-    i_s = tl.program_id(1)
-    i_m = tl.program_id(2)
-    i_b = i_bh // num_kv_heads
-    i_hk = i_bh % num_kv_heads
+class DecodeScale(NamedTuple):
+    qk_scale: float  # softmax scale * log2(e): scores in log2 units
+    cap_scale: float  # softmax scale / softcap (HAS_SOFTCAP)
+    cap_log2: float  # softcap * log2(e)
 
-    # This sequence's keys: cache rows [kv_start, kv_end), numbered j = 0 .. n_k - 1 from kv_start.
-    if HAS_SEQLENS:
-        seqlen = tl.load(Seqlens + i_b).to(tl.int32)
-    else:
-        seqlen = cache_seqlen
-    if HAS_LEFTPAD:
-        kv_start = tl.load(Leftpad + i_b).to(tl.int32)
-    else:
-        kv_start = 0
-    if HAS_BATCH_IDX:
-        cache_b = tl.load(BatchIdx + i_b).to(tl.int64)
-    else:
-        cache_b = i_b.to(tl.int64)
-    kv_end = tl.minimum(seqlen + seqlen_new, capacity)  # the clamp only keeps bad lengths in bounds
-    n_k = tl.maximum(kv_end - kv_start, 0)
-    diag = n_k - seqlen_q  # bottom-right alignment: query i is at key position i + diag
 
-    # Rows of the tile: query position o_i of query head o_h = i_hk * G + o_g, packed as r = o_i * G + o_g.
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_r = o_r < seqlen_q * group_size
-    o_i = o_r // group_size
-    o_h = i_hk * group_size + o_r % group_size
-    o_d = tl.arange(0, BLOCK_D)
-    p_q = i_b.to(tl.int64) * stride_qb + o_i.to(tl.int64) * stride_qs + o_h.to(tl.int64) * stride_qh  # [BLOCK_M]
-    if ROTARY:
-        # flash-attn's convention: with a causal or local mask query i sits at position seqlen + i; without one
-        # every query sits at seqlen (the new tokens are treated as one step).
-        if ROTARY_PER_ROW:
-            pos_q = seqlen + o_i
-        else:
-            pos_q = seqlen + tl.zeros_like(o_i)
-        b_q = _rotary_rows(Q, p_q, m_r, pos_q, Cos, Sin, stride_cos, stride_sin, seqlen_ro,
-                           HEAD_DIM, ROTARY_DIM, BLOCK_D, INTERLEAVED).to(Q.dtype.element_ty)
-    else:
-        b_q = tl.load(Q + p_q[:, None] + o_d[None, :], mask=_row_mask(m_r, HEAD_DIM, BLOCK_D), other=0.0)
+class SplitProgram(NamedTuple):
+    """What the key loop of one split program reads, fixed for the program."""
+    b_q: object  # [BLOCK_M, BLOCK_D] the packed query rows (rotated)
+    o_i: object  # [BLOCK_M] query position of each row
+    slope_log2: object  # [BLOCK_M] ALiBi slope of each row's head, log2 units (HAS_ALIBI)
+    k_head: object  # the kv head's keys and values in the cache
+    v_head: object
+    table_row: object  # the sequence's block-table row (PAGED)
+    cache_b: object  # its batch row of a contiguous cache
+    kv_start: object  # its first valid cache row: key j is cache row kv_start + j
+    row_lo: object  # cache rows [row_lo, row_hi) hold the keys the row block sees
+    row_hi: object
+    seq: object  # _common.Seq: (Sq, keys n_k, diag = n_k - Sq)
+    band: object  # _common.Band
+    scale: object  # DecodeScale, with the fp8 cache's k descale folded in
+    strides: object  # Strides
 
-    scale = qk_scale
-    if HAS_DESCALE:
-        # fp8 cache: K = descale_k * K8, so S = descale_k * (q . K8); V's descale multiplies the output.
-        k_descale = tl.load(KDescale + i_b * stride_dsb + i_hk)
-        v_descale = tl.load(VDescale + i_b * stride_dsb + i_hk)
-        scale = scale * k_descale
-        cap_scale = cap_scale * k_descale
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Alibi + i_b * stride_ab + o_h, mask=m_r, other=0.0) * LOG2E  # [BLOCK_M]
 
-    # The keys this row block can see (rows o_i in [first_i, last_i]) ...
-    first_i = (i_m * BLOCK_M) // group_size
-    last_i = (tl.minimum((i_m + 1) * BLOCK_M, seqlen_q * group_size) - 1) // group_size
-    lo = 0
-    hi = n_k
-    if MASK_DIAG:
-        lo = tl.maximum(first_i + diag - window_left, 0)
-        hi = tl.minimum(last_i + diag + window_right + 1, n_k)
-        hi = tl.maximum(hi, lo)
-    # ... as cache rows [row_lo, row_hi), visited in BLOCK_N-row blocks aligned to cache rows (so that a block
-    # never straddles pages when the page size is a multiple of BLOCK_N), split evenly in whole blocks across the
-    # num_splits programs of this (batch, kv head, row block).
-    row_lo = kv_start + lo
-    row_hi = kv_start + hi
-    blk_lo = row_lo // BLOCK_N
-    blocks_per_split = tl.cdiv(tl.cdiv(row_hi, BLOCK_N) - blk_lo, num_splits)
-    start = (blk_lo + i_s * blocks_per_split) * BLOCK_N
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, row_hi)
-
-    BlockTableRow = BlockTable + i_b.to(tl.int64) * stride_btb
-    k_head = K + i_hk.to(tl.int64) * stride_kh
-    v_head = V + i_hk.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+@triton.jit
+def _split_inner(m_i, l_i, acc, prog, start, end, FEAT: tl.constexpr, CFG: tl.constexpr):
+    """Online softmax of the program's rows over cache rows [start, end) in BLOCK_N-row blocks; scores in log2
+    units: exp2(b_s - m) = exp(S - m') (docs/derivation.md#5-kernel-tricks)."""
+    o_d = tl.arange(0, CFG.BLOCK_D)
+    o_i = prog.o_i
+    dtype = prog.b_q.dtype
     # A paged cache's table entries for the next block are loaded one iteration ahead (carried through the loop).
     # Loaded in the iteration that uses them, they would make the K/V loads indirect ones, which Triton 3.6
     # pipelines a stage later with a single buffer and a wait for all copies each iteration (sm90 TTGIR): no
     # overlap of loads and compute, which a lone program per SM (decode at batch 1-8) cannot hide.
-    pages = _block_pages(BlockTableRow, start, end, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
-    for r0 in tl.range(start, end, BLOCK_N):
-        rows = r0 + tl.arange(0, BLOCK_N)  # cache rows
-        m_n = (rows >= row_lo) & (rows < row_hi)
-        o_n = rows - kv_start  # key numbers j
-        off_k = _block_offsets(pages, cache_b, r0, stride_kb, stride_ks, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
-        off_v = _block_offsets(pages, cache_b, r0, stride_vb, stride_vs, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
-        pages = _block_pages(BlockTableRow, r0 + BLOCK_N, end, BLOCK_N, PAGED, PAGE_SIZE, PAGE_SLAB)
-        m_kv = _row_mask(m_n, HEAD_DIM, BLOCK_D)
-        p_k = k_head + off_k[:, None] + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_kv, other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
-        b_s = _mma(b_q, tl.trans(b_k), None, PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
-        # Scores in log2 units: exp2(b_s - m) = exp(S - m') (docs/derivation.md#5-kernel-tricks).
-        if HAS_SOFTCAP:
-            b_s = _softcap_log2(b_s, cap_scale, cap_log2)
+    pages = _block_pages(prog.table_row, start, end, CFG.BLOCK_N, FEAT.PAGED, FEAT.PAGE_SIZE, FEAT.PAGE_SLAB)
+    for r0 in tl.range(start, end, CFG.BLOCK_N):
+        rows = r0 + tl.arange(0, CFG.BLOCK_N)  # cache rows
+        m_n = (rows >= prog.row_lo) & (rows < prog.row_hi)
+        o_n = rows - prog.kv_start  # key numbers j
+        off_k = _block_offsets(pages, prog.cache_b, r0, prog.strides.k[0], prog.strides.k[1], CFG.BLOCK_N, FEAT.PAGED,
+                               FEAT.PAGE_SIZE, FEAT.PAGE_SLAB)
+        off_v = _block_offsets(pages, prog.cache_b, r0, prog.strides.v[0], prog.strides.v[1], CFG.BLOCK_N, FEAT.PAGED,
+                               FEAT.PAGE_SIZE, FEAT.PAGE_SLAB)
+        pages = _block_pages(prog.table_row, r0 + CFG.BLOCK_N, end, CFG.BLOCK_N, FEAT.PAGED, FEAT.PAGE_SIZE,
+                             FEAT.PAGE_SLAB)
+        m_kv = _row_mask(m_n, CFG.HEAD_DIM, CFG.BLOCK_D)
+        b_k = tl.load(prog.k_head + off_k[:, None] + o_d[None, :], mask=m_kv, other=0.0).to(dtype)  # [BLOCK_N, D]
+        b_s = _mma(prog.b_q, tl.trans(b_k), None, CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
+        if FEAT.HAS_SOFTCAP:
+            b_s = _softcap_log2(b_s, prog.scale.cap_scale, prog.scale.cap_log2)
         else:
-            b_s = b_s * scale
-        if HAS_ALIBI:
-            dist = tl.abs(o_i[:, None] + diag - o_n[None, :]).to(tl.float32)
-            b_s = b_s - slope_log2[:, None] * dist
+            b_s = b_s * prog.scale.qk_scale
+        if FEAT.HAS_ALIBI:
+            dist = tl.abs(o_i[:, None] + prog.seq.diag - o_n[None, :]).to(tl.float32)
+            b_s = b_s - prog.slope_log2[:, None] * dist
         m_visible = m_n[None, :]
-        if MASK_DIAG:
-            m_visible = m_visible & (o_n[None, :] >= o_i[:, None] + diag - window_left) \
-                & (o_n[None, :] <= o_i[:, None] + diag + window_right)
+        if FEAT.MASK_LEFT or FEAT.MASK_RIGHT:
+            m_visible = m_visible & _visible(o_i[:, None], o_n[None, :], prog.seq, prog.band, FEAT.MASK_LEFT,
+                                             FEAT.MASK_RIGHT, False)
         b_s = tl.where(m_visible, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         # A row that has seen no visible key keeps m = -inf; subtracting it would give -inf - (-inf) = NaN, so such
@@ -504,29 +507,129 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, Part,
         b_p = tl.exp2(b_s - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(b_p, 1)
-        p_v = v_head + off_v[:, None] + o_d[None, :]
-        b_v = tl.load(p_v, mask=m_kv, other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
-        acc = _mma(b_p.to(Q.dtype.element_ty), b_v, acc * alpha[:, None], PRECISION, DOT_UPCAST)
+        b_v = tl.load(prog.v_head + off_v[:, None] + o_d[None, :], mask=m_kv, other=0.0).to(dtype)  # [BLOCK_N, D]
+        acc = _mma(b_p.to(dtype), b_v, acc * alpha[:, None], CFG.PRECISION, CFG.DOT_UPCAST)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _split_keys(first_i, last_i, kv_start, seq, band, i_s, num_splits, FEAT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache rows of split i_s for the row block of query positions [first_i, last_i]: (start, end, row_lo,
+    row_hi). The row block sees keys [lo, hi) (_common._band_span), cache rows [row_lo, row_hi); those are visited in
+    BLOCK_N-row blocks aligned to cache rows (so that a block never straddles pages when the page size is a
+    multiple of BLOCK_N), split evenly in whole blocks across the num_splits programs of the row block."""
+    lo = 0
+    hi = seq.seqlen_k
+    if FEAT.MASK_LEFT or FEAT.MASK_RIGHT:
+        lo, hi = _band_span(first_i, last_i, seq.seqlen_k, seq.diag, band, FEAT.MASK_LEFT, FEAT.MASK_RIGHT)
+        hi = tl.maximum(hi, lo)
+    row_lo = kv_start + lo
+    row_hi = kv_start + hi
+    blk_lo = row_lo // BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(row_hi, BLOCK_N) - blk_lo, num_splits)
+    start = (blk_lo + i_s * blocks_per_split) * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, row_hi)
+    return start, end, row_lo, row_hi
+
+
+@triton.jit
+def _split_store(Out, Lse, Part, b_o, lse_log2, i_b, i_s, o_i, o_h, m_r, strides, dims, FEAT: tl.constexpr,
+                 CFG: tl.constexpr):
+    """A split's rows: (O_s, lse_s) into the partial buffer (SPLIT: o_part [B, Sq, Hq, S, D], then lse_part
+    [B, Sq, Hq, S] from lse_part_offset on), or with one split the final out and LSE (natural log)."""
+    o_d = tl.arange(0, CFG.BLOCK_D)
+    m_o = _row_mask(m_r, CFG.HEAD_DIM, CFG.BLOCK_D)
+    num_heads = dims.heads.num_heads * dims.heads.group_size
+    if FEAT.SPLIT:
+        row = (i_b.to(tl.int64) * dims.seqlen_q + o_i) * num_heads + o_h  # [BLOCK_M]
+        tl.store(Part + dims.lse_part_offset + row * dims.num_splits + i_s, lse_log2, mask=m_r)
+        tl.store(Part + ((row * dims.num_splits + i_s) * CFG.HEAD_DIM)[:, None] + o_d[None, :], b_o, mask=m_o)
+    else:
+        p_o = i_b.to(tl.int64) * strides.out[0] + o_i.to(tl.int64) * strides.out[1] + o_h.to(tl.int64) * strides.out[2]
+        tl.store(Out + p_o[:, None] + o_d[None, :], b_o.to(Out.dtype.element_ty), mask=m_o)
+        row_lse = (i_b.to(tl.int64) * num_heads + o_h) * dims.seqlen_q + o_i
+        tl.store(Lse + row_lse, lse_log2 * LN2, mask=m_r)
+
+
+@triton.jit(do_not_specialize=["cache_seqlen"])
+def _kvcache_split_kernel(Q, K, V, Out, Lse, Part, cache, rope, Alibi, descale, cache_seqlen, strides, dims, scale,
+                          band, FEAT: tl.constexpr, CFG: tl.constexpr):
+    """One program per (batch * kv head, split, row block). cache: the CacheIndex fields as a tuple; rope: (cos,
+    sin); descale: (k, v) [B, Hk] fp32 (HAS_DESCALE); strides: Strides; dims: Dims; scale: DecodeScale; band:
+    _common.Band; FEAT: DecodeFlags; CFG: DecodeConfig."""
+    HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
+    BLOCK_M: tl.constexpr = CFG.BLOCK_M
+    BLOCK_D: tl.constexpr = CFG.BLOCK_D
+    cache = CacheIndex(*cache)
+    group_size = dims.heads.group_size
+    i_bh = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_m = tl.program_id(2)
+    i_b = i_bh // dims.heads.num_heads
+    i_hk = i_bh % dims.heads.num_heads
+
+    # This sequence's keys: cache rows [kv_start, kv_end), numbered j = 0 .. n_k - 1 from kv_start.
+    seqlen, cache_b = _cache_seq(cache, i_b, cache_seqlen, FEAT.HAS_SEQLENS, FEAT.HAS_BATCH_IDX)
+    if FEAT.HAS_LEFTPAD:
+        kv_start = tl.load(cache.leftpad + i_b).to(tl.int32)
+    else:
+        kv_start = 0
+    kv_end = tl.minimum(seqlen + dims.seqlen_new, dims.capacity)  # the clamp only keeps bad lengths in bounds
+    n_k = tl.maximum(kv_end - kv_start, 0)
+    seq = Seq(dims.seqlen_q, n_k, n_k - dims.seqlen_q)  # bottom-right alignment: query i is at key i + diag
+
+    # Rows of the tile: query position o_i of query head o_h = i_hk * G + o_g, packed as r = o_i * G + o_g.
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_r = o_r < dims.seqlen_q * group_size
+    o_i = o_r // group_size
+    o_h = i_hk * group_size + o_r % group_size
+    p_q = i_b.to(tl.int64) * strides.q[0] + o_i.to(tl.int64) * strides.q[1] + o_h.to(tl.int64) * strides.q[2]
+    if FEAT.ROTARY:
+        # flash-attn's convention: with a causal or local mask query i sits at position seqlen + i; without one
+        # every query sits at seqlen (the new tokens are treated as one step).
+        if FEAT.ROTARY_PER_ROW:
+            pos_q = seqlen + o_i
+        else:
+            pos_q = seqlen + tl.zeros_like(o_i)
+        b_q = _rotary_rows(Q, p_q, m_r, pos_q, rope, strides, dims.seqlen_ro, HEAD_DIM, FEAT.ROTARY_DIM, BLOCK_D,
+                           FEAT.INTERLEAVED).to(Q.dtype.element_ty)
+    else:
+        o_d = tl.arange(0, BLOCK_D)
+        b_q = tl.load(Q + p_q[:, None] + o_d[None, :], mask=_row_mask(m_r, HEAD_DIM, BLOCK_D), other=0.0)
+
+    if FEAT.HAS_DESCALE:
+        # fp8 cache: K = descale_k * K8, so S = descale_k * (q . K8); V's descale multiplies the output.
+        k_descale = tl.load(descale[0] + i_b * strides.descale + i_hk)
+        v_descale = tl.load(descale[1] + i_b * strides.descale + i_hk)
+        scale = DecodeScale(scale.qk_scale * k_descale, scale.cap_scale * k_descale, scale.cap_log2)
+    slope_log2 = 0.0
+    if FEAT.HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + i_b * strides.alibi + o_h, mask=m_r, other=0.0) * LOG2E  # [BLOCK_M]
+
+    # The keys this row block (query positions [first_i, last_i]) sees, as this split's share of cache rows.
+    first_i = (i_m * BLOCK_M) // group_size
+    last_i = (tl.minimum((i_m + 1) * BLOCK_M, dims.seqlen_q * group_size) - 1) // group_size
+    start, end, row_lo, row_hi = _split_keys(first_i, last_i, kv_start, seq, band, i_s, dims.num_splits, FEAT,
+                                             CFG.BLOCK_N)
+    k_head = K + i_hk.to(tl.int64) * strides.k[2]
+    v_head = V + i_hk.to(tl.int64) * strides.v[2]
+    table_row = cache.block_table + i_b.to(tl.int64) * strides.block_table
+    prog = SplitProgram(b_q, o_i, slope_log2, k_head, v_head, table_row, cache_b, kv_start, row_lo, row_hi, seq, band,
+                        scale, strides)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _split_inner(m_i, l_i, acc, prog, start, end, FEAT, CFG)
 
     # A row that sees no key here has l = 0: output 0, LSE -inf (the combine gives such a split weight 0).
     m_empty = l_i == 0.0
     l_safe = tl.where(m_empty, 1.0, l_i)
-    if HAS_DESCALE:
+    if FEAT.HAS_DESCALE:
         l_safe = l_safe / v_descale
     b_o = acc / l_safe[:, None]
     lse_log2 = tl.where(m_empty, float("-inf"), m_i + tl.log2(tl.where(m_empty, 1.0, l_i)))
-    m_o = _row_mask(m_r, HEAD_DIM, BLOCK_D)
-    if SPLIT:
-        # Part holds o_part [B, Sq, Hq, S, D], then lse_part [B, Sq, Hq, S] from lse_part_offset on.
-        row = (i_b.to(tl.int64) * seqlen_q + o_i) * (num_kv_heads * group_size) + o_h  # [BLOCK_M]
-        tl.store(Part + lse_part_offset + row * num_splits + i_s, lse_log2, mask=m_r)
-        tl.store(Part + ((row * num_splits + i_s) * HEAD_DIM)[:, None] + o_d[None, :], b_o, mask=m_o)
-    else:
-        p_o = i_b.to(tl.int64) * stride_ob + o_i.to(tl.int64) * stride_os + o_h.to(tl.int64) * stride_oh
-        tl.store(Out + p_o[:, None] + o_d[None, :], b_o.to(Out.dtype.element_ty), mask=m_o)
-        row_lse = (i_b.to(tl.int64) * (num_kv_heads * group_size) + o_h) * seqlen_q + o_i
-        tl.store(Lse + row_lse, lse_log2 * LN2, mask=m_r)
+    _split_store(Out, Lse, Part, b_o, lse_log2, i_b, i_s, o_i, o_h, m_r, strides, dims, FEAT, CFG)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -595,22 +698,9 @@ def _dummy(device):
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=None)
-def _arch(device_index):
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
 def _spec(q):
     """The LaunchSpec of a decode launch (the kernels use pointers, never TMA descriptors)."""
-    arch = 0
-    if q.is_cuda and not configs.INTERPRETING:
-        arch = _arch(q.get_device())
-    if q.dtype == torch.float32 and (configs.INTERPRETING or not torch.backends.cuda.matmul.allow_tf32):
-        precision = "ieee"
-    else:
-        precision = "tf32"
-    return configs.LaunchSpec(use_tma=False, precision=precision,
-                              dot_upcast=configs.INTERPRETING and q.dtype != torch.float32, arch=arch)
+    return configs.launch_spec(q, (), tma=False)
 
 
 def _tensor_key(t):
@@ -620,51 +710,17 @@ def _tensor_key(t):
 
 
 def _settings_key(q):
-    """Module and torch settings a plan depends on."""
-    tile_override = None if TILE_OVERRIDE is None else tuple(TILE_OVERRIDE)
+    """The settings a plan depends on besides its tensors: SETTINGS.decode_tiles and .page_slabs, torch's tf32 flag."""
+    tiles = None if SETTINGS.decode_tiles is None else tuple(SETTINGS.decode_tiles)
     tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return tile_override, PAGE_SLABS, tf32
+    return tiles, SETTINGS.page_slabs, tf32
 
 
-class _Launch:
-    """One kernel launch whose grid, scalar arguments and constexprs are fixed by its plan's key; a call passes the
-    tensors (and the per-step cache length).
-
-    The first call goes through Triton's JITFunction, which derives the specialization of every argument (dtype,
-    16-byte alignment, value 1, divisibility by 16), finds or compiles the kernel for it and launches. Later calls
-    hand the same arguments straight to that compiled kernel's launcher, skipping the ~50 per-argument checks and
-    the cache-key hashing that JITFunction.run repeats on every call (most of a decode step's host time). That is
-    only valid because the plan's key fixes everything the specialization depends on: dtypes, the value of every
-    integer argument but cache_seqlen (do_not_specialize), each tensor's alignment."""
-    __slots__ = ("kernel", "grid", "static", "constexprs", "options", "tail", "compiled")
-
-    def __init__(self, kernel, grid, static, constexprs, options):
-        names = list(kernel.arg_names)
-        # The launcher takes every parameter in order, constexprs included (it skips them).
-        assert names[len(names) - len(constexprs):] == list(constexprs), "constexprs must be the last parameters"
-        self.kernel = kernel
-        self.grid = grid
-        self.static = tuple(static)
-        self.constexprs = constexprs
-        self.options = options
-        self.tail = self.static + tuple(constexprs.values())
-        self.compiled = None
-
-    def __call__(self, stream, *dynamic):
-        compiled = self.compiled
-        if compiled is not None and stream is not None:
-            grid = self.grid
-            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
-                         None, *dynamic, *self.tail)
-            return compiled
-        compiled = self.kernel[self.grid](*dynamic, *self.static, **self.constexprs, **self.options)
-        # The interpreter returns no compiled kernel; an asynchronously compiling one (a future) is not used either.
-        if _launch.usable(compiled):
-            self.compiled = compiled
-        return compiled
-
-
-# key -> plan: everything a call with that key's metadata launches (see the module docstring).
+# The decode plans: key (append_key / attention_key: every shape, stride, dtype, 16-byte alignment and option a
+# launch depends on, and _settings_key) -> plan: everything a call with that key launches, its launches bound
+# (_launch.Bound) to the compiled kernels. They exist for host time: a cached decode call allocates its outputs and
+# calls the compiled kernels' launchers, with no tile choice, key hashing or argument specialization (the module
+# docstring). The compiled kernels themselves are in _launch's one compile cache.
 _PLANS: dict = {}
 
 
@@ -704,40 +760,45 @@ class _AppendPlan:
             rotary_cos, rotary_sin, k_descale, v_descale):
         dummy = self.dummy
         self.launch(stream, k_new, v_new, k_cache, v_cache,
-                    dummy if cache_seqlens is None else cache_seqlens,
-                    dummy if cache_batch_idx is None else cache_batch_idx,
-                    dummy if block_table is None else block_table,
-                    dummy if rotary_cos is None else rotary_cos, dummy if rotary_sin is None else rotary_sin,
-                    dummy if k_descale is None else k_descale, dummy if v_descale is None else v_descale,
+                    (dummy if cache_seqlens is None else cache_seqlens,
+                     dummy if cache_batch_idx is None else cache_batch_idx, dummy,
+                     dummy if block_table is None else block_table),
+                    (dummy if rotary_cos is None else rotary_cos, dummy if rotary_sin is None else rotary_sin),
+                    (dummy if k_descale is None else k_descale, dummy if v_descale is None else v_descale),
                     cache_seqlen)
 
 
 def _append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
                  rotary_sin, rotary_interleaved, k_descale):
     batch, seqlen_new, num_kv_heads, head_dim = k_new.shape
-    paged = block_table is not None
     rotary = rotary_cos is not None
-    quantize = k_descale is not None
     block_r = min(APPEND_BLOCK_R, _next_pow2(seqlen_new))
-    static = (
-        *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_table.stride(0) if paged else 0,
-        rotary_cos.stride(0) if rotary else 0, rotary_sin.stride(0) if rotary else 0,
-        k_descale.stride(0) if quantize else 0,
-        seqlen_new, _capacity(k_cache, block_table), num_kv_heads, rotary_cos.shape[0] if rotary else 0,
-    )
+    strides = _strides(k_new, k_cache, v_cache, v_new.stride()[:3], block_table, rotary_cos, rotary_sin, None,
+                       k_descale)
+    dims = Dims(seqlen_new, seqlen_new, _capacity(k_cache, block_table), Heads(num_kv_heads, 1), 1, 0,
+                rotary_cos.shape[0] if rotary else 0)
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=_block_d(head_dim),
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-        PAGED=paged, PAGE_SIZE=_page_size(k_cache, block_table),
+        PAGED=block_table is not None, PAGE_SIZE=_page_size(k_cache, block_table),
         ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0, INTERLEAVED=bool(rotary_interleaved),
-        QUANTIZE=quantize,
+        QUANTIZE=k_descale is not None,
     )
     plan = _AppendPlan()
     plan.dummy = _dummy(k_new.device)
-    plan.launch = _Launch(_kvcache_append_kernel, (_cdiv(seqlen_new, block_r), batch * num_kv_heads, 1), static,
-                          constexprs, dict(num_warps=4))
+    plan.launch = _launch.Bound(_kvcache_append_kernel, (_cdiv(seqlen_new, block_r), batch * num_kv_heads, 1),
+                                (strides, dims), constexprs, dict(num_warps=4))
     return plan
+
+
+def _strides(q, k_cache, v_cache, out_strides, block_table, rotary_cos, rotary_sin, alibi_slopes, k_descale):
+    """The Strides of a launch (q: k_new for the append; out_strides: v_new's for the append)."""
+    return Strides(tuple(q.stride()[:3]), tuple(k_cache.stride()[:3]), tuple(v_cache.stride()[:3]), out_strides,
+                   block_table.stride(0) if block_table is not None else 0,
+                   rotary_cos.stride(0) if rotary_cos is not None else 0,
+                   rotary_sin.stride(0) if rotary_sin is not None else 0,
+                   alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+                   k_descale.stride(0) if k_descale is not None else 0)
 
 
 def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
@@ -769,21 +830,28 @@ class _AttnPlan:
 
     def run(self, stream, q, k_cache, v_cache, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
             block_table, rotary_cos, rotary_sin, alibi_slopes, k_descale, v_descale):
+        """Launch with this call's tensors (stream: fast_stream's, None for the JIT path). Returns (out, lse, the
+        split kernel's compiled kernel). The host work of a cached call: the outputs' allocations, a placeholder
+        for each absent tensor, three small tuples for the kernel's tensor groups (cache index, rotary, descales)
+        and one call of each compiled kernel's launcher through its _launch.Bound (no key, no lookup). The grid,
+        the scalar groups and the constexprs are the plan's, built once. Before the groups a call did the same
+        without the tuples but passed ~35 more positional arguments: measured with the launchers stubbed, the
+        Python of a cached call is no slower (1.4-2.1 us against 1.6-2.3 us, CPU)."""
         device, dummy = self.device, self.dummy
         out = _common.empty(self.out_shape, q.dtype, device)
         lse = _common.empty(self.lse_shape, torch.float32, device)
         # One fp32 buffer for the splits' partial results: o_part [B, Sq, Hq, S, D], then lse_part [B, Sq, Hq, S].
         part = dummy if self.combine is None else _common.empty(self.part_shape, torch.float32, device)
         compiled = self.split(stream, q, k_cache, v_cache, out, lse, part,
-                              dummy if cache_seqlens is None else cache_seqlens,
-                              dummy if cache_batch_idx is None else cache_batch_idx,
-                              dummy if cache_leftpad is None else cache_leftpad,
-                              dummy if block_table is None else block_table,
-                              dummy if rotary_cos is None else rotary_cos,
-                              dummy if rotary_sin is None else rotary_sin,
+                              (dummy if cache_seqlens is None else cache_seqlens,
+                               dummy if cache_batch_idx is None else cache_batch_idx,
+                               dummy if cache_leftpad is None else cache_leftpad,
+                               dummy if block_table is None else block_table),
+                              (dummy if rotary_cos is None else rotary_cos,
+                               dummy if rotary_sin is None else rotary_sin),
                               dummy if alibi_slopes is None else alibi_slopes,
-                              dummy if k_descale is None else k_descale,
-                              dummy if v_descale is None else v_descale,
+                              (dummy if k_descale is None else k_descale,
+                               dummy if v_descale is None else v_descale),
                               cache_seqlen)
         if self.combine is not None:
             self.combine(stream, part, out, lse)
@@ -796,24 +864,17 @@ def _attn_plan(cfg, spec, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
     """The launches of kvcache_attention with tile cfg."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     device = q.device
-    paged = block_table is not None
     page_size = _page_size(k_cache, block_table)
-    rotary = rotary_cos is not None
-    local = window_left >= 0 or window_right >= 0
-    mask_diag = bool(causal) or local
-    left = window_left if window_left >= 0 else UNBOUNDED
-    right = 0 if causal else (window_right if window_right >= 0 else UNBOUNDED)
+    # The band (_common.Band): MASK_LEFT / MASK_RIGHT where a bound applies; causal is MASK_RIGHT with right = 0.
+    mask_left, mask_right = window_left >= 0, bool(causal) or window_right >= 0
+    band = Band(window_left if mask_left else 0, 0 if causal or not mask_right else window_right)
     capacity = _capacity(k_cache, block_table)
     # Keys one row block can see: the capacity, or less under a sliding window.
     max_keys = capacity
-    if window_left >= 0:
-        max_keys = min(max_keys, window_left + seqlen_q + (right if right != UNBOUNDED else 0) + 1)
-    has_softcap = softcap > 0.0
-    has_descale = k_descale is not None
-    block_d = _block_d(head_dim)
-    rows = seqlen_q * group
+    if mask_left:
+        max_keys = min(max_keys, band.left + seqlen_q + band.right + 1)
+    rows = seqlen_q * num_heads // num_kv_heads
     block_m = min(cfg.block_m, max(MIN_BLOCK_M, _next_pow2(rows)))
     m_blocks = _cdiv(rows, block_m)
     splits = choose_num_splits(num_splits, batch * num_kv_heads * m_blocks, max_keys, cfg.block_n,
@@ -827,40 +888,31 @@ def _attn_plan(cfg, spec, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
     plan.out_shape = (batch, seqlen_q, num_heads, head_dim)
     plan.lse_shape = (batch, num_heads, seqlen_q)
     plan.part_shape = (n_rows * (head_dim + 1),)
-    lse_part_offset = n_rows * head_dim
-    static = (
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        # out is allocated contiguous: its strides follow from its shape.
-        seqlen_q * num_heads * head_dim, num_heads * head_dim, head_dim,
-        block_table.stride(0) if paged else 0,
-        rotary_cos.stride(0) if rotary else 0, rotary_sin.stride(0) if rotary else 0,
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        k_descale.stride(0) if has_descale else 0,
-        lse_part_offset, seqlen_q, seqlen_new, capacity, num_kv_heads, group, splits,
-        rotary_cos.shape[0] if rotary else 0,
-        softmax_scale * LOG2E.value,
-        softmax_scale / softcap if has_softcap else 0.0, softcap * LOG2E.value,
-        left, right,
-    )
-    constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+    # out is allocated contiguous: its strides follow from its shape.
+    strides = _strides(q, k_cache, v_cache, (seqlen_q * num_heads * head_dim, num_heads * head_dim, head_dim),
+                       block_table, rotary_cos, rotary_sin, alibi_slopes, k_descale)
+    dims = Dims(seqlen_q, seqlen_new, capacity, Heads(num_kv_heads, num_heads // num_kv_heads), splits,
+                n_rows * head_dim, rotary_cos.shape[0] if rotary_cos is not None else 0)
+    scale = DecodeScale(softmax_scale * LOG2E.value, softmax_scale / softcap if softcap > 0.0 else 0.0,
+                        softcap * LOG2E.value)
+    config = DecodeConfig(head_dim, block_m, cfg.block_n, _block_d(head_dim), spec.precision, spec.dot_upcast)
+    flags = DecodeFlags(
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=cache_leftpad is not None,
-        PAGED=paged, PAGE_SIZE=page_size, PAGE_SLAB=paged and PAGE_SLABS and _pages_nest(page_size, cfg.block_n),
-        ROTARY=rotary, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0,
-        INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_ROW=mask_diag,
-        MASK_DIAG=mask_diag, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi_slopes is not None,
-        HAS_DESCALE=has_descale, SPLIT=splits > 1,
-        PRECISION=spec.precision, DOT_UPCAST=spec.dot_upcast,
-    )
-    plan.split = _Launch(_kvcache_split_kernel, (batch * num_kv_heads, splits, m_blocks), static, constexprs,
-                         dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        HAS_LEFTPAD=cache_leftpad is not None, PAGED=block_table is not None, PAGE_SIZE=page_size,
+        PAGE_SLAB=block_table is not None and SETTINGS.page_slabs and _pages_nest(page_size, cfg.block_n),
+        ROTARY=rotary_cos is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
+        INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_ROW=mask_left or mask_right, MASK_LEFT=mask_left,
+        MASK_RIGHT=mask_right, HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_DESCALE=k_descale is not None, SPLIT=splits > 1)
+    plan.split = _launch.Bound(_kvcache_split_kernel, (batch * num_kv_heads, splits, m_blocks),
+                               (strides, dims, scale, band), _common.constexpr_groups(FEAT=flags, CFG=config),
+                               dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     plan.combine = None
     if splits > 1:
-        plan.combine = _Launch(_kvcache_combine_kernel, (batch * seqlen_q * num_heads, 1, 1),
-                               (lse_part_offset, splits, seqlen_q, num_heads),
-                               dict(HEAD_DIM=head_dim, BLOCK_S=min(COMBINE_BLOCK_S, _next_pow2(splits)),
-                                    BLOCK_D=block_d), dict(num_warps=4))
+        plan.combine = _launch.Bound(_kvcache_combine_kernel, (batch * seqlen_q * num_heads, 1, 1),
+                                     (dims.lse_part_offset, splits, seqlen_q, num_heads),
+                                     dict(HEAD_DIM=head_dim, BLOCK_S=min(COMBINE_BLOCK_S, _next_pow2(splits)),
+                                          BLOCK_D=config.BLOCK_D), dict(num_warps=4))
     return plan
 
 

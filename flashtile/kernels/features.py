@@ -11,28 +11,26 @@ from typing import Optional
 
 import torch
 
-from . import configs
+from . import _common, configs
+from ._common import Alibi, Band, Bias, Blocks, CuSeqlens, Flags
 from ..reference.dropout import dropout_threshold  # the bits _common._dropout_keep compares
 
 
-# The kernels' BIAS constexpr (_common._bias_view): + BIAS_TMA when the tiles are read by TMA descriptors.
-BIAS_NONE, BIAS_FLOAT, BIAS_BOOL, BIAS_TMA = 0, 1, 2, 2
+# What attn_mask holds: the BIAS constexpr of every kernel, portable and Gluon (_common.BIAS_*).
+BIAS_NONE, BIAS_FLOAT, BIAS_BOOL = _common.BIAS_NONE.value, _common.BIAS_FLOAT.value, _common.BIAS_BOOL.value
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelArgs:
-    alibi: torch.Tensor
-    stride_alibi_b: int
-    has_alibi: bool
-    bias: torch.Tensor
-    bias_strides: tuple  # (b, h, i, j); 0 along broadcast dimensions
-    bias_kind: int
+    """The portable kernels' feature arguments (_common's groups), placeholders where a feature is off."""
+    flags: Flags  # the feature constexprs; BLOCK_SKIP and DBIAS are the launch's to set
+    alibi: Alibi
+    bias: Bias  # strides (b, h, i, j), 0 along broadcast dimensions; a bool mask viewed as uint8
+    cu_seqlens: CuSeqlens
+    no_blocks: Blocks  # stands in for Features.block_lists without a bool mask
     sinks: torch.Tensor
-    has_sinks: bool
     seed: torch.Tensor
     dropout_threshold: int
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +64,10 @@ class Features:
     @property
     def mask_right(self):
         return self.window_right >= 0
+
+    @property
+    def band(self):
+        return Band(self.window_left, self.window_right)
 
     @property
     def banded(self):
@@ -122,22 +124,25 @@ class Features:
         return alibi, alibi.stride(0) if alibi.dim() == 2 else 0
 
     def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0):
+        """KernelArgs of a launch on q's device and dtype; use_tma: the launch reads its tiles by TMA (an attn_mask
+        then does too where _bias_tma_ok); seqlen_q / seqlen_k: the launch's lengths."""
         placeholder, seed_placeholder, cu_placeholder = _placeholders(q.device)
-        alibi, stride_alibi_b = self.alibi_args(placeholder)
         bias, bias_strides = placeholder, (0, 0, 0, 0)
         if self.attn_bias is not None:
             bias = self.attn_bias.view(torch.uint8) if self.attn_bias.dtype == torch.bool else self.attn_bias
             bias_strides = tuple(st if n > 1 else 0 for st, n in zip(bias.stride(), bias.shape))
-        seed = self.seed if self.dropout_p > 0 else seed_placeholder
+        flags = Flags(MASK_LEFT=self.mask_left, MASK_RIGHT=self.mask_right, SOFTCAP=self.softcap_mode(q.dtype),
+                      HAS_ALIBI=self.alibi_slopes is not None, BIAS=self.bias_kind,
+                      BIAS_TMA=self._bias_tma_ok(use_tma, seqlen_q, seqlen_k), HAS_SINKS=self.sinks is not None,
+                      DROPOUT=self.dropout_p > 0, VARLEN=self.varlen)
+        cu = CuSeqlens(self.cu_seqlens_q, self.cu_seqlens_k) if self.varlen else CuSeqlens(cu_placeholder,
+                                                                                            cu_placeholder)
         return KernelArgs(
-            alibi=alibi, stride_alibi_b=stride_alibi_b, has_alibi=self.alibi_slopes is not None,
-            bias=bias, bias_strides=bias_strides,
-            bias_kind=self.bias_kind + (BIAS_TMA if self._bias_tma_ok(use_tma, seqlen_q, seqlen_k) else 0),
-            sinks=self.sinks if self.sinks is not None else placeholder, has_sinks=self.sinks is not None,
-            seed=seed, dropout_threshold=dropout_threshold(self.dropout_p),
-            cu_q=self.cu_seqlens_q if self.varlen else cu_placeholder,
-            cu_k=self.cu_seqlens_k if self.varlen else cu_placeholder,
-        )
+            flags=flags, alibi=Alibi(*self.alibi_args(placeholder)), bias=Bias(bias, bias_strides), cu_seqlens=cu,
+            no_blocks=Blocks(cu_placeholder, cu_placeholder, (0, 0), 0),
+            sinks=self.sinks if self.sinks is not None else placeholder,
+            seed=self.seed if self.dropout_p > 0 else seed_placeholder,
+            dropout_threshold=dropout_threshold(self.dropout_p))
 
     def block_lists(self, block_m, block_n, transpose, seqlen_q, seqlen_k, mark_full=False):
         """For a bool attn_mask, which tiles to visit: per (batch|1, head|1, resident block), the number of
@@ -147,8 +152,8 @@ class Features:
         tiles the mask leaves entirely visible are listed as -1 - index (a kernel may skip reading the mask
         there). Lists are kept across calls for the same mask until it is written in place (_mask_lists).
 
-        Returns None without a bool mask, else (counts int32 [B|1, H|1, R], indices int32 [B|1, H|1, R, C],
-        (stride_b, stride_h) of the counts (0 along broadcast dims), C)."""
+        Returns None without a bool mask, else _common.Blocks (counts int32 [B|1, H|1, R], indices int32
+        [B|1, H|1, R, C], (stride_b, stride_h) of the counts (0 along broadcast dims), C)."""
         if self.bias_kind != BIAS_BOOL:
             return None
         key = (block_m, block_n, transpose, mark_full)
@@ -172,7 +177,7 @@ class Features:
             indices = indices.to(torch.int32).contiguous()
             rows = counts.shape[-1]
             strides = (h * rows if b > 1 else 0, rows if h > 1 else 0)
-            self._maps[key] = (counts, indices, strides, indices.shape[-1])
+            self._maps[key] = Blocks(counts, indices, strides, indices.shape[-1])
             if shared is not None:
                 shared[shared_key] = self._maps[key]
         return self._maps[key]
