@@ -48,7 +48,7 @@ def _stub_checks():
 def _decode_cases(device, dtype):
     import torch
     from flashtile import flash_attn_with_kvcache
-    heads, kv_heads, head_dim, kv_len = 32, 8, 128, 256
+    heads, kv_heads, head_dim, kv_len = 32, 8, 128, 256  # bench_decode's heads; few keys: the host is timed
     q = torch.randn(1, 1, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(1, kv_len, kv_heads, head_dim, device=device, dtype=dtype)
     pool = k.view(kv_len // 16, 16, kv_heads, head_dim)
@@ -115,28 +115,17 @@ def worker(variant, host_cpu):
         kvcache._remember = remember
     result = {}
     if host_cpu:
-        from flashtile.kernels import configs, decode
-        if not configs.INTERPRETING:
-            raise SystemExit("--host-cpu needs TRITON_INTERPRET=1 (it stubs the interpreted kernels out)")
-
-        class Stub:  # a kernel whose launch does nothing
-            def __init__(self, kernel):
-                self.arg_names = kernel.arg_names
-
-            def __getitem__(self, grid):
-                return lambda *args, **kwargs: None
-
-        for name in ("_kvcache_split_kernel", "_kvcache_combine_kernel", "_kvcache_append_kernel"):
-            setattr(decode, name, Stub(getattr(decode, name)))
-        for name, fn in _decode_cases("cpu", torch.bfloat16).items():
-            result[name + " host us"] = _host_us(fn, lambda: None)
+        from benchmarks.bench_decode import host_overhead_cpu
+        # bench_decode's cases (batch 1, 4k keys, paged 16: 256 table entries), launches stubbed out.
+        result.update({name + " host us": us for name, us in host_overhead_cpu(progress=lambda text: None).items()})
         if variant == "checks":
             from flashtile import _values
-            table = torch.arange(16, dtype=torch.int32).view(1, -1)
-            layout = _values.CacheLayout(256, 16, 16, 0, 0, 1)
-            seqlens = torch.full((1,), 256, dtype=torch.int32)
-            result["paged check alone host us"] = _host_us(
-                lambda: _values.kvcache(layout, 1, seqlens, 256, None, None, table), lambda: None)
+            # The paged case's check: 4096 keys in 256 pages of 16.
+            table = torch.arange(256, dtype=torch.int32).view(1, -1)
+            layout = _values.CacheLayout(4096, 256, 16, 0, 0, 1)
+            seqlens = torch.full((1,), 4096, dtype=torch.int32)
+            result["paged 16 check alone host us"] = _host_us(
+                lambda: _values.kvcache(layout, 1, seqlens, 4096, None, None, table), lambda: None)
     else:
         for name, fn in _decode_cases("cuda", torch.bfloat16).items():
             result[name + " host us"] = _host_us(fn, torch.cuda.synchronize)

@@ -15,6 +15,8 @@ from ._settings import SETTINGS
 def readable(t):
     """Whether t's values may be read here: a plain tensor with storage, on the CPU (no sync) or with the full check
     on (a sync). Fake, meta and functorch-wrapped tensors are not."""
+    if torch.compiler.is_compiling():  # first: torch.compile cannot trace the functorch query below
+        return False
     if type(t) is not torch.Tensor or t.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(t):
         return False
     return not t.is_cuda or SETTINGS.check_values
@@ -137,18 +139,21 @@ def kvcache(layout: CacheLayout, batch, cache_seqlens, cache_seqlen, cache_batch
         it).
     block_table[b, j] in [0, num_pages) for every page j that sequence b reads or writes (entries past its length
         are not read and may hold anything); with an append, no two new tokens land in one (page, row).
+
+    Each check is a min/max over a list first (C speed: a decode step's check costs microseconds); the loop that
+    finds the offending entry for the message runs only when one fails.
     """
     lengths = [cache_seqlen] * batch if cache_seqlens is None else cache_seqlens.tolist()
     new = layout.seqlen_new
     if cache_seqlens is not None:
         top = layout.capacity - new
-        for b, n in enumerate(lengths):
-            if not 0 <= n <= top:
-                raise ValueError(f"cache_seqlens[{b}] = {n} with {new} new tokens does not fit a cache of "
-                                 f"{layout.capacity} rows per sequence; every length must be in [0, {top}] (the "
-                                 f"rows before the append; the new tokens go to rows cache_seqlens[b] ...).")
+        if min(lengths) < 0 or max(lengths) > top:
+            b, n = next((b, n) for b, n in enumerate(lengths) if not 0 <= n <= top)
+            raise ValueError(f"cache_seqlens[{b}] = {n} with {new} new tokens does not fit a cache of "
+                             f"{layout.capacity} rows per sequence; every length must be in [0, {top}] (the "
+                             f"rows before the append; the new tokens go to rows cache_seqlens[b] ...).")
         _check_rotary(lengths, layout, True)
-    starts = [0] * batch
+    starts = None
     if cache_leftpad is not None:
         starts = cache_leftpad.tolist()
         for b, (s, n) in enumerate(zip(starts, lengths)):
@@ -163,11 +168,11 @@ def kvcache(layout: CacheLayout, batch, cache_seqlens, cache_seqlen, cache_batch
 
 
 def _check_batch_idx(rows, cache_rows, new):
-    for b, r in enumerate(rows):
-        if not 0 <= r < cache_rows:
-            raise ValueError(f"cache_batch_idx[{b}] = {r} is outside [0, {cache_rows}): k_cache holds {cache_rows} "
-                             f"sequences (its first dim); each entry names the cache row of one sequence of q.")
-    if new:
+    if min(rows) < 0 or max(rows) >= cache_rows:
+        b, r = next((b, r) for b, r in enumerate(rows) if not 0 <= r < cache_rows)
+        raise ValueError(f"cache_batch_idx[{b}] = {r} is outside [0, {cache_rows}): k_cache holds {cache_rows} "
+                         f"sequences (its first dim); each entry names the cache row of one sequence of q.")
+    if new and len(set(rows)) < len(rows):
         first = {}
         for b, r in enumerate(rows):
             if r in first:
@@ -179,14 +184,22 @@ def _check_batch_idx(rows, cache_rows, new):
 
 def _check_block_table(table, lengths, starts, layout):
     page, pages, new = layout.page_size, layout.cache_rows, layout.seqlen_new
+    for b, (row, n) in enumerate(zip(table, lengths)):
+        first = 0 if starts is None else min(starts[b], n) // page
+        used = row[first:-(-(n + new) // page)]
+        if used and (min(used) < 0 or max(used) >= pages):
+            j, entry = next((first + i, e) for i, e in enumerate(used) if not 0 <= e < pages)
+            raise ValueError(f"block_table[{b}, {j}] = {entry} is outside [0, {pages}): the paged cache has {pages} "
+                             f"pages (k_cache's first dim), and sequence {b} uses page slot {j} (its rows "
+                             f"{j * page}..{(j + 1) * page - 1}).")
+    if new:
+        _check_page_writes(table, lengths, page, new)
+
+
+def _check_page_writes(table, lengths, page, new):
+    """With an append, no two new tokens may land in one (page, row)."""
     written = {}
-    for b, (row, n, s) in enumerate(zip(table, lengths, starts)):
-        first, end = min(s, n) // page, -(-(n + new) // page)
-        for j in range(first, end):
-            if not 0 <= row[j] < pages:
-                raise ValueError(f"block_table[{b}, {j}] = {row[j]} is outside [0, {pages}): the paged cache has "
-                                 f"{pages} pages (k_cache's first dim), and sequence {b} uses page slot {j} (its "
-                                 f"rows {j * page}..{(j + 1) * page - 1}).")
+    for b, (row, n) in enumerate(zip(table, lengths)):
         for pos in range(n, n + new):
             slot = (row[pos // page], pos % page)
             if slot in written:

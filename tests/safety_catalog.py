@@ -372,14 +372,19 @@ def kv_check(q, k_cache, v_cache, **kw):
     close("v_cache", v_cache, ref_v, ref_v.to(v_cache.dtype))
 
 
-def kv_bad(match, setup=None, **kw):
-    """The call must raise and leave the caches as they were (no partial append)."""
+def kv_args(setup, kw):
+    """(q, k_cache, v_cache, kwargs): the setup's tensors, with paged=True meaning its block table and callables in
+    kw called with the table."""
     q, k_cache, v_cache, table = kv_setup(**(setup or {}))
     if kw.pop("paged", False):
         kw["block_table"] = table
-    for name in list(kw):
-        if callable(kw[name]):
-            kw[name] = kw[name](table)
+    kw = {name: value(table) if callable(value) else value for name, value in kw.items()}
+    return q, k_cache, v_cache, kw
+
+
+def kv_bad(match, setup=None, **kw):
+    """The call must raise and leave the caches as they were (no partial append)."""
+    q, k_cache, v_cache, kw = kv_args(setup, kw)
     before = k_cache.clone(), v_cache.clone()
     raises(lambda: kv_call(q, k_cache, v_cache, **kw), match)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), "the failed call wrote the cache"
@@ -453,10 +458,7 @@ for _name, (_match, _setup, _kw) in KV_BAD.items():
 
 
 def kv_types(match, **kw):
-    q, k_cache, v_cache, table = kv_setup(**(PAGED if "block_table" in kw else {}))
-    for name in list(kw):
-        if callable(kw[name]):
-            kw[name] = kw[name](table)
+    q, k_cache, v_cache, kw = kv_args(PAGED if "block_table" in kw else {}, kw)
     raises(lambda: kv_call(q, k_cache, v_cache, **kw), match)
 
 
@@ -477,12 +479,7 @@ add("types", "batch_idx-with-block_table", lambda: kv_types(r"cache_batch_idx", 
 
 
 def kv_good(setup=None, new=0, **kw):
-    q, k_cache, v_cache, table = kv_setup(**(setup or {}))
-    if kw.pop("paged", False):
-        kw["block_table"] = table
-    for name in list(kw):
-        if callable(kw[name]):
-            kw[name] = kw[name](table)
+    q, k_cache, v_cache, kw = kv_args(setup, kw)
     if new:
         kw["k"], kw["v"] = new_kv(q.shape[0], new)
     kv_check(q, k_cache, v_cache, **kw)
@@ -541,10 +538,8 @@ def nan_outside_valid_rows():
 def fast_path_bad(kw_good, kw_bad, match, setup=None):
     """A valid call first (it takes the repeated-call path's plan), then the same metadata with a bad value."""
     q, k_cache, v_cache, table = kv_setup(**(setup or {}))
-    for kw in (kw_good, kw_bad):
-        for name in list(kw):
-            if callable(kw[name]):
-                kw[name] = kw[name](table)
+    kw_good, kw_bad = ({name: value(table) if callable(value) else value for name, value in kw.items()}
+                       for kw in (kw_good, kw_bad))
     kv_call(q, k_cache, v_cache, **kw_good)
     before = k_cache.clone()
     raises(lambda: kv_call(q, k_cache, v_cache, **kw_bad), match)

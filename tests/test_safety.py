@@ -100,10 +100,22 @@ def _results(mode, cls, directory):
     return _LOADED[(mode, cls)]
 
 
+# Cases only a kernel change fixes (flashtile/kernels/ is being restructured; the fix is listed for its owners).
+# They must fail until it lands: one that passes fails here, so that it leaves this list.
+KERNEL_PENDING = {
+    ("interpreter", "nan/sinks_neg_inf"): "sink -inf on a row that sees no key: exp2(-inf - -inf) is NaN in the "
+                                          "kernels' sink step (it needs the m = -inf guard of the inner loop)",
+}
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_catalog(name, mode, catalog_dir):
     status, detail = _results(mode, CASES[name][0], catalog_dir)[name]
+    pending = KERNEL_PENDING.get((mode, name))
+    if pending is not None:
+        assert status != "pass", f"{name} ({mode} mode) passes now: remove it from KERNEL_PENDING"
+        pytest.xfail(f"kernel fix pending: {pending} ({status}: {detail})")
     assert status == "pass", f"{name} ({mode} mode): {status}: {detail}"
 
 
@@ -427,3 +439,13 @@ def test_gpu_check_values_raises():
         with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 300"):
             flashtile.flash_attn_with_kvcache(qc, k_cache, v_cache, **kw)
         assert torch.equal(k_cache, before)
+
+
+def test_compiled_varlen_checks_the_real_offsets():
+    """Under torch.compile the public function sees fake tensors; the op checks the real offsets when it runs."""
+    q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
+    fn = torch.compile(lambda q, k, v, cu: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5), fullgraph=True)
+    good = testing.cu_seqlens([5, 4, 3])
+    torch.testing.assert_close(fn(q, k, v, good), flashtile.flash_attn_varlen_func(q, k, v, good, good, 5, 5))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q decreases at entry 2"):
+        fn(q, k, v, torch.tensor([0, 7, 5, 12], dtype=torch.int32))
