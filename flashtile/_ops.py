@@ -15,8 +15,8 @@ the ops. Packed inputs: with k None, q is a packed qkv tensor (..., 3, H, D); wi
 
 Double backward is not supported: a second differentiation through the attention raises a RuntimeError that says
 so (the gradients themselves are computed by kernels that have no derivative of their own). Under torch.func
-transforms the call runs _TransformAttn: grad, vjp and jacrev differentiate it once, vmap batches it (the ops run once
-per sample), and forward mode (jvp, jacfwd, hessian, torch.autograd.forward_ad) raises a RuntimeError that says it is
+transforms the call runs _TransformAttn: grad, vjp and jacrev differentiate it once, vmap batches it and vmap of grad
+too (the ops run once per sample), and forward mode (jvp, jacfwd, hessian, torch.autograd.forward_ad) raises a RuntimeError that says it is
 not supported, as does grad of grad.
 """
 import torch
@@ -280,3 +280,17 @@ for _device in ("CPU", "CUDA"):
 attn_fwd = torch.ops.flashtile.attn_fwd.default
 attn_bwd = torch.ops.flashtile.attn_bwd.default
 torch.library.register_autograd("flashtile::attn_fwd", _attn_fwd_backward, setup_context=_attn_fwd_setup_context)
+
+
+def _per_sample(op):
+    """A vmap rule that runs `op` once per sample and stacks the results: what torch's fallback does for ops with a
+    fixed number of outputs, which it cannot do for attn_bwd's Tensor[] (vmap of grad, jacrev)."""
+    def rule(info, in_dims, *args):
+        results = [op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)))
+                   for i in range(info.batch_size)]
+        stacked = [torch.stack(parts) for parts in zip(*results)]
+        return stacked, [0] * len(stacked)
+    return rule
+
+
+torch.library.register_vmap("flashtile::attn_bwd", _per_sample(attn_bwd))

@@ -103,6 +103,32 @@ def _kvcache_attn_fake(q, k_cache, v_cache, *fields, **named):
 kvcache_append = torch.ops.flashtile.kvcache_append.default
 kvcache_attn = torch.ops.flashtile.kvcache_attn.default
 
+_NO_BACKWARD = ("flash_attn_with_kvcache has no backward (inference only): no gradient flows to q or the cache, "
+                "under torch.func.grad / jvp either. Differentiate attention with flashtile.flash_attn_func, or "
+                "through the reference flashtile.reference.kvcache.kvcache_forward.")
+
+
+class _TransformAttention(torch.autograd.Function):
+    """kvcache_attn under torch.func transforms: vmap batches the op (torch's per-sample fallback); grad and jvp
+    raise instead of returning the zero gradient an op without a derivative would silently give."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k_cache, v_cache, req):
+        return tuple(kvcache_attn(q, k_cache, v_cache, *req.flatten()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise RuntimeError(_NO_BACKWARD)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_BACKWARD)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Repeated calls. A decode loop calls with the same shapes, strides, dtypes and options every step; the checks and
@@ -436,7 +462,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         if k is not None and req.seqlen_new > 0:
             kvcache_append(k_cache, v_cache, k, v, *req.flatten())
-        out, lse = kvcache_attn(q, k_cache, v_cache, *req.flatten())
+        if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+            out, lse = _TransformAttention.apply(q, k_cache, v_cache, req)
+        else:
+            out, lse = kvcache_attn(q, k_cache, v_cache, *req.flatten())
     normalized = (q, k, v, req.rotary_cos, req.rotary_sin,
                   req.cache_seqlens if req.cache_seqlens is not None else given[5], req.cache_batch_idx,
                   req.cache_leftpad, req.block_table, req.alibi_slopes, req.k_descale, req.v_descale)

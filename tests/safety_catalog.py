@@ -880,6 +880,51 @@ def vmap_kvcache():
         close(f"out[{i}]", got[i], ref, plain)
 
 
+@case("transform")
+def func_jacrev():
+    """jacrev (vjp, vmapped over the output's basis): the reference's Jacobian, or a clear error."""
+    q, k, v = qkv(b=1, sq=2, sk=3, h=1, d=8)
+    try:
+        got = torch.func.jacrev(lambda x: flashtile.flash_attn_func(x, k, v, causal=True))(q)
+    except RuntimeError as e:
+        assert re.search(r"(?i)vmap|not supported", str(e)), f"unclear jacrev error: {e}"
+        return
+    mask = band(2, 3, 1, -1, 0)
+    ref = torch.func.jacrev(lambda x: reference.naive_attention(x, k.double(), v.double(), attn_mask=mask)[0])(
+        q.double())
+    plain = torch.func.jacrev(lambda x: reference.naive_attention(x, k, v, attn_mask=mask)[0])(q)
+    close("jacobian", got, ref, plain)
+
+
+@case("transform")
+def vmap_of_grad():
+    """Per-sample gradients: vmap(grad(f)) equals the gradients one sample at a time, or raises clearly."""
+    qs, k, v = randn(3, 1, 5, 2, 16), randn(1, 6, 1, 16), randn(1, 6, 1, 16)
+
+    def loss(x):
+        return flashtile.flash_attn_func(x, k, v).square().sum()
+    try:
+        got = torch.vmap(torch.func.grad(loss))(qs)
+    except RuntimeError as e:
+        assert re.search(r"(?i)vmap|not supported", str(e)), f"unclear vmap error: {e}"
+        return
+    for i in range(3):
+        ref = torch.func.grad(lambda x: reference.naive_attention(x, k.double(), v.double())[0].square().sum())(
+            qs[i].double())
+        plain = torch.func.grad(lambda x: reference.naive_attention(x, k, v)[0].square().sum())(qs[i])
+        close(f"dq[{i}]", got[i], ref, plain)
+
+
+@case("transform")
+def func_grad_kvcache():
+    """flash_attn_with_kvcache has no backward: torch.func.grad through it raises (an op without a derivative
+    would give a zero gradient)."""
+    q, k_cache, v_cache, _ = kv_setup()
+    seqlens = _seqlens(6, 17)
+    raises(lambda: torch.func.grad(lambda x: flashtile.flash_attn_with_kvcache(
+        x, k_cache, v_cache, cache_seqlens=seqlens).sum())(q), r"no backward", types=(RuntimeError,))
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # Runner
 
