@@ -3,6 +3,7 @@
 
     python benchmarks/sanitize.py                                   # every tool x case, after a warm-up pass
     python benchmarks/sanitize.py --tools memcheck --cases decode,bad-kv-block-table
+    python benchmarks/sanitize.py --jobs 8                          # 8 runs at once over the visible GPUs
     python benchmarks/sanitize.py --list
     python benchmarks/sanitize.py --case fwd-portable               # one case without the sanitizer (debugging)
 
@@ -176,7 +177,6 @@ def _isolated(good, bad, keep):
 def _bad_kv(change, sequence=1):
     """A decode call where sequence `sequence` gets a bad index value: the others' outputs and cache rows must match
     the valid call's."""
-    import torch
     import flashtile
 
     def run(bad):
@@ -288,6 +288,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path)
     p.add_argument("--sanitizer", default="compute-sanitizer")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per sanitized run")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, spread over the visible GPUs")
     p.add_argument("--list", action="store_true")
     p.add_argument("--case", help="run one case in this process, without the sanitizer")
     args = p.parse_args(argv)
@@ -310,25 +311,32 @@ def main(argv=None):
                PYTHONPATH=os.pathsep.join([str(REPO)] + [os.environ["PYTHONPATH"]] * ("PYTHONPATH" in os.environ)))
     me = [sys.executable, str(Path(__file__).resolve())]
     summary = dict(gpu=gpu, torch=torch.__version__, date=datetime.datetime.now().isoformat(), runs=[])
-    for name in names:  # warm-up: compile every kernel once, outside the sanitizer
-        proc = subprocess.run(me + ["--case", name], env=env, capture_output=True, text=True)
-        summary["runs"].append(dict(tool="none", case=name, exit=proc.returncode, errors=None,
-                                    note=(proc.stdout + proc.stderr)[-400:].strip()))
-        print(f"warm-up {name}: exit {proc.returncode}", file=sys.stderr)
-    for tool in args.tools.split(","):
-        for name in names:
-            log = out / f"{tool}-{name}.log"
-            cmd = [args.sanitizer, "--tool", tool, *TOOL_OPTIONS[tool], "--log-file", str(log), *me, "--case", name]
-            start = time.time()
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-                code, tail = proc.returncode, (proc.stdout + proc.stderr)[-400:].strip()
-            except subprocess.TimeoutExpired:
-                code, tail = "timeout", ""
-            errors = _errors(log.read_text()) if log.exists() else None
-            summary["runs"].append(dict(tool=tool, case=name, exit=code, errors=errors, seconds=time.time() - start,
-                                        note=tail))
-            print(f"{tool:<10} {name:<45} exit {code} errors {errors}", file=sys.stderr)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu_ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+
+    def launch(job):
+        """One run: (tool, case), tool "none" = the warm-up without the sanitizer. Jobs spread over the GPUs."""
+        index, (tool, name) = job
+        run_env = dict(env, CUDA_VISIBLE_DEVICES=gpu_ids[index % len(gpu_ids)]) if args.jobs > 1 else env
+        log = out / f"{tool}-{name}.log"
+        cmd = me + ["--case", name]
+        if tool != "none":
+            cmd = [args.sanitizer, "--tool", tool, *TOOL_OPTIONS[tool], "--log-file", str(log), *cmd]
+        start = time.time()
+        try:
+            proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=args.timeout)
+            code, tail = proc.returncode, (proc.stdout + proc.stderr)[-400:].strip()
+        except subprocess.TimeoutExpired:
+            code, tail = "timeout", ""
+        errors = _errors(log.read_text()) if tool != "none" and log.exists() else None
+        print(f"{tool:<10} {name:<45} exit {code} errors {errors}", file=sys.stderr)
+        return dict(tool=tool, case=name, exit=code, errors=errors, seconds=round(time.time() - start, 1), note=tail)
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        # The warm-up compiles every kernel once outside the sanitizer (Triton's cache then serves the runs).
+        summary["runs"] += list(pool.map(launch, enumerate(("none", n) for n in names)))
+        summary["runs"] += list(pool.map(launch, enumerate((t, n) for t in args.tools.split(",") for n in names)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [f"{r['tool']:<10} {r['case']:<45} exit {r['exit']!s:<8} errors {r['errors']}" for r in summary["runs"]]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")

@@ -180,9 +180,9 @@ def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q):
     (offsets against the rows, max_seqlen against the lengths) are flashtile._values.varlen_lengths's."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, cu)
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} has dtype {cu.dtype}; it must be torch.int32 (flash-attn's varlen offsets): "
-                            f"convert it with .to(torch.int32).")
+        if cu.dtype != torch.int32:  # ValueError, as flashtile has always raised here
+            raise ValueError(f"{name} has dtype {cu.dtype}; it must be torch.int32 (flash-attn's varlen offsets): "
+                             f"convert it with .to(torch.int32).")
         if cu.dim() != 1 or cu.numel() < 2:
             raise ValueError(f"{name} must be a 1-D tensor of batch + 1 offsets (0, len_0, len_0 + len_1, ...), "
                              f"batch >= 1, got shape {tuple(cu.shape)}.")

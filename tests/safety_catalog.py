@@ -16,8 +16,6 @@ line; status is "pass", "wrong" (a silently wrong result, or a bad value accepte
 not a clear ValueError/TypeError). A case that kills the process has a start line and no result.
 """
 import json
-import math
-import os
 import re
 import sys
 import traceback
