@@ -7,9 +7,24 @@ Nothing is read while torch.compile or another tracer is at work (fake tensors h
 implementations check again when they run on real tensors. Every error names the entry, its value, the bound it
 breaks and the fix.
 """
+import contextlib
+
 import torch
 
-from ._settings import SETTINGS
+from ._settings import SETTINGS, override
+
+
+@contextlib.contextmanager
+def check_values(enabled=True):
+    """Within the block, check the values of CUDA index tensors too (one device-to-host copy, a sync, per index
+    tensor per call), as FLASHTILE_CHECK_VALUES=1 does for the whole process:
+
+        with flashtile.check_values():
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len)
+
+    enabled=False turns the check off within the block (CPU tensors are checked either way)."""
+    with override(check_values=bool(enabled)):
+        yield
 
 
 def readable(t):

@@ -58,7 +58,7 @@ _CHECKS_DOC = """
 _VARLEN_CHECKS_DOC = """
     Offsets: CPU cu_seqlens are checked on every call (start at 0, never decrease, end at the number of rows;
     max_seqlen_q/_k at least every length). CUDA ones are not read (that would synchronise with the GPU on every
-    call) unless FLASHTILE_CHECK_VALUES=1 (or flashtile._settings.SETTINGS.check_values): the kernels keep every
+    call) unless FLASHTILE_CHECK_VALUES=1 (or within `with flashtile.check_values():`): the kernels keep every
     index inside the tensors, and a bad offset spoils only its own sequences' rows."""
 
 _RETURNS_DOC = """

@@ -434,9 +434,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     [0, capacity - seqlen_new], cache_leftpad in [0, cache_seqlens + seqlen_new], cache_batch_idx and the
     block_table entries a sequence uses in range, no two sequences appending to one cache row or page row, the
     rotary table long enough) are checked on every call when they are CPU tensors. CUDA ones are not read (that
-    would synchronise with the GPU on every step) unless FLASHTILE_CHECK_VALUES=1 (or
-    flashtile._settings.SETTINGS.check_values): the kernels keep every index inside the cache, and a bad value spoils
-    only its own sequence's output (and the cache rows it names).
+    would synchronise with the GPU on every step) unless FLASHTILE_CHECK_VALUES=1 (or within
+    `with flashtile.check_values():`): the kernels keep every index inside the cache, and a bad value spoils only
+    its own sequence's output.
     """
     key = _call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,

@@ -21,7 +21,6 @@ import torch
 
 import flashtile
 from flashtile import _values, testing
-from flashtile._settings import override
 from flashtile.reference import kvcache as ref_kv
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -382,12 +381,17 @@ def test_kvcache_repeated_call_checks_values():
 
 
 def test_check_values_setting_reads_cpu_either_way():
-    """CPU values are checked whatever the setting (it only adds CUDA tensors)."""
+    """CPU values are checked whatever the setting (it only adds CUDA tensors); flashtile.check_values sets it for a
+    block and restores it."""
+    from flashtile._settings import SETTINGS
     q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
     cu = torch.tensor([0, 5, 9, 13], dtype=torch.int32)
+    before = SETTINGS.check_values
     for on in (False, True):
-        with override(check_values=on), pytest.raises(ValueError, match="cu_seqlens_q ends at 13"):
+        with flashtile.check_values(on), pytest.raises(ValueError, match="cu_seqlens_q ends at 13"):
+            assert SETTINGS.check_values is on
             flashtile.flash_attn_varlen_func(q, k, v, cu, testing.cu_seqlens([5, 4, 3]), 5, 5)
+    assert SETTINGS.check_values is before
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -432,7 +436,7 @@ def test_gpu_default_path_never_synchronises():
 def test_gpu_check_values_raises():
     q, k, v, cu, m = _gpu_varlen(bad=True)
     qc, k_cache, v_cache, kw = _gpu_kvcache(bad=True)
-    with override(check_values=True):
+    with flashtile.check_values():
         with pytest.raises(ValueError, match="cu_seqlens_q"):
             flashtile.flash_attn_varlen_func(q, k, v, cu, cu, m, m)
         before = k_cache.clone()
