@@ -14,11 +14,14 @@ the ops. Packed inputs: with k None, q is a packed qkv tensor (..., 3, H, D); wi
 (..., 2, Hk, D); the backward then returns one gradient for the packed tensor, written in place by the kernels.
 
 Double backward is not supported: a second differentiation through the attention raises a RuntimeError that says
-so (the gradients themselves are computed by kernels that have no derivative of their own).
+so (the gradients themselves are computed by kernels that have no derivative of their own). Under torch.func
+transforms the call runs _TransformAttn: grad, vjp and jacrev differentiate it once, vmap batches it and vmap of grad
+too (the ops run once per sample), and forward mode (jvp, jacfwd, hessian, torch.autograd.forward_ad) raises a RuntimeError that says it is
+not supported, as does grad of grad.
 """
 import torch
 
-from . import dispatch
+from . import _values, dispatch
 from ._settings import SETTINGS
 from .request import AttentionRequest
 
@@ -32,6 +35,10 @@ _DOUBLE_BACKWARD = ("flashtile's attention backward is not differentiable: a sec
                     "torch.autograd.grad(..., create_graph=True) followed by a backward of the gradients) is not "
                     "supported. Compute gradient penalties with a double-differentiable attention (e.g. "
                     "flashtile.reference.naive_attention, or torch's math SDPA backend) for that term.")
+_FORWARD_AD = ("flashtile's attention has no forward-mode derivative: torch.func.jvp, jacfwd, hessian and "
+               "torch.autograd.forward_ad are not supported. Use reverse mode (torch.func.grad, vjp, jacrev, or "
+               ".backward()), or a reference that autograd differentiates in every mode "
+               "(flashtile.reference.naive_attention) where forward mode is needed.")
 
 
 def unpack(q, k, v):
@@ -70,7 +77,14 @@ _LIB.define(f"attn_bwd(Tensor dout, Tensor q, Tensor? k, Tensor? v, Tensor out, 
 
 
 def _attn_fwd_op(q, k, v, *fields, **named):
-    return forward(q, k, v, AttentionRequest.unflatten(fields, named))
+    req = AttentionRequest.unflatten(fields, named)
+    if req.varlen:
+        # The public functions checked the offsets where they could read them; an op reached otherwise (a compiled
+        # graph, whose public function saw fake tensors) checks the real ones here.
+        qq, kk, _ = unpack(q, k, v)
+        _values.varlen_lengths(req.cu_seqlens_q, req.cu_seqlens_k, qq.shape[0], kk.shape[0], req.max_seqlen_q,
+                               req.max_seqlen_k)
+    return forward(q, k, v, req)
 
 
 def _attn_bwd_op(dout, q, k, v, out, lse, dlse, bias_requires_grad, *fields, **named):
@@ -167,6 +181,35 @@ def _attn_fwd_backward(ctx, dout, dlse):
     return tuple(_once_differentiable(result))
 
 
+def _function_backward(ctx, dout, dlse, run_backward):
+    """The backward of _AttnFunction and _TransformAttn (inputs q, k, v, req, attn_bias, sinks): run_backward is
+    `backward` (the kernels directly) or the attn_bwd op."""
+    q, k, v, out, lse, req = _saved(ctx)
+    bias_requires_grad = req.attn_bias is not None and ctx.needs_input_grad[4]
+    with torch.no_grad():
+        grads = run_backward(_prepare_dout(dout, out), q, k, v, out, lse, dlse, req, bias_requires_grad)
+    n_main = sum(t is not None for t in (q, k, v))
+    result = list(grads[:n_main]) + [None] * (3 - n_main) + [None, None, None]
+    rest = list(grads[n_main:])
+    if bias_requires_grad:
+        result[4] = rest.pop(0)
+    if req.sinks is not None:
+        result[5] = rest.pop(0)
+    if torch._C._are_functorch_transforms_active():
+        # torch.func always differentiates with create_graph, and its tensors take no DelayedError node: refuse a
+        # second differentiating level (grad of grad, vjp of grad) here instead.
+        stack = torch._C._functorch.get_interpreter_stack() or []
+        differentiating = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+        if sum(level.key() in differentiating for level in stack) > 1:
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        return tuple(result)
+    return tuple(_once_differentiable(result))
+
+
+def _op_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
+    return attn_bwd(dout, q, k, v, out, lse, dlse, bias_requires_grad, *req.flatten())
+
+
 class _AttnFunction(torch.autograd.Function):
     """attn_fwd with its autograd, without the dispatcher: what eager calls run (see eager). The op's schema
     handling in torch's register_autograd and the dispatcher cost ~0.2 ms of host time per call on the GPU machines'
@@ -181,18 +224,35 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, req = _saved(ctx)
-        bias_requires_grad = req.attn_bias is not None and ctx.needs_input_grad[4]
-        with torch.no_grad():
-            grads = backward(_prepare_dout(dout, out), q, k, v, out, lse, dlse, req, bias_requires_grad)
-        n_main = sum(t is not None for t in (q, k, v))
-        result = list(grads[:n_main]) + [None] * (3 - n_main) + [None, None, None]
-        rest = list(grads[n_main:])
-        if bias_requires_grad:
-            result[4] = rest.pop(0)
-        if req.sinks is not None:
-            result[5] = rest.pop(0)
-        return tuple(_once_differentiable(result))
+        return _function_backward(ctx, dout, dlse, backward)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_FORWARD_AD)
+
+
+class _TransformAttn(torch.autograd.Function):
+    """The attention under torch.func transforms (the op's own autograd, from register_autograd, is not
+    functorch-compatible). Forward and backward call the ops, so that vmap batches them with torch's per-sample
+    fallback (generate_vmap_rule); grad, vjp and jacrev differentiate once; jvp raises."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, req, attn_bias, sinks):
+        return tuple(attn_fwd(q, k, v, *req.flatten()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, req = inputs[:4]
+        _save(ctx, q, k, v, output[0], output[1], req)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _function_backward(ctx, dout, dlse, _op_backward)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_FORWARD_AD)
 
 
 def eager(*tensors):
@@ -209,6 +269,8 @@ def attention(q, k, v, req: AttentionRequest):
     """(out, lse) of the request with its autograd: through _AttnFunction when eager, else through the op."""
     if eager(q, k, v, req.attn_bias, req.sinks):
         return _AttnFunction.apply(q, k, v, req, req.attn_bias, req.sinks)
+    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        return _TransformAttn.apply(q, k, v, req, req.attn_bias, req.sinks)
     return attn_fwd(q, k, v, *req.flatten())
 
 
@@ -218,3 +280,17 @@ for _device in ("CPU", "CUDA"):
 attn_fwd = torch.ops.flashtile.attn_fwd.default
 attn_bwd = torch.ops.flashtile.attn_bwd.default
 torch.library.register_autograd("flashtile::attn_fwd", _attn_fwd_backward, setup_context=_attn_fwd_setup_context)
+
+
+def _per_sample(op):
+    """A vmap rule that runs `op` once per sample and stacks the results: what torch's fallback does for ops with a
+    fixed number of outputs, which it cannot do for attn_bwd's Tensor[] (vmap of grad, jacrev)."""
+    def rule(info, in_dims, *args):
+        results = [op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)))
+                   for i in range(info.batch_size)]
+        stacked = [torch.stack(parts) for parts in zip(*results)]
+        return stacked, [0] * len(stacked)
+    return rule
+
+
+torch.library.register_vmap("flashtile::attn_bwd", _per_sample(attn_bwd))

@@ -9,7 +9,8 @@ call. Nothing else in the package reads `os.environ` for behaviour.
 | gluon_forward  | FLASHTILE_GLUON=0          | off: the Hopper Gluon forward is not used (the portable kernel is) |
 | gluon_backward | FLASHTILE_GLUON_BWD=0      | off: the Hopper Gluon backward is not used                         |
 | lazy_max       | FLASHTILE_LAZY_MAX=0       | off: the Gluon forward takes every block's row maximum             |
-| check_values   | FLASHTILE_CHECK_VALUES=1   | on: validate index tensors' values on the host (a sync per call)   |
+| check_values   | FLASHTILE_CHECK_VALUES=1   | on: check CUDA index tensors' values too (a sync per call; CPU     |
+|                |                            | ones always are); flashtile.check_values() sets it for a block     |
 | tma            | (tests)                    | None: the hardware decides; True / False force TMA descriptors     |
 | tiles          | (tests, tile sweep)        | None, a TileConfig list for every kernel, or {kind: list}          |
 | decode_tiles   | (tests)                    | None or a TileConfig list for the decode kernel                    |

@@ -176,17 +176,25 @@ def check_attn_mask(attn_mask, query, batch, heads, seqlen_q, seqlen_k):
 
 
 def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q):
+    """The varlen arguments' types, shapes and devices -> contiguous (cu_seqlens_q, cu_seqlens_k). Their values
+    (offsets against the rows, max_seqlen against the lengths) are flashtile._values.varlen_lengths's."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, cu)
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-            raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets (0, len_0, len_0 + len_1, "
-                             f"...), got dtype {cu.dtype} and shape {tuple(cu.shape)}.")
+        if cu.dtype != torch.int32:  # ValueError, as flashtile has always raised here
+            raise ValueError(f"{name} has dtype {cu.dtype}; it must be torch.int32 (flash-attn's varlen offsets): "
+                             f"convert it with .to(torch.int32).")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be a 1-D tensor of batch + 1 offsets (0, len_0, len_0 + len_1, ...), "
+                             f"batch >= 1, got shape {tuple(cu.shape)}.")
         if cu.device != q.device:
             raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; move it with .to(q.device).")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
                          f"{cu_seqlens_k.numel()}; both hold batch + 1 offsets.")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not _is_int(m) or m < 0:
-            raise TypeError(f"{name} must be a non-negative int (the longest sequence), got {m!r}.")
+        if not _is_int(m):
+            raise TypeError(f"{name} must be an int (the longest sequence's length), got {type(m).__name__} "
+                            f"{m!r}" + ("; pass int(...) of it." if isinstance(m, (torch.Tensor, float)) else "."))
+        if m < 0:
+            raise ValueError(f"{name} must be >= 0 (the longest sequence's length), got {m}.")
     return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()

@@ -8,7 +8,7 @@ dispatch modes and functorch transforms see the op.
 """
 import torch
 
-from . import _ops, dispatch
+from . import _ops, _values, dispatch
 from . import reference
 from .reference.dropout import dropout_mask
 from .request import AttentionRequest, unbounded_window
@@ -48,6 +48,19 @@ _ARGS_DOC = """
         sinks: float32 (nheads,), default None. Learnable attention sinks (gpt-oss): one logit per head that
             joins every row's softmax denominator (its value is zero), with its gradient."""
 
+_CHECKS_DOC = """
+    Checks (docs/safety.md): shapes, dtypes, devices and the Python-number arguments are always checked (ValueError /
+    TypeError naming the value and the fix). window_size sides may be any int up to 2**63 - 1: a side at or past the
+    sequence lengths is unbounded. Inputs are not scanned for NaN/inf: they propagate as in torch's SDPA (except that
+    a row that sees no key outputs 0). Backward: supported; double backward, forward mode (torch.func.jvp) and grad
+    of grad raise a RuntimeError; torch.func.grad, vjp and vmap work."""
+
+_VARLEN_CHECKS_DOC = """
+    Offsets: CPU cu_seqlens are checked on every call (start at 0, never decrease, end at the number of rows;
+    max_seqlen_q/_k at least every length). CUDA ones are not read (that would synchronise with the GPU on every
+    call) unless FLASHTILE_CHECK_VALUES=1 (or within `with flashtile.check_values():`): the kernels keep every
+    index inside the tensors, and a bad offset spoils only its own sequences' rows."""
+
 _RETURNS_DOC = """
     Returns:
         out: {out_shape}, q's dtype.
@@ -60,7 +73,8 @@ _RETURNS_DOC = """
 def _with_docs(out_shape, lse_shape):
     def decorate(fn):
         fn.__doc__ = fn.__doc__.replace("{args}", _ARGS_DOC.strip("\n")).replace(
-            "{returns}", _RETURNS_DOC.format(out_shape=out_shape, lse_shape=lse_shape).strip("\n"))
+            "{returns}", _RETURNS_DOC.format(out_shape=out_shape, lse_shape=lse_shape).strip("\n")).replace(
+            "{checks}", _CHECKS_DOC.strip("\n")).replace("{varlen_checks}", _VARLEN_CHECKS_DOC.strip("\n"))
         return fn
     return decorate
 
@@ -165,6 +179,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 {args}
 
 {returns}
+
+{checks}
     """
     check_qkv(q, k, v, layout="bshd")  # before _flash, which would read k = None as packed inputs
     return _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
@@ -175,8 +191,9 @@ def _check_packed(name, t, count, rank):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
     if t.dim() != rank or t.shape[-3] != count:
-        raise ValueError(f"{name} must be {rank}-D with {count} at dimension -3 (the packed {name[:-1]}), got shape "
-                         f"{tuple(t.shape)}; stack the tensors with torch.stack(..., dim=-3).")
+        parts, members = ("q, k and v", "q, k, v") if count == 3 else ("k and v", "k, v")
+        raise ValueError(f"{name} must be {rank}-D with {count} at dimension -3 ({parts} stacked there), got shape "
+                         f"{tuple(t.shape)}; build it with torch.stack(({members}), dim=-3).")
 
 
 @_with_docs("(batch, seqlen, nheads, headdim)", "(batch, nheads, seqlen)")
@@ -190,6 +207,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 {args}
 
 {returns}
+
+{checks}
     """
     _check_packed("qkv", qkv, 3, 5)
     return _flash(qkv, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -207,6 +226,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 {args}
 
 {returns}
+
+{checks}
     """
     _check_packed("kv", kv, 2, 5)
     return _flash(q, kv, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -219,12 +240,14 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     check_qkv(qq, kk, vv, layout="thd")
     cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, qq)
     batch = cu_q.numel() - 1
+    # Offsets visible on the host are checked here (docs/safety.md), and the launch then covers the longest
+    # sequence itself rather than a larger max_seqlen.
+    longest_q, longest_k = (_values.varlen_lengths(cu_q, cu_k, qq.shape[0], kk.shape[0], max_seqlen_q, max_seqlen_k)
+                            or (max_seqlen_q, max_seqlen_k))
     scale, dropout_p, fields = _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softcap,
-                                              alibi_slopes, sinks, head_dim, batch, qq.shape[1], max_seqlen_q,
-                                              max_seqlen_k)
+                                              alibi_slopes, sinks, head_dim, batch, qq.shape[1], longest_q, longest_k)
     out, lse, req = _attention(q, k, v, scale, dropout_p=dropout_p, deterministic=deterministic, cu_seqlens_q=cu_q,
-                               cu_seqlens_k=cu_k, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
-                               **fields)
+                               cu_seqlens_k=cu_k, max_seqlen_q=longest_q, max_seqlen_k=longest_k, **fields)
     if return_attn_probs:
         s_dmask = None
         if dropout_p > 0:
@@ -254,13 +277,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q: (total_q, nheads, headdim), the batch's queries one sequence after another. k: (total_k, nheads_k,
             headdim), v: (total_k, nheads_k, headdim_v).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,): sequence b is rows [cu[b], cu[b + 1]). Lengths may be 0.
-        max_seqlen_q, max_seqlen_k: int, the longest sequence (sizes the launch grid; must not be smaller).
-            Masks (causal, window, ALiBi) align to each sequence's own bottom-right corner; alibi_slopes may be
+        max_seqlen_q, max_seqlen_k: int, the longest sequence (sizes the launch grid; must not be smaller; a larger
+            value is fine). Masks (causal, window, ALiBi) align to each sequence's own bottom-right corner;
+            alibi_slopes may be
             (batch, nheads).
 {args}
         block_table: not supported (paged keys/values are flash_attn_with_kvcache's).
 
 {returns}
+
+{checks}
+{varlen_checks}
     """
     if block_table is not None:
         raise NotImplementedError("block_table (paged keys/values) is not supported by flash_attn_varlen_func; use "
@@ -281,6 +308,9 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 {args}
 
 {returns}
+
+{checks}
+{varlen_checks}
     """
     _check_packed("qkv", qkv, 3, 4)
     return _varlen(qkv, None, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
@@ -300,6 +330,9 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 {args}
 
 {returns}
+
+{checks}
+{varlen_checks}
     """
     _check_packed("kv", kv, 2, 4)
     return _varlen(q, kv, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -330,6 +363,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Returns: (batch, heads, seqlen_q, headdim_v) in query's dtype (a transposed view of a (batch, seqlen, heads,
     headdim) buffer, as torch's flash backend returns).
+
+    Checks (docs/safety.md): shapes, dtypes, devices and the Python-number arguments raise ValueError/TypeError on
+    a mistake. attn_mask's values are not scanned: a NaN in a float bias propagates as in torch. Backward: supported;
+    double backward, forward mode and grad of grad raise a RuntimeError.
     """
     check_qkv(query, key, value, layout="bhsd")
     dropout_p = check_dropout(dropout_p)

@@ -8,7 +8,9 @@ TRITON_INTERPRET=1, else the pure-PyTorch reference (flashtile.reference.kvcache
 """
 import torch
 
+from . import _values
 from ._ops import eager
+from ._settings import SETTINGS
 from .dispatch import _warn_cpu_fallback, uses_kernels as _use_kernels
 from ._validate import (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, check_alibi,
                         check_softcap, check_window, resolve_scale)
@@ -19,6 +21,9 @@ from .reference import kvcache as _reference
 # An fp8 cache holds float8 e4m3 values with one descale factor per (batch, kv head), as FlashAttention-3's.
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Most key splits a call may ask for (flash-attn's limit): each split is a row of the launch grid and of the partial
+# results' buffer, so a huge count would exceed the grid's limits or memory, and splits past the key blocks are empty.
+MAX_NUM_SPLITS = 128
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,6 +103,32 @@ def _kvcache_attn_fake(q, k_cache, v_cache, *fields, **named):
 kvcache_append = torch.ops.flashtile.kvcache_append.default
 kvcache_attn = torch.ops.flashtile.kvcache_attn.default
 
+_NO_BACKWARD = ("flash_attn_with_kvcache has no backward (inference only): no gradient flows to q or the cache, "
+                "under torch.func.grad / jvp either. Differentiate attention with flashtile.flash_attn_func, or "
+                "through the reference flashtile.reference.kvcache.kvcache_forward.")
+
+
+class _TransformAttention(torch.autograd.Function):
+    """kvcache_attn under torch.func transforms: vmap batches the op (torch's per-sample fallback); grad and jvp
+    raise instead of returning the zero gradient an op without a derivative would silently give."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k_cache, v_cache, req):
+        return tuple(kvcache_attn(q, k_cache, v_cache, *req.flatten()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise RuntimeError(_NO_BACKWARD)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_BACKWARD)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Repeated calls. A decode loop calls with the same shapes, strides, dtypes and options every step; the checks and
@@ -138,17 +169,22 @@ def _call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
 
 class _Call:
     """The plans a validated call ran, and what its checks derived that later calls with its key need."""
-    __slots__ = ("append", "attn", "capacity", "seqlen_new", "int_seqlens", "device_index")
+    __slots__ = ("append", "attn", "capacity", "seqlen_new", "int_seqlens", "device_index", "layout", "max_seqlen",
+                 "batch", "host_values")
 
     def run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, alibi_slopes, k_descale, v_descale):
         """(out, lse), or None for the full path (an int cache_seqlens out of range, whose error it raises; q's GPU
-        not the current device)."""
+        not the current device). The index tensors' values are checked as on the full path: on the CPU always, on a
+        GPU only with SETTINGS.check_values (docs/safety.md)."""
         cache_seqlen = self.capacity
         if self.int_seqlens:
-            if not 0 <= cache_seqlens <= self.capacity - self.seqlen_new:
+            if not 0 <= cache_seqlens <= self.max_seqlen:
                 return None
             cache_seqlen, cache_seqlens = cache_seqlens, None
+        if self.host_values or SETTINGS.check_values:
+            _values.kvcache(self.layout, self.batch, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
+                            block_table)
         if _decode.off_device(self.device_index):
             return None
         stream = _decode.fast_stream(self.device_index)
@@ -161,7 +197,7 @@ class _Call:
         return out, lse
 
 
-def _remember(key, q, k_cache, v_cache, k, v, req: KVCacheRequest, int_seqlens):
+def _remember(key, q, k_cache, v_cache, k, v, req: KVCacheRequest, int_seqlens, layout):
     """After a validated call that needed no copies: keep its plans under its key (not when the reference ran:
     no plans)."""
     call = _Call()
@@ -182,6 +218,10 @@ def _remember(key, q, k_cache, v_cache, k, v, req: KVCacheRequest, int_seqlens):
     call.seqlen_new = req.seqlen_new
     call.int_seqlens = int_seqlens
     call.device_index = q.get_device()
+    call.layout = layout
+    call.max_seqlen = layout.max_int_seqlen()
+    call.batch = q.shape[0]
+    call.host_values = not q.is_cuda
     if len(_CALLS) >= _decode.MAX_PLANS:
         _CALLS.clear()
     _CALLS[key] = call
@@ -360,8 +400,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             seqlen_ro must cover every position used: positions past it are rotated by angle 0.
         cache_seqlens: int, or (batch,) int32 tensor: each sequence's length before the append. Default None: the
             whole cache (seqlen_cache, or max_num_blocks_per_seq * page_block_size); required with k and v.
-            Lengths in a tensor are not checked (that would synchronise with the GPU): keep
-            cache_seqlens + seqlen_new within the cache.
+            cache_seqlens + seqlen_new must fit the cache.
         cache_batch_idx: optional (batch,) int32: the cache row of each sequence (default b). Not with block_table,
             whose rows already name each sequence's pages.
         cache_leftpad: optional (batch,) int32: the first valid cache row of each sequence (default 0). Keys before
@@ -376,8 +415,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (i, i + rotary_dim / 2) (GPT-NeoX).
         alibi_slopes: optional (nheads,) or (batch, nheads) float32. Adds -slope * |i + seqlen_k - seqlen_q - j|
             to the score of query i and key j (after softcap).
-        num_splits: int, default 0. The keys of each sequence are split into this many chunks computed in
-            parallel and merged; 0 picks the number so one launch fills the GPU, 1 does not split.
+        num_splits: int in [0, 128], default 0. The keys of each sequence are split into this many chunks computed
+            in parallel and merged; 0 picks the number so one launch fills the GPU, 1 does not split.
         return_softmax_lse: bool, default False: also return the LSE.
         k_descale, v_descale: keyword-only, (batch, nheads_k) float32, for a float8_e4m3fn cache only: real
             key = stored key * k_descale (likewise v). Appended keys/values are stored as value / descale,
@@ -389,6 +428,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             row's scores (-inf for a row that sees no key).
 
     No backward (inference only).
+
+    Checks (docs/safety.md): shapes, dtypes, devices and Python numbers (an int cache_seqlens included) always raise
+    ValueError/TypeError on a mistake, before anything is appended. The index tensors' values (cache_seqlens in
+    [0, capacity - seqlen_new], cache_leftpad in [0, cache_seqlens + seqlen_new], cache_batch_idx and the
+    block_table entries a sequence uses in range, no two sequences appending to one cache row or page row, the
+    rotary table long enough) are checked on every call when they are CPU tensors. CUDA ones are not read (that
+    would synchronise with the GPU on every step) unless FLASHTILE_CHECK_VALUES=1 (or within
+    `with flashtile.check_values():`): the kernels keep every index inside the cache, and a bad value spoils only
+    its own sequence's output.
     """
     key = _call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
@@ -402,9 +450,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     given = (q, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
              alibi_slopes, k_descale, v_descale)
-    q, k, v, req = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                             rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale)
+    q, k, v, req, layout = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                                     softcap, rotary_interleaved, alibi_slopes, num_splits, k_descale, v_descale)
     # Eager calls skip the dispatcher: going through torch.ops costs ~4 us of host time per op (measured on the CPU),
     # as much as a small decode step takes on the GPU.
     if eager(q, k_cache, v_cache):
@@ -414,20 +462,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         if k is not None and req.seqlen_new > 0:
             kvcache_append(k_cache, v_cache, k, v, *req.flatten())
-        out, lse = kvcache_attn(q, k_cache, v_cache, *req.flatten())
+        if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+            out, lse = _TransformAttention.apply(q, k_cache, v_cache, req)
+        else:
+            out, lse = kvcache_attn(q, k_cache, v_cache, *req.flatten())
     normalized = (q, k, v, req.rotary_cos, req.rotary_sin,
                   req.cache_seqlens if req.cache_seqlens is not None else given[5], req.cache_batch_idx,
                   req.cache_leftpad, req.block_table, req.alibi_slopes, req.k_descale, req.v_descale)
     if key is not None and all(a is b for a, b in zip(normalized, given)):
-        _remember(key, q, k_cache, v_cache, k, v, req, _is_int(given[5]))
+        _remember(key, q, k_cache, v_cache, k, v, req, _is_int(given[5]), layout)
     return (out, lse) if return_softmax_lse else out
 
 
 def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
               k_descale, v_descale):
-    """Check flash_attn_with_kvcache's arguments -> (q, k, v, KVCacheRequest), normalised: tensors the kernels need
-    contiguous come back contiguous (a copy where they were not); an int cache_seqlens becomes cache_seqlen."""
+    """Check flash_attn_with_kvcache's arguments -> (q, k, v, KVCacheRequest, CacheLayout), normalised: tensors the
+    kernels need contiguous come back contiguous (a copy where they were not); an int cache_seqlens becomes
+    cache_seqlen; window sides past the cache are clamped to it. The index tensors' values are checked where that
+    needs no sync (flashtile._values.readable)."""
     _check_tensor("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}; for one "
@@ -475,9 +528,6 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
             raise ValueError("appending k and v needs cache_seqlens, each sequence's current length (where the new "
                              "tokens go): pass an int or a (batch,) int32 tensor.")
     elif _is_int(cache_seqlens):
-        if not 0 <= cache_seqlens <= capacity - seqlen_new:
-            raise ValueError(f"cache_seqlens={cache_seqlens} with {seqlen_new} new tokens does not fit a cache of "
-                             f"{capacity} rows per sequence; it must be in [0, {capacity - seqlen_new}].")
         cache_seqlen, cache_seqlens = cache_seqlens, None
     else:
         cache_seqlens = _check_index("cache_seqlens", cache_seqlens, q, batch)
@@ -490,13 +540,26 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}.")
     alibi_slopes = check_alibi(alibi_slopes, q, batch, num_heads)
-    if not _is_int(num_splits) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically, 1 = no split), got "
-                         f"{num_splits!r}.")
+    if not _is_int(num_splits) or not 0 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_NUM_SPLITS}] (0 = choose automatically, 1 = no "
+                         f"split; flash-attn's limit), got {num_splits!r}.")
     k_descale, v_descale = _check_descale(k_descale, v_descale, q, k_cache, batch, num_kv_heads)
+    # Rotary positions follow the mask as given (causal or a window: one position per query), before the clamp.
+    layout = _values.CacheLayout.of(k_cache, block_table, seqlen_q, seqlen_new, rotary_cos,
+                                    causal or (window_left, window_right) != (-1, -1))
+    if cache_seqlens is None:
+        _values.check_int_seqlen(cache_seqlen, layout)
+    if _values.readable(q):
+        _values.kvcache(layout, batch, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table)
+    # A side at least as wide as every sequence reaches is unbounded; clamping it there (not to -1, which would
+    # change the rotary rule above) keeps every index the kernels compute small, whatever int was passed.
+    if window_left > capacity:
+        window_left = capacity
+    if window_right > seqlen_q:
+        window_right = seqlen_q
     return q, k, v, KVCacheRequest(
         cache_seqlens=cache_seqlens, cache_seqlen=cache_seqlen, seqlen_new=seqlen_new, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, softmax_scale=scale, causal=causal,
         window_left=window_left, window_right=window_right, softcap=softcap, num_splits=num_splits,
-        k_descale=k_descale, v_descale=v_descale)
+        k_descale=k_descale, v_descale=v_descale), layout

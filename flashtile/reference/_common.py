@@ -140,23 +140,32 @@ def band_mask(seqlen_q, seqlen_k, diagonal_offset, causal, window, device=None):
     left, right = window
     if not causal and left < 0 and right < 0:
         return None
-    rows = torch.arange(seqlen_q, device=device)[:, None] + diagonal_offset   # i + off, the row's diagonal key
-    cols = torch.arange(seqlen_k, device=device)[None, :]
+    rel = _relative(0, seqlen_q, 0, seqlen_k, device)                         # j - i
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     if causal:
-        visible &= cols <= rows
+        visible &= rel <= _clamp_rel(diagonal_offset, seqlen_q, seqlen_k)
     if left >= 0:
-        visible &= cols >= rows - left
+        visible &= rel >= _clamp_rel(diagonal_offset - left, seqlen_q, seqlen_k)
     if right >= 0:
-        visible &= cols <= rows + right
+        visible &= rel <= _clamp_rel(diagonal_offset + right, seqlen_q, seqlen_k)
     return visible
+
+
+def _relative(i0, i1, j0, j1, device):
+    """[i1 - i0, j1 - j0] of j - i: the masks compare it with bounds rather than add a bound to i, so that no window
+    or offset (any Python int, 2**63 - 1 included) can overflow int64."""
+    return torch.arange(j0, j1, device=device)[None, :] - torch.arange(i0, i1, device=device)[:, None]
+
+
+def _clamp_rel(bound, rows, cols):
+    """A bound on j - i (a Python int of any size) clamped into [-rows, cols], just past the values j - i takes for
+    i < rows, j < cols: every comparison with it comes out the same."""
+    return max(-rows, min(cols, bound))
 
 
 def causal_block_mask(i0, i1, j0, j1, diagonal_offset, device=None):
     """Bool [i1 - i0, j1 - j0], True where query i in [i0, i1) sees key j in [j0, j1): j <= i + diagonal_offset."""
-    rows = torch.arange(i0, i1, device=device)
-    cols = torch.arange(j0, j1, device=device)
-    return cols[None, :] <= rows[:, None] + diagonal_offset
+    return _relative(i0, i1, j0, j1, device) <= _clamp_rel(diagonal_offset, i1, j1)
 
 
 def causal_mask(seqlen_q, seqlen_k, diagonal_offset=None, *, device=None):

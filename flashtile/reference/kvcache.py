@@ -11,6 +11,7 @@ aligned bottom-right on them.
 
 import torch
 
+from .. import _values
 from .naive import naive_attention
 
 # Largest finite float8 e4m3 value: an append into an fp8 cache saturates there.
@@ -23,11 +24,13 @@ def apply_rotary(x, cos, sin, positions, interleaved=True):
     The first rotary_dim = 2 * cos.shape[1] dims turn in pairs by angle t at the token's position:
     interleaved pairs dims (2t, 2t + 1) (GPT-J), otherwise (t, t + rotary_dim / 2) (GPT-NeoX); with (a, b) a pair,
         a' = a cos - b sin        b' = b cos + a sin
-    The remaining dims pass through.
+    The remaining dims pass through. Positions past the table (>= cos.shape[0]) turn by angle 0, as in the kernels.
     """
     rotary_dim = 2 * cos.shape[1]
-    c = cos.to(x.dtype)[positions].unsqueeze(2)                             # [B, S, 1, rotary_dim / 2]
-    s = sin.to(x.dtype)[positions].unsqueeze(2)
+    inside = (positions < cos.shape[0]).unsqueeze(-1)                       # [B, S, 1]
+    rows = positions.clamp(max=cos.shape[0] - 1)
+    c = torch.where(inside, cos.to(x.dtype)[rows], 1.0).unsqueeze(2)        # [B, S, 1, rotary_dim / 2]
+    s = torch.where(inside, sin.to(x.dtype)[rows], 0.0).unsqueeze(2)
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
@@ -51,6 +54,18 @@ def _capacity(k_cache, block_table):
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
+def _check_indices(k_cache, block_table, batch, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad=None):
+    """The index values flash_attn_with_kvcache checks (flashtile._values.kvcache), here too: a bad one raises a
+    ValueError instead of reading or writing rows of another sequence (a negative index would wrap around)."""
+    layout = _values.CacheLayout.of(k_cache, block_table, 1, seqlen_new, None, False)
+    length = layout.capacity
+    if isinstance(cache_seqlens, int):
+        length, cache_seqlens = cache_seqlens, None
+    if cache_seqlens is None:
+        _values.check_int_seqlen(length, layout)
+    _values.kvcache(layout, batch, cache_seqlens, length, cache_batch_idx, cache_leftpad, block_table)
+
+
 def _slots(b, rows, k_cache, block_table, cache_batch_idx):
     """Index of sequence b's cache rows `rows` (LongTensor) into the cache's first two dims."""
     if block_table is not None:
@@ -64,8 +79,9 @@ def append_kv_(k_cache, v_cache, k, v, cache_seqlens, *, cache_batch_idx=None, b
                rotary_sin=None, rotary_interleaved=True, k_descale=None, v_descale=None):
     """Write k (rotated when rotary_cos is given, at positions cache_seqlens[b] + i) and v into the cache rows
     cache_seqlens[b] + i of each sequence, in place. An fp8 cache (descales [B, Hk]) stores value / descale,
-    saturated to the largest finite e4m3 value. Rows past the cache's capacity are dropped."""
+    saturated to the largest finite e4m3 value. Index values out of range raise a ValueError (_check_indices)."""
     batch, seqlen_new = k.shape[:2]
+    _check_indices(k_cache, block_table, batch, cache_seqlens, seqlen_new, cache_batch_idx)
     capacity = _capacity(k_cache, block_table)
     lengths = _lengths(cache_seqlens, batch, capacity)
     steps = torch.arange(seqlen_new, device=k.device)
@@ -95,6 +111,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens=None, *, seqlen_new=0, 
     (value * descale). Returns (out [B, Sq, Hq, D], lse [B, Hq, Sq]) as naive_attention does.
     """
     batch, seqlen_q = q.shape[:2]
+    _check_indices(k_cache, block_table, batch, cache_seqlens, seqlen_new, cache_batch_idx, cache_leftpad)
     capacity = _capacity(k_cache, block_table)
     lengths = _lengths(cache_seqlens, batch, capacity)
     starts = [0] * batch if cache_leftpad is None else [int(n) for n in cache_leftpad.tolist()]

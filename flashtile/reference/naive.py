@@ -71,8 +71,8 @@ def _modified_scores(qg, kg, scale, offset, causal, window, softcap, alibi_slope
         t = torch.tanh(s / softcap)
         s = softcap * t
     if alibi_slopes is not None:
-        rows = torch.arange(sq, device=device)[:, None] + offset
-        distance = (rows - torch.arange(sk, device=device)[None, :]).abs().to(dtype)       # |i + off - j|, [Sq, Sk]
+        rel = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]   # j - i
+        distance = (float(offset) - rel.double()).abs().to(dtype)            # |i + off - j|, [Sq, Sk]
         slopes = alibi_slopes.to(dtype).reshape(-1, hq, 1, 1)                # [B|1, Hq, 1, 1]
         s = s - _group_heads(slopes, hk) * distance
     if attn_bias is not None:
