@@ -279,8 +279,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,): sequence b is rows [cu[b], cu[b + 1]). Lengths may be 0.
         max_seqlen_q, max_seqlen_k: int, the longest sequence (sizes the launch grid; must not be smaller; a larger
             value is fine). Masks (causal, window, ALiBi) align to each sequence's own bottom-right corner;
-            alibi_slopes may be
-            (batch, nheads).
+            alibi_slopes may be (batch, nheads).
 {args}
         block_table: not supported (paged keys/values are flash_attn_with_kvcache's).
 
