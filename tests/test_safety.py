@@ -101,10 +101,8 @@ def _results(mode, cls, directory):
 
 # Cases only a kernel change fixes (flashtile/kernels/ is being restructured; the fix is listed for its owners).
 # They must fail until it lands: one that passes fails here, so that it leaves this list.
-KERNEL_PENDING = {
-    ("interpreter", "nan/sinks_neg_inf"): "sink -inf on a row that sees no key: exp2(-inf - -inf) is NaN in the "
-                                          "kernels' sink step (it needs the m = -inf guard of the inner loop)",
-}
+# (mode, case) -> why it still fails: cases waiting on a kernel fix (the test fails once one passes).
+KERNEL_PENDING = {}
 
 
 @pytest.mark.parametrize("mode", MODES)

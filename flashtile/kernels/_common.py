@@ -89,9 +89,13 @@ class Config(NamedTuple):
 
 
 class CuSeqlens(NamedTuple):
-    """VARLEN: int32 (B + 1,) row offsets of the packed sequences in q and in k (placeholders otherwise)."""
+    """VARLEN: int32 (B + 1,) row offsets of the packed sequences in q and in k (placeholders otherwise), and the
+    packed tensors' row counts, which bound every offset the kernels use (docs/safety.md: a bad offset spoils its
+    own sequence's rows at worst, never memory past the tensors)."""
     q: object
     k: object
+    total_q: int = 0
+    total_k: int = 0
 
 
 def constexpr_groups(**groups):
@@ -284,11 +288,15 @@ def _seq_bounds(cu_seqlens, i_b, seq, VARLEN: tl.constexpr):
     (sequence b is rows [cu[b], cu[b + 1])), its lengths and its own bottom-right diagonal; else (0, 0) and the
     launch's Seq."""
     if VARLEN:
-        q_start = tl.load(cu_seqlens.q + i_b)
-        seqlen_q = tl.load(cu_seqlens.q + i_b + 1) - q_start
-        k_start = tl.load(cu_seqlens.k + i_b)
-        seqlen_k = tl.load(cu_seqlens.k + i_b + 1) - k_start
-        seq = Seq(seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+        # Offsets are clamped into [0, total] and each end to at least its start: values that are out of range or
+        # decrease (the caller did not check device tensors' values) then cover no row outside the tensors.
+        q_start = tl.minimum(tl.maximum(tl.load(cu_seqlens.q + i_b), 0), cu_seqlens.total_q)
+        seqlen_q = tl.minimum(tl.maximum(tl.load(cu_seqlens.q + i_b + 1), q_start), cu_seqlens.total_q) - q_start
+        k_start = tl.minimum(tl.maximum(tl.load(cu_seqlens.k + i_b), 0), cu_seqlens.total_k)
+        seqlen_k = tl.minimum(tl.maximum(tl.load(cu_seqlens.k + i_b + 1), k_start), cu_seqlens.total_k) - k_start
+        # The launch covers max_seqlen_q / _k (seq's lengths): rows past them are not computed, and no program
+        # indexes a per-row buffer sized by them past its end. The diagonal stays the sequence's own.
+        seq = Seq(tl.minimum(seqlen_q, seq.seqlen_q), tl.minimum(seqlen_k, seq.seqlen_k), seqlen_k - seqlen_q)
         starts = (q_start, k_start)
     else:
         starts = (0, 0)

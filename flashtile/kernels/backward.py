@@ -47,7 +47,7 @@ class Rows(NamedTuple):
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, strides, seqlen_q, num_heads, delta_scale,
+def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, total_q, strides, seqlen_q, num_heads, delta_scale,
                            HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Delta = rowsum(O * dO) (minus dLSE), times delta_scale (1, or the softmax scale for the Gluon kernel, whose
@@ -57,7 +57,7 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, strides, seqlen_q
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
-    starts, seq = _seq_bounds(CuSeqlens(CuSeqQ, CuSeqQ), i_b, Seq(seqlen_q, seqlen_q, 0), VARLEN)
+    starts, seq = _seq_bounds(CuSeqlens(CuSeqQ, CuSeqQ, total_q, total_q), i_b, Seq(seqlen_q, seqlen_q, 0), VARLEN)
     q_start = starts[0]
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_DV)
@@ -327,7 +327,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     dk = _common.empty(k.shape, k.dtype, k.device) if dk is None else dk
     dv = _common.empty(v.shape, v.dtype, v.device) if dv is None else dv
     spec = configs.launch_spec(q, (q, k, v, dout, dq, dk, dv))
-    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k)
+    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0])
     gluon = hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic)
     delta_scale = softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in the units of its scaled dS
     _preprocess(out, dout, lse, dlse, rows, fargs.cu_seqlens.q, feats.varlen, seqlen_q, batch, delta_scale,
@@ -403,8 +403,8 @@ def _preprocess(out, dout, lse, dlse, rows, cu_seqlens_q, varlen, seqlen_q, batc
     _launch.launch(
         _bwd_preprocess_kernel, (rows.pad // _PREPROCESS_BLOCK_M, batch * num_heads),
         # dlse: lse stands in when there is none (never read when HAS_DLSE is False).
-        (out, dout, lse, lse if dlse is None else dlse, rows, cu_seqlens_q, strides, seqlen_q, num_heads,
-         delta_scale),
+        (out, dout, lse, lse if dlse is None else dlse, rows, cu_seqlens_q, out.shape[0] if varlen else 0, strides,
+         seqlen_q, num_heads, delta_scale),
         dict(HEAD_DIM_V=out.shape[-1], HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M,
              BLOCK_DV=block_dv), out.device.index)
 

@@ -204,6 +204,7 @@ class Dims(NamedTuple):
     num_splits: int
     lse_part_offset: int  # where lse_part starts in the partial-results buffer
     seqlen_ro: int  # rows of cos / sin
+    cache_rows: int  # k_cache.shape[0]: the pages of a paged cache, the sequences of a contiguous one
 
 
 class DecodeFlags(NamedTuple):
@@ -237,18 +238,23 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
-def _cache_seq(cache, i_b, cache_seqlen, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
-    """(seqlen, cache_b) of sequence i_b: its cache rows before this step's append, and its batch row of a
-    contiguous cache (int64)."""
+def _cache_seq(cache, i_b, cache_seqlen, dims, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """(seqlen, cache_b, valid) of sequence i_b: its cache rows before this step's append, its batch row of a
+    contiguous cache (int64), and whether that row exists. Device values are not checked on the host by default
+    (docs/safety.md), so they are clamped here: a length into [0, capacity], and a cache row out of range reads
+    nothing and writes nothing (the caller masks with `valid`; row 0 stands in for addressing)."""
     if HAS_SEQLENS:
-        seqlen = tl.load(cache.seqlens + i_b).to(tl.int32)
+        seqlen = tl.minimum(tl.maximum(tl.load(cache.seqlens + i_b).to(tl.int32), 0), dims.capacity)
     else:
         seqlen = cache_seqlen
     if HAS_BATCH_IDX:
         cache_b = tl.load(cache.batch_idx + i_b).to(tl.int64)
+        valid = (cache_b >= 0) & (cache_b < dims.cache_rows)
+        cache_b = tl.where(valid, cache_b, 0)
     else:
         cache_b = i_b.to(tl.int64)
-    return seqlen, cache_b
+        valid = i_b >= 0
+    return seqlen, cache_b, valid
 
 
 @triton.jit
@@ -266,11 +272,12 @@ def _cache_slots(BlockTableRow, cache_b, pos, mask, PAGED: tl.constexpr, PAGE_SI
 
 
 @triton.jit
-def _block_pages(BlockTableRow, r0, end, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 PAGE_SLAB: tl.constexpr):
+def _block_pages(BlockTableRow, r0, end, num_pages, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, PAGE_SLAB: tl.constexpr):
     """Block-table entries of the key block of cache rows r0 + [0, BLOCK_N) (r0 a multiple of BLOCK_N; rows from
     `end` on are not read), one per row, or with PAGE_SLAB and pages of at least BLOCK_N rows one scalar (the block
-    lies inside one page). 0 for a contiguous cache."""
+    lies inside one page). 0 for a contiguous cache. Entries are clamped into [0, num_pages): a bad one reads some
+    page of the pool into this sequence's own result, never memory past the cache (docs/safety.md)."""
     if PAGE_SLAB and PAGE_SIZE >= BLOCK_N:
         pages = tl.load(BlockTableRow + r0 // PAGE_SIZE, mask=r0 < end, other=0)
     elif PAGE_SLAB:
@@ -285,6 +292,8 @@ def _block_pages(BlockTableRow, r0, end, BLOCK_N: tl.constexpr, PAGED: tl.conste
         pages = tl.load(BlockTableRow + rows // PAGE_SIZE, mask=rows < end, other=0)
     else:
         pages = 0
+    if PAGED:
+        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1)
     return pages
 
 
@@ -399,15 +408,19 @@ def _kvcache_append_kernel(KNew, VNew, KCache, VCache, cache, rope, descale, cac
     i_bh = tl.program_id(1)
     i_b = i_bh // dims.heads.num_heads
     i_hk = i_bh % dims.heads.num_heads
-    seqlen, cache_b = _cache_seq(cache, i_b, cache_seqlen, HAS_SEQLENS, HAS_BATCH_IDX)
+    seqlen, cache_b, valid = _cache_seq(cache, i_b, cache_seqlen, dims, HAS_SEQLENS, HAS_BATCH_IDX)
 
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     pos = seqlen + o_r  # cache rows written
-    m_r = (o_r < dims.seqlen_new) & (pos < dims.capacity)
+    # (tl.where, not `& valid`: Triton's interpreter gives a scalar-and-vector `&` a non-boolean mask dtype.)
+    m_r = tl.where(valid, (o_r < dims.seqlen_new) & (pos < dims.capacity), False)
     o_d = tl.arange(0, BLOCK_D)
-    mask = _row_mask(m_r, HEAD_DIM, BLOCK_D)
     major, minor = _cache_slots(cache.block_table + i_b.to(tl.int64) * strides.block_table, cache_b, pos, m_r, PAGED,
                                 PAGE_SIZE)
+    if PAGED:
+        # A bad page is not written (masked rather than clamped: a clamped page may be another sequence's).
+        m_r = m_r & (major >= 0) & (major < dims.cache_rows)
+    mask = _row_mask(m_r, HEAD_DIM, BLOCK_D)
 
     s_kn, s_vn = strides.q, strides.out
     p_kn = i_b.to(tl.int64) * s_kn[0] + o_r.to(tl.int64) * s_kn[1] + i_hk * s_kn[2]  # [BLOCK_R]
@@ -461,6 +474,7 @@ class SplitProgram(NamedTuple):
     band: object  # _common.Band
     scale: object  # DecodeScale, with the fp8 cache's k descale folded in
     strides: object  # Strides
+    num_pages: object  # pages in the pool (PAGED): table entries are clamped below it
 
 
 @triton.jit
@@ -474,7 +488,8 @@ def _split_inner(m_i, l_i, acc, prog, start, end, FEAT: tl.constexpr, CFG: tl.co
     # Loaded in the iteration that uses them, they would make the K/V loads indirect ones, which Triton 3.6
     # pipelines a stage later with a single buffer and a wait for all copies each iteration (sm90 TTGIR): no
     # overlap of loads and compute, which a lone program per SM (decode at batch 1-8) cannot hide.
-    pages = _block_pages(prog.table_row, start, end, CFG.BLOCK_N, FEAT.PAGED, FEAT.PAGE_SIZE, FEAT.PAGE_SLAB)
+    pages = _block_pages(prog.table_row, start, end, prog.num_pages, CFG.BLOCK_N, FEAT.PAGED, FEAT.PAGE_SIZE,
+                         FEAT.PAGE_SLAB)
     for r0 in tl.range(start, end, CFG.BLOCK_N):
         rows = r0 + tl.arange(0, CFG.BLOCK_N)  # cache rows
         m_n = (rows >= prog.row_lo) & (rows < prog.row_hi)
@@ -483,8 +498,8 @@ def _split_inner(m_i, l_i, acc, prog, start, end, FEAT: tl.constexpr, CFG: tl.co
                                FEAT.PAGE_SIZE, FEAT.PAGE_SLAB)
         off_v = _block_offsets(pages, prog.cache_b, r0, prog.strides.v[0], prog.strides.v[1], CFG.BLOCK_N, FEAT.PAGED,
                                FEAT.PAGE_SIZE, FEAT.PAGE_SLAB)
-        pages = _block_pages(prog.table_row, r0 + CFG.BLOCK_N, end, CFG.BLOCK_N, FEAT.PAGED, FEAT.PAGE_SIZE,
-                             FEAT.PAGE_SLAB)
+        pages = _block_pages(prog.table_row, r0 + CFG.BLOCK_N, end, prog.num_pages, CFG.BLOCK_N, FEAT.PAGED,
+                             FEAT.PAGE_SIZE, FEAT.PAGE_SLAB)
         m_kv = _row_mask(m_n, CFG.HEAD_DIM, CFG.BLOCK_D)
         b_k = tl.load(prog.k_head + off_k[:, None] + o_d[None, :], mask=m_kv, other=0.0).to(dtype)  # [BLOCK_N, D]
         b_s = _mma(prog.b_q, tl.trans(b_k), None, CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_N], raw q.k
@@ -570,12 +585,13 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, Part, cache, rope, Alibi, descale, 
     i_hk = i_bh % dims.heads.num_heads
 
     # This sequence's keys: cache rows [kv_start, kv_end), numbered j = 0 .. n_k - 1 from kv_start.
-    seqlen, cache_b = _cache_seq(cache, i_b, cache_seqlen, FEAT.HAS_SEQLENS, FEAT.HAS_BATCH_IDX)
+    seqlen, cache_b, valid = _cache_seq(cache, i_b, cache_seqlen, dims, FEAT.HAS_SEQLENS, FEAT.HAS_BATCH_IDX)
+    # The clamps keep bad device values in bounds (docs/safety.md); a cache row that does not exist has no keys.
+    kv_end = tl.where(valid, tl.minimum(seqlen + dims.seqlen_new, dims.capacity), 0)
     if FEAT.HAS_LEFTPAD:
-        kv_start = tl.load(cache.leftpad + i_b).to(tl.int32)
+        kv_start = tl.minimum(tl.maximum(tl.load(cache.leftpad + i_b).to(tl.int32), 0), kv_end)
     else:
         kv_start = 0
-    kv_end = tl.minimum(seqlen + dims.seqlen_new, dims.capacity)  # the clamp only keeps bad lengths in bounds
     n_k = tl.maximum(kv_end - kv_start, 0)
     seq = Seq(dims.seqlen_q, n_k, n_k - dims.seqlen_q)  # bottom-right alignment: query i is at key i + diag
 
@@ -616,7 +632,7 @@ def _kvcache_split_kernel(Q, K, V, Out, Lse, Part, cache, rope, Alibi, descale, 
     v_head = V + i_hk.to(tl.int64) * strides.v[2]
     table_row = cache.block_table + i_b.to(tl.int64) * strides.block_table
     prog = SplitProgram(b_q, o_i, slope_log2, k_head, v_head, table_row, cache_b, kv_start, row_lo, row_hi, seq, band,
-                        scale, strides)
+                        scale, strides, dims.cache_rows)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -776,7 +792,7 @@ def _append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx,
     strides = _strides(k_new, k_cache, v_cache, v_new.stride()[:3], block_table, rotary_cos, rotary_sin, None,
                        k_descale)
     dims = Dims(seqlen_new, seqlen_new, _capacity(k_cache, block_table), Heads(num_kv_heads, 1), 1, 0,
-                rotary_cos.shape[0] if rotary else 0)
+                rotary_cos.shape[0] if rotary else 0, k_cache.shape[0])
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=_block_d(head_dim),
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
@@ -892,7 +908,7 @@ def _attn_plan(cfg, spec, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, c
     strides = _strides(q, k_cache, v_cache, (seqlen_q * num_heads * head_dim, num_heads * head_dim, head_dim),
                        block_table, rotary_cos, rotary_sin, alibi_slopes, k_descale)
     dims = Dims(seqlen_q, seqlen_new, capacity, Heads(num_kv_heads, num_heads // num_kv_heads), splits,
-                n_rows * head_dim, rotary_cos.shape[0] if rotary_cos is not None else 0)
+                n_rows * head_dim, rotary_cos.shape[0] if rotary_cos is not None else 0, k_cache.shape[0])
     scale = DecodeScale(softmax_scale * LOG2E.value, softmax_scale / softcap if softcap > 0.0 else 0.0,
                         softcap * LOG2E.value)
     config = DecodeConfig(head_dim, block_m, cfg.block_n, _block_d(head_dim), spec.precision, spec.dot_upcast)

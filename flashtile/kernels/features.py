@@ -123,9 +123,10 @@ class Features:
             return placeholder, 0
         return alibi, alibi.stride(0) if alibi.dim() == 2 else 0
 
-    def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0):
+    def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0, total_k=0):
         """KernelArgs of a launch on q's device and dtype; use_tma: the launch reads its tiles by TMA (an attn_mask
-        then does too where _bias_tma_ok); seqlen_q / seqlen_k: the launch's lengths."""
+        then does too where _bias_tma_ok); seqlen_q / seqlen_k: the launch's lengths; total_k: a varlen batch's
+        number of key rows (q's come from q)."""
         placeholder, seed_placeholder, cu_placeholder = _placeholders(q.device)
         bias, bias_strides = placeholder, (0, 0, 0, 0)
         if self.attn_bias is not None:
@@ -135,8 +136,10 @@ class Features:
                       HAS_ALIBI=self.alibi_slopes is not None, BIAS=self.bias_kind,
                       BIAS_TMA=self._bias_tma_ok(use_tma, seqlen_q, seqlen_k), HAS_SINKS=self.sinks is not None,
                       DROPOUT=self.dropout_p > 0, VARLEN=self.varlen)
-        cu = CuSeqlens(self.cu_seqlens_q, self.cu_seqlens_k) if self.varlen else CuSeqlens(cu_placeholder,
-                                                                                            cu_placeholder)
+        if self.varlen:
+            cu = CuSeqlens(self.cu_seqlens_q, self.cu_seqlens_k, q.shape[0], total_k)
+        else:
+            cu = CuSeqlens(cu_placeholder, cu_placeholder)
         return KernelArgs(
             flags=flags, alibi=Alibi(*self.alibi_args(placeholder)), bias=Bias(bias, bias_strides), cu_seqlens=cu,
             no_blocks=Blocks(cu_placeholder, cu_placeholder, (0, 0), 0),

@@ -104,8 +104,10 @@ def _attn_fwd_epilogue(acc, l_i, m_i, Sinks, i_h, dropout, FEAT: tl.constexpr):
     if FEAT.HAS_SINKS:
         sink = tl.load(Sinks + i_h) * LOG2E
         m_fin = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.exp2(sink - m_fin)
+        # A row that saw no key with a sink of -inf keeps m = -inf: subtract 0 there (-inf - -inf is NaN).
+        m_sub = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.exp2(sink - m_sub)
         acc = acc * alpha[:, None]
         m_i = m_fin
     m_empty = l_i == 0.0
@@ -203,7 +205,7 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
         lse_strides = (lse.stride(0), lse.stride(1))
     strides = Strides(*(_common.batch_strides(t, feats.varlen) for t in (q, k, v, out)), lse_strides)
     spec = configs.launch_spec(q, (q, k, v, out))
-    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k)
+    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0])
     candidates = configs.forward_candidates(max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
                                             fargs.flags.BIAS, feats.softcap > 0)
     args = (q, k, v, out, lse, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens,
