@@ -102,6 +102,8 @@ if AVAILABLE:
                                                   src.handle)
 
     tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+    # A barrier of the calling warps (a partition's, in warp_specialize): 3.6's gl.thread_barrier, gl.barrier later.
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
     def tanh_approx(x):
@@ -209,4 +211,4 @@ if AVAILABLE:
 
 __all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "Ring", "TensorDescriptor", "Value", "aggregate",
            "dropout_tile_keep", "fence_async_shared", "gl", "gluon", "mbarrier", "tanh_approx", "tma", "tma_load",
-           "tma_reduce_add", "tma_store", "to_float32", "warpgroup_mma", "warpgroup_mma_wait"]
+           "tma_reduce_add", "tma_store", "thread_barrier", "to_float32", "warpgroup_mma", "warpgroup_mma_wait"]

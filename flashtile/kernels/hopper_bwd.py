@@ -12,6 +12,10 @@ seven products for five. This kernel computes each product once:
 * a writer warp (``_bwd_dq_partition``) adds each staged dQ share into an fp32 buffer by bulk TMA reductions
   (the one reduction a key-block-parallel backward needs).
 
+The partitions share one ``BwdProgram``, built once in ``_bwd_kernel`` (Gluon aggregates: the constexprs and layouts,
+the shared memory with its ring, the key block's walk over the query tiles, the band, ...); the loader and the
+writer walk the tiles through ``_walk_tiles``.
+
 The reductions land in a varying order, so dQ's rounding varies from run to run (as in flash-attn's default
 backward); ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) takes the portable kernels.
 Coverage: fp16/bf16, head dims 64 and 128, GQA (the key block loops over the query heads of its group, so dK and
@@ -48,8 +52,8 @@ from .features import BIAS_FLOAT, Features
 
 if AVAILABLE:
     from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
-                         mbarrier, tanh_approx, tma, tma_load, tma_reduce_add, tma_store, to_float32, warpgroup_mma,
-                         warpgroup_mma_wait)
+                         mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_reduce_add, tma_store,
+                         to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
@@ -66,20 +70,17 @@ MIN_SEQLEN_K = {64: 2048, 128: 0}
 # 64 KB more than the 194 KB in use, so a float bias at d64 takes the portable kernels. A bool mask's tiles are
 # half the size: [128, 128] uint8 fits at d64 too (226 KB).
 FLOAT_BIAS_HEAD_DIMS = (128,)
-# kv heads launched together under a float attn_mask shared by the heads (attention_backward, _grouped_order): 4,
-# where the forward takes 8, because here a wave holds fewer key blocks per head the larger the group (see
-# attention_backward).
+# kv heads launched together under a float attn_mask shared by the heads (_grouped_order): 4, where the forward
+# takes 8 (attention_backward says why).
 HEAD_GROUP = 4
-# The kernel's scalar arguments in named groups (Triton specializes each field as an argument of its own; the kernel
-# reads them by name): the batch and row strides of q, k, v, dout, (batch, row, head) of dk and dv, alibi's batch
-# stride; the scores' scalars (hopper_fwd.mod_scalars), the softmax scale, dropout's threshold and 1 / (1 - p); the
-# query and kv heads and the heads launched together; the attn_mask's batch and head factors; a bool mask's lists'
-# batch and head strides and columns.
+# The kernel's scalar arguments come in named groups (as hopper_fwd's): the batch and row strides of q, k, v, dout,
+# (batch, row, head) of dk and dv, alibi's batch stride; the scores' scalars (hopper_fwd.mod_scalars), the softmax
+# scale, dropout's threshold and 1 / (1 - p); the query and kv heads and how many kv heads launch together; the
+# attn_mask's batch and head factors (_Mul); a bool mask's lists' batch and head strides and columns (_Lists).
 _Strides = collections.namedtuple("_Strides", "q_b q_s k_b k_s v_b v_s do_b do_s dk_b dk_s dk_h dv_b dv_s dv_h alibi_b")
-_Scales = collections.namedtuple("_Scales", "pre_scale qk_scale sm_scale drop_threshold drop_rescale")
-_Heads = collections.namedtuple("_Heads", "num_heads num_kv_heads head_group")
-_Mul = collections.namedtuple("_Mul", "b h")
-_Lists = collections.namedtuple("_Lists", "b h cols")
+_Scales, _Heads, _Mul, _Lists = (collections.namedtuple(name, fields) for name, fields in (
+    ("_Scales", "pre_scale qk_scale sm_scale drop_threshold drop_rescale"),
+    ("_Heads", "num_heads num_kv_heads head_group"), ("_Mul", "b h"), ("_Lists", "b h cols")))
 
 
 @triton.jit
@@ -382,12 +383,12 @@ if AVAILABLE:
         loads = prog.loads
         smem = prog.smem
         slot = smem.q_bar.wait_empty(t)
+        nbytes: gl.constexpr = (loads.q_desc.block_type.nbytes + loads.do_desc.block_type.nbytes
+                                + 2 * loads.lse_desc.block_type.nbytes)
         if cfg.BIAS:
-            mbarrier.expect(smem.q_bar.full.index(slot), loads.q_desc.block_type.nbytes + loads.do_desc.block_type.nbytes
-                            + 2 * loads.lse_desc.block_type.nbytes + loads.bias_desc.block_type.nbytes)
+            mbarrier.expect(smem.q_bar.full.index(slot), nbytes + loads.bias_desc.block_type.nbytes)
         else:
-            mbarrier.expect(smem.q_bar.full.index(slot), loads.q_desc.block_type.nbytes + loads.do_desc.block_type.nbytes
-                            + 2 * loads.lse_desc.block_type.nbytes)
+            mbarrier.expect(smem.q_bar.full.index(slot), nbytes)
         tma_load(loads.q_desc, [m, i_h * cfg.HEAD_DIM], smem.q_bar.full.index(slot), smem.q.index(slot))
         tma_load(loads.do_desc, [m, i_h * cfg.HEAD_DIM], smem.q_bar.full.index(slot), smem.do.index(slot))
         # The rows' LSE and delta ride along: read from shared memory where the softmax needs them, they hold
@@ -411,20 +412,29 @@ if AVAILABLE:
         mbarrier.expect(smem.kv_bar, prog.loads.k_desc.block_type.nbytes + prog.loads.v_desc.block_type.nbytes)
         tma_load(prog.loads.k_desc, [walk.start_n, walk.i_hk * cfg.HEAD_DIM], smem.kv_bar, smem.k)
         tma_load(prog.loads.v_desc, [walk.start_n, walk.i_hk * cfg.HEAD_DIM], smem.kv_bar, smem.v)
+        _walk_tiles(prog, _load_q_tile)
+
+    @gluon.jit
+    def _walk_tiles(prog, STEP: gl.constexpr):
+        """STEP(prog, u, m, i_h) for the u-th query tile the program visits (rows from m of query head i_h), in the
+        partitions' order: the kv head's query heads in turn, each one's listed tiles (a bool attn_mask) or its
+        range (_tile_start). (The consumers walk the same order in two loops, masked tiles and the rest.)"""
+        cfg = prog.cfg
+        walk = prog.walk
         if cfg.BIAS == 2:
-            t = 0
+            u = 0
             for g in range(walk.group_size):
                 i_h = walk.i_hk * walk.group_size + g
                 row, count, rot = _list_row(prog.lists, walk.i_b, i_h, walk.start_n // cfg.BLOCK_N)
                 for p in range(count):
                     m = _listed_tile(prog.lists, row, p, count, rot, cfg.BLOCK_M)
-                    _load_q_tile(prog, t, m, i_h)
-                    t += 1
+                    STEP(prog, u, m, i_h)
+                    u += 1
         else:
-            for t in range(walk.group_size * walk.n_q):
-                i_h = walk.i_hk * walk.group_size + t // walk.n_q
-                m = _tile_start(walk, t % walk.n_q, cfg.BLOCK_M, cfg.ROTATE)
-                _load_q_tile(prog, t, m, i_h)
+            for u in range(walk.group_size * walk.n_q):
+                i_h = walk.i_hk * walk.group_size + u // walk.n_q
+                m = _tile_start(walk, u % walk.n_q, cfg.BLOCK_M, cfg.ROTATE)
+                STEP(prog, u, m, i_h)
 
     @gluon.jit
     def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr, FLAT: gl.constexpr):
@@ -442,11 +452,11 @@ if AVAILABLE:
         else:
             dq_smem.store(dq)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(dq_bars.index(2 * half), count=1)
 
     @gluon.jit
-    def _reduce_dq(prog, u, i_h, m):
+    def _reduce_dq(prog, u, m, i_h):
         """The writer's u-th step: add both warpgroups' staged shares of query head i_h's dQ tile at query m of
         the program's batch entry into the buffer (the kernel's dq_desc note)."""
         cfg = prog.cfg
@@ -478,22 +488,7 @@ if AVAILABLE:
     def _bwd_dq_partition(prog):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
         warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
-        cfg = prog.cfg
-        walk = prog.walk
-        if cfg.BIAS == 2:
-            u = 0
-            for g in range(walk.group_size):
-                i_h = walk.i_hk * walk.group_size + g
-                row, count, rot = _list_row(prog.lists, walk.i_b, i_h, walk.start_n // cfg.BLOCK_N)
-                for p in range(count):
-                    m = _listed_tile(prog.lists, row, p, count, rot, cfg.BLOCK_M)
-                    _reduce_dq(prog, u, i_h, m)
-                    u += 1
-        else:
-            for u in range(walk.group_size * walk.n_q):
-                i_h = walk.i_hk * walk.group_size + u // walk.n_q
-                m = _tile_start(walk, u % walk.n_q, cfg.BLOCK_M, cfg.ROTATE)
-                _reduce_dq(prog, u, i_h, m)
+        _walk_tiles(prog, _reduce_dq)
 
     @gluon.jit
     def _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, bh, MASK: gl.constexpr):
@@ -570,9 +565,11 @@ if AVAILABLE:
             else:
                 keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
             if cfg.MASK_RIGHT:
-                keep = keep & (gl.expand_dims(wg.key, 1) <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
+                keep = keep & (gl.expand_dims(wg.key, 1)
+                               <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
             if cfg.MASK_LEFT:
-                keep = keep & (gl.expand_dims(wg.key, 1) >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
+                keep = keep & (gl.expand_dims(wg.key, 1)
+                               >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
             pt = gl.where(keep, pt, 0.0)
         if not cfg.SOFTCAP:
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
@@ -617,7 +614,7 @@ if AVAILABLE:
         if not DS_IN_BIAS:
             ds_tile.slice(wg.half * 64, 64).store(dst)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         if cfg.DBIAS:
             # Rows past Sq and keys past Sk are clipped by the descriptor's bounds.
             # (Triton 3.6 reshapes no subslice: the slot's 4-D view, sliced.)
@@ -657,7 +654,7 @@ if AVAILABLE:
         if cfg.HAS_ALIBI:
             offsets = gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(0, cfg.s_layout)).to(gl.float32)
             wg.offsets.store(gl.expand_dims(offsets, 0))
-            gl.thread_barrier()
+            thread_barrier()
         dk = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
         dv = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
         seed = 0

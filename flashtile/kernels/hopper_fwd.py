@@ -24,6 +24,11 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
 * a float attn_mask shared by the heads is read by groups of ``HEAD_GROUP`` heads' items at about the same time
   (``_tile_coords``), once from memory.
 
+The partitions share one ``FwdProgram``, built once in ``_fwd_kernel``: Gluon aggregates of the launch's constexprs
+and layouts (``FwdConfig``), the shared memory with its mbarrier rings (``FwdSmem``, ``_gluon.Ring``), the work list,
+the band, the scores' modifications, the outputs and what only the producer reads; a work item and a warpgroup's
+rows of it are aggregates too (``FwdItem``, ``FwdRows``).
+
 Facts about ptxas (Triton 3.6) that shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
 has the SASS. (1) ptxas hoists ``wgmma.wait_group`` above independent arithmetic of the same basic block: with
 the wait for ``P_{j-1} V_{j-1}`` simply written after the softmax, it landed before the exponentials and a
@@ -62,8 +67,8 @@ from .features import BIAS_BOOL, BIAS_FLOAT, Features
 
 if AVAILABLE:
     from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
-                         mbarrier, tanh_approx, tma, tma_load, tma_store, to_float32, warpgroup_mma,
-                         warpgroup_mma_wait)
+                         mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_store, to_float32,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
 WG_M = 64
@@ -98,24 +103,26 @@ LAZY_LIMIT = tl.constexpr(32768.0)
 # covers ~16 query tiles of 8 heads, and the K/V the wave also reads (8 heads' worth, from memory once per wave)
 # and the mask (twice in all) are then about equal.
 HEAD_GROUP = 8
-# The kernel's scalar arguments in named groups (Triton specializes each field as an argument of its own; the kernel
-# reads them by name). Strides: out's batch, row, head; lse's batch, head; alibi's batch. _Mask: the factors that turn
-# a batch and a head index into the attn_mask's (0 along a broadcast dim), a bool mask's block lists' batch and head
-# strides and columns. _Band: Sk, the band's right and left offsets (i + diag_offset, i + left_offset), ALiBi's
-# (i + alibi_offset - j). _Scales: mod_scalars' qk_scale, mod_unit and pre_scale, dropout's threshold and 1 - p.
-# _Heads: query heads, heads per group (HEAD_GROUP), query heads per kv head.
+# The kernel's scalar arguments come in named groups: Triton specializes each field as an argument of its own, and
+# the kernel reads them by name (FwdProgram's aggregates).
+# Strides of out (batch, row, head), lse (batch, head) and alibi (batch).
 _Strides = collections.namedtuple("_Strides", "out_b out_s out_h lse_b lse_h alibi_b")
+# The attn_mask: the factors that turn a batch and a head index into its own (0 along a broadcast dim); a bool
+# mask's block lists (Features.block_lists): batch and head strides, columns.
 _Mask = collections.namedtuple("_Mask", "mul_b mul_h lists_b lists_h lists_cols")
+# Sk; the band's right and left bounds i + diag_offset, i + left_offset; ALiBi's distance |i + alibi_offset - j|.
 _Band = collections.namedtuple("_Band", "seqlen_k diag_offset left_offset alibi_offset")
-_Scales = collections.namedtuple("_Scales", "qk_scale mod_unit pre_scale drop_threshold drop_keep")
+_Scales = collections.namedtuple("_Scales", "qk_scale mod_unit pre_scale drop_threshold drop_keep")  # mod_scalars
+# Query heads, heads interleaved in a group (HEAD_GROUP), query heads per kv head.
 _Heads = collections.namedtuple("_Heads", "num_heads head_group group_size")
 
 if AVAILABLE:
     @aggregate
     class FwdConfig:
         """A launch's compile-time choices (the kernel's constexprs, documented at _fwd_kernel; BSTAGES is
-        BIAS_STAGES) and the layouts that follow from them: s_layout for a warpgroup's [PART_M, BLOCK_N] scores, o_layout for its [PART_M, HEAD_DIM]
-        output, dot_a for P as the register operand of P V, row_layout for per-row values."""
+        BIAS_STAGES) and the layouts that follow from them: s_layout for a warpgroup's [PART_M, BLOCK_N] scores,
+        o_layout for its [PART_M, HEAD_DIM] output, dot_a for P as the register operand of P V, row_layout for
+        per-row values."""
         HEAD_DIM: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
@@ -444,7 +451,8 @@ if AVAILABLE:
         while tile < work.n_tiles:
             if cfg.VARLEN:
                 # n_m is n_upper here; the item's sequence and its own bottom-right offsets.
-                i_b, start_m, q_start, seqlen_q, k_start, seqlen_k, i_h = _varlen_item(prog.producer.TileMap, tile, work.n_m)
+                i_b, start_m, q_start, seqlen_q, k_start, seqlen_k, i_h = _varlen_item(prog.producer.TileMap, tile,
+                                                                                       work.n_m)
                 offset = seqlen_k - seqlen_q
                 t_b = 0  # the descriptors' batch index
                 valid = i_b >= 0
@@ -505,9 +513,9 @@ if AVAILABLE:
                         slot = smem.b_bar.wait_empty(bc)
                         mbarrier.expect(smem.b_bar.full.index(slot), cfg.NUM_WG * producer.bias_desc.block_type.nbytes)
                         for part in gl.static_range(cfg.NUM_WG):
-                            tma_load(producer.bias_desc, [item.i_b * producer.bias_mul_b, item.i_h * producer.bias_mul_h,
-                                                          item.start_m + part * cfg.PART_M, col],
-                                     smem.b_bar.full.index(slot),
+                            tma_load(producer.bias_desc,
+                                     [item.i_b * producer.bias_mul_b, item.i_h * producer.bias_mul_h,
+                                      item.start_m + part * cfg.PART_M, col], smem.b_bar.full.index(slot),
                                      smem.b.index(slot * cfg.NUM_WG + part).reshape([1, 1, cfg.PART_M, cfg.BLOCK_N]))
                         bc += 1
             if j > 0:
@@ -631,7 +639,7 @@ if AVAILABLE:
         warp's maximum (shuffles), stored, then all four read back. (gl.max over x would use two barriers.)"""
         w = gl.max(gl.reshape(x, [4, x.shape[0] // 4]), 1)
         buf.store(w)
-        gl.thread_barrier()
+        thread_barrier()
         layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
         return gl.max(buf.load(layout), 0)
 
@@ -669,7 +677,7 @@ if AVAILABLE:
         q.store((x.to(gl.float32) * factor).to(q.dtype))
         # The products read Q through the async proxy, issued once every warp of the warpgroup has stored.
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
 
     @gluon.jit
     def _issue_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr = True):
@@ -912,7 +920,8 @@ if AVAILABLE:
             l_safe = l_safe * prog.mods.drop_keep  # 1 - p: the kept probabilities are scaled by 1 / (1 - p)
         acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, cfg.o_layout)), 1)
         # (Varlen: lse is [H, total_q], stride_lb 0; the sequence's rows start at q_start.)
-        lse_base = out.Lse + item.i_b.to(gl.int64) * out.stride_lb + item.i_h.to(gl.int64) * out.stride_lh + item.q_start
+        lse_base = (out.Lse + item.i_b.to(gl.int64) * out.stride_lb + item.i_h.to(gl.int64) * out.stride_lh
+                    + item.q_start)
         gl.store(lse_base + rows.row, lse, mask=rows.row < item.seqlen_q)
         if cfg.STAGE_O:
             if cfg.VARLEN:
