@@ -6,9 +6,10 @@ Triton renamed 3.6's ``tma.async_copy_global_to_shared`` / ``async_copy_shared_t
 Triton has no Gluon; the kernels are then never defined, and dispatch never picks them.
 
 ``aggregate`` groups what travels together inside a kernel (a launch's constexprs, an mbarrier ring, a work item),
-as Triton's own Gluon examples do: Triton 3.7 exports it as ``gluon.aggregate``, 3.6 has the same class decorator
-as ``triton.language.core._aggregate``. An aggregate costs nothing in the generated code: its tensor fields are
-the same SSA values, and its constexpr fields stay compile-time constants, through ``warp_specialize`` too.
+as Triton's own Gluon examples do: later Triton versions export it as ``gluon.aggregate``, 3.6 has the same class
+decorator as ``triton.language.core._aggregate``. An aggregate adds no instruction: its tensor fields are the same
+SSA values, and its constexpr fields stay compile-time constants, through ``warp_specialize`` too (where the order
+of the fields is the order the worker partitions receive their values in: hopper_fwd.FwdProgram).
 """
 import triton.language as tl
 from triton.language import core as _tl_core
@@ -55,7 +56,8 @@ if AVAILABLE:
                         value = gl.constexpr(value)
                     setattr(self, name, value)
 
-            # (Not a JIT function: Triton hashes the methods, and the call sites that pass the fields.)
+            # (Not a JIT function, as Triton's own generated __init__: the cache key covers the methods and the call
+            # sites that pass the fields, not the field list.)
             __init__.__triton_builtin__ = True
             cls.__init__ = __init__
         return (getattr(gluon, "aggregate", None) or _tl_core._aggregate)(cls)

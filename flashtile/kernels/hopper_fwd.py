@@ -899,9 +899,24 @@ if AVAILABLE:
         return rows, n_blocks
 
     @gluon.jit
-    def _epilogue(prog, item, rows, acc, m_i, l_i):
-        """O = acc / l (after the sinks and dropout's 1 / (1 - p)) and LSE of the warpgroup's rows, stored."""
+    def _consume_item(prog, item, rows, q, qb, c, bc, n_blocks, s_zero, seed):
+        """One warpgroup's work on one item whose rows start below Sq (its query tile in buffer qb): all its
+        blocks, then the epilogue (O = acc / l, after the sinks and dropout's 1 / (1 - p), and the rows' LSE,
+        stored). Returns the attn_mask tile count. (The epilogue stays in this function: as a function of its own
+        it moved ptxas's schedule of a few variants, whose debug scopes change with it.)"""
         cfg = prog.cfg
+        m_i = gl.full([cfg.PART_M], float("-inf"), gl.float32, layout=cfg.row_layout)
+        l_i = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
+        acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM], gl.float32, layout=cfg.o_layout)
+        if n_blocks > 0:
+            if cfg.BIAS == 1 and not cfg.SOFTCAP:
+                _scale_q(q, prog.mods.pre_scale)
+            q_empty = prog.smem.q_bar.empty.index(qb)
+            drop = Dropout(seed, item.i_b * prog.work.num_heads + item.i_h, prog.mods.drop_threshold)
+            acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, prog.mods, rows, drop, q, q_empty, c, bc, n_blocks, acc,
+                                             m_i, l_i, s_zero)
+        else:
+            mbarrier.arrive(prog.smem.q_bar.empty.index(qb), count=1)
         out = prog.out
         if cfg.HAS_SINKS:
             # The head's sink logit joins the denominator (docs/derivation.md#8): one more term, exp(sink - m),
@@ -938,25 +953,6 @@ if AVAILABLE:
         else:
             # No staging buffer (its shared memory holds attn_mask tiles).
             _store_o(out, acc.to(cfg.dtype), item, rows.row, cfg.o_layout)
-
-    @gluon.jit
-    def _consume_item(prog, item, rows, q, qb, c, bc, n_blocks, s_zero, seed):
-        """One warpgroup's work on one item whose rows start below Sq (its query tile in buffer qb): all its
-        blocks, then the epilogue. Returns the attn_mask tile count."""
-        cfg = prog.cfg
-        m_i = gl.full([cfg.PART_M], float("-inf"), gl.float32, layout=cfg.row_layout)
-        l_i = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
-        acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM], gl.float32, layout=cfg.o_layout)
-        if n_blocks > 0:
-            if cfg.BIAS == 1 and not cfg.SOFTCAP:
-                _scale_q(q, prog.mods.pre_scale)
-            q_empty = prog.smem.q_bar.empty.index(qb)
-            drop = Dropout(seed, item.i_b * prog.work.num_heads + item.i_h, prog.mods.drop_threshold)
-            acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, prog.mods, rows, drop, q, q_empty, c, bc, n_blocks, acc,
-                                             m_i, l_i, s_zero)
-        else:
-            mbarrier.arrive(prog.smem.q_bar.empty.index(qb), count=1)
-        _epilogue(prog, item, rows, acc, m_i, l_i)
         return bc
 
     @gluon.jit
