@@ -681,7 +681,7 @@ if AVAILABLE:
                     dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
                 for j in range(0, walk.n_q - walk.n_mask):
-                    m = walk.m_lo + _free_tile(walk, j, not cfg.MASK_RIGHT) * cfg.BLOCK_M
+                    m = walk.m_lo + _free_tile(walk, j, cfg.ROTATE) * cfg.BLOCK_M
                     dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, False)
                     t += 1
         _store_dkdv(prog, wg, dk, dv)
