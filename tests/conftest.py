@@ -53,8 +53,9 @@ def spy(call_counter):
 def bwd_spy(monkeypatch, call_counter):
     """The calls that reach the Hopper Gluon backward, with it on (FLASHTILE_GLUON_BWD=0 turns it off) at every
     size (short d64 calls normally take the portable kernels)."""
+    from flashtile._settings import SETTINGS
     from flashtile.kernels import hopper_bwd
-    monkeypatch.setattr(hopper_bwd, "ENABLED", True)
+    monkeypatch.setattr(SETTINGS, "gluon_backward", True)
     monkeypatch.setattr(hopper_bwd, "MIN_SEQLEN_K", {64: 0, 128: 0})
     return call_counter(hopper_bwd, "attention_backward")
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.kernels import hopper_bwd, hopper_fwd
+from flashtile._settings import SETTINGS
+from flashtile.kernels import hopper_bwd
 from flashtile.testing import check_against_reference, make_qkv
 
 # Fixtures spy / bwd_spy / call_counter: tests/conftest.py.
@@ -62,7 +63,7 @@ def test_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dt
 def test_matches_portable_kernel(monkeypatch, causal, d):
     q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_forward", False)
     out_p, lse_p, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     # Same math, different accumulation order: bf16 rounding of the output, fp32 rounding of the LSE.
     assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7
@@ -76,7 +77,7 @@ def test_matches_portable_kernel(monkeypatch, causal, d):
                                             (128, False, torch.float16), (128, True, torch.bfloat16)],
                          ids=("d64-causal-fp16", "d64-full-bf16", "d128-full-fp16", "d128-causal-bf16"))
 def test_scores_that_drift_across_key_blocks(monkeypatch, poison, spy, trend, d, causal, dtype):
-    # The forward takes a block's exponentials against the reference its rows already have (hopper_fwd.LAZY_MAX)
+    # The forward takes a block's exponentials against the reference its rows already have (SETTINGS.lazy_max)
     # and redoes a block with the maximum when a row's sum passes LAZY_LIMIT. Keys scaled up (rising) along the
     # sequence push every later block's scores well past the earlier maximum, so that path runs over and over,
     # in fp16 too, where P must stay below 65504; falling scores leave the early maximum far above later ones.
@@ -89,7 +90,7 @@ def test_scores_that_drift_across_key_blocks(monkeypatch, poison, spy, trend, d,
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert len(spy) == 1, "the call did not take the Gluon forward"
     check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, causal, sk - sq)
-    monkeypatch.setattr(hopper_fwd, "LAZY_MAX", False)
+    monkeypatch.setattr(SETTINGS, "lazy_max", False)
     out_m, lse_m, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     # The same exponentials up to the reference they were taken against: rounding of P, O and the LSE (outputs
     # up to ~4 here, where one bf16 step is 2^-6).

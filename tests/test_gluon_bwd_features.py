@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import flashtile
+from flashtile._settings import SETTINGS
 from flashtile.interface import _attention
-from flashtile.kernels import hopper_bwd, hopper_fwd
+from flashtile.kernels import hopper_bwd
 from flashtile.kernels.features import Features
 from flashtile.reference.dropout import dropout_mask
 from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
@@ -140,7 +141,7 @@ def test_matches_portable_backward(monkeypatch, bwd_spy, d):
     kw = dict(causal=True, window=(700, 0), softcap=10.0)
     fast = _run(q, k, v, dout, slopes, sink, **kw)
     assert len(bwd_spy) == 1
-    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_backward", False)
     portable = _run(q, k, v, dout, slopes, sink, **kw)
     assert len(bwd_spy) == 1
     # Same math, different accumulation order (and the Gluon dQ sums its key blocks in a varying order).
@@ -335,7 +336,7 @@ def test_mask_matches_portable_backward(monkeypatch, bwd_spy, kind):
         mask = torch.rand((b, h, sq, sk), generator=_gen(33), device=DEVICE) > 0.5
     fast = _run_masked(q, k, v, dout, mask)
     assert len(bwd_spy) == 1
-    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_backward", False)
     portable = _run_masked(q, k, v, dout, mask)
     assert len(bwd_spy) == 1
     for a, b_ in zip(portable[2:5], fast[2:5]):
@@ -437,7 +438,7 @@ def test_float_bias_grad_matches_portable(monkeypatch, bwd_spy, bshape):
     bias = _bias((*bshape, sq, sk), torch.bfloat16, seed=48).requires_grad_()
     fast = _run_bias_grad(q, k, v, dout, bias)
     assert len(bwd_spy) == 1
-    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_backward", False)
     portable = _run_bias_grad(q, k, v, dout, bias)
     assert len(bwd_spy) == 1
     for a, b_ in zip(portable[2:6], fast[2:6]):
@@ -554,7 +555,7 @@ def test_varlen_matches_portable_backward(monkeypatch, bwd_spy, d):
     kw = dict(causal=True, window=(700, 0), softcap=10.0, slopes=slopes, sink=sink)
     fast = _run_varlen(q, k, v, dout, cu_q, cu_k, **kw)
     assert len(bwd_spy) == 1
-    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_backward", False)
     portable = _run_varlen(q, k, v, dout, cu_q, cu_k, **kw)
     assert len(bwd_spy) == 1
     for a, b_ in zip(portable[2:5], fast[2:5]):
@@ -642,8 +643,8 @@ def test_dropout_matches_portable_kernels(monkeypatch, spy, bwd_spy, d):
 
     fast = run()
     assert len(spy) == 1 and len(bwd_spy) == 1
-    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
-    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_backward", False)
+    monkeypatch.setattr(SETTINGS, "gluon_forward", False)
     portable = run()
     assert len(spy) == 1 and len(bwd_spy) == 1
     # The same keep-mask: outputs to the rounding of P, gradients to their accumulation order.

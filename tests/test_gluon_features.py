@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.kernels import hopper_fwd
+from flashtile._settings import SETTINGS
 from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
 
 # Fixtures spy / poison: tests/conftest.py.
@@ -81,7 +81,7 @@ def test_matches_portable_kernel(monkeypatch, spy, d):
     q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
     kw = _features(2, 4, d, alibi="bh", sinks=True, window_size=(400, 0), softcap=12.0)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **kw)
-    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_forward", False)
     out_p, lse_p, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **kw)
     assert len(spy) == 1
     assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7
@@ -222,7 +222,7 @@ def test_attn_mask_matches_portable_kernel(monkeypatch, spy, kind):
     sdpa = (lambda: flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            attn_mask=bias, enable_gqa=True))
     out = sdpa()
-    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_forward", False)
     out_p = sdpa()
     assert len(spy) == 1
     assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7
@@ -340,7 +340,7 @@ def test_varlen_matches_portable_and_padded(monkeypatch, spy):
                                                   return_attn_probs=True)
         assert torch.equal(out[s], o_i[0]) and torch.equal(lse[:, s], lse_i[0])
     assert len(spy) == 1 + len(lens)
-    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_forward", False)
     out_p, lse_p, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 1000, 1000, causal=True,
                                                        return_attn_probs=True)
     assert (out.float() - out_p.float()).abs().max().item() <= 2 ** -7

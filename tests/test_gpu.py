@@ -75,10 +75,9 @@ def test_every_head_dim(d, dtype):
 def test_preferred_tiles_compile(monkeypatch, d, causal, dtype):
     """The tuned tiles (first candidate) must compile on this GPU; a fallback would silently cost speed. The
     portable kernels' tiles are checked with the Hopper Gluon kernels switched off (they take these calls)."""
-    from flashtile.kernels import hopper_bwd, hopper_fwd
     from flashtile.kernels.features import Features
-    monkeypatch.setattr(hopper_fwd, "ENABLED", False)
-    monkeypatch.setattr(hopper_bwd, "ENABLED", False)
+    monkeypatch.setattr(SETTINGS, "gluon_forward", False)
+    monkeypatch.setattr(SETTINGS, "gluon_backward", False)
     _check(1, 1024, 1024, 4, 4, d, causal, dtype, seed=1)
     # Only this call's (featureless) launches: other tests in the same process launch feature variants, whose
     # own first candidates may not fit.

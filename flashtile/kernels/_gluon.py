@@ -4,8 +4,15 @@ Triton renamed 3.6's ``tma.async_copy_global_to_shared`` / ``async_copy_shared_t
 ``async_store`` and later wrapped the bulk TMA reduction (``cp.reduce.async.bulk.tensor``) as
 ``async_atomic_add``; 3.6 has the reduction only as a builder call, wrapped here. ``AVAILABLE`` is False where
 Triton has no Gluon; the kernels are then never defined, and dispatch never picks them.
+
+``aggregate`` groups what travels together inside a kernel (a launch's constexprs, an mbarrier ring, a work item),
+as Triton's own Gluon examples do: later Triton versions export it as ``gluon.aggregate``, 3.6 has the same class
+decorator as ``triton.language.core._aggregate``. An aggregate adds no instruction: its tensor fields are the same
+SSA values, and its constexpr fields stay compile-time constants, through ``warp_specialize`` too (where the order
+of the fields is the order the worker partitions receive their values in: hopper_fwd.FwdProgram).
 """
 import triton.language as tl
+from triton.language import core as _tl_core
 
 try:
     from triton._C.libtriton import ir as _ir
@@ -29,6 +36,63 @@ CONSUMER_REGS = tl.constexpr(232)
 PRODUCER_REGS = tl.constexpr(24)
 
 if AVAILABLE:
+    # Any Gluon value: a field that holds a tensor in some launches and a constexpr in others (an integer argument
+    # equal to 1, which Triton specializes into a constant, or a feature's placeholder 0) is annotated with it.
+    Value = _tl_core.base_value
+
+    def aggregate(cls):
+        """Triton's aggregate with, where the class defines no __init__, a positional one: the fields in order
+        of annotation, a constexpr field's value wrapped as gl.constexpr. A class with computed fields defines
+        its own __init__ as a gluon.constexpr_function, as Triton's examples do."""
+        if "__init__" not in cls.__dict__:
+            fields = dict(cls.__annotations__)
+
+            def __init__(self, *values):
+                if len(values) != len(fields):
+                    raise TypeError(f"{cls.__name__} takes {len(fields)} fields ({', '.join(fields)}), "
+                                    f"got {len(values)}")
+                for (name, kind), value in zip(fields.items(), values):
+                    if kind is gl.constexpr and not isinstance(value, gl.constexpr):
+                        value = gl.constexpr(value)
+                    setattr(self, name, value)
+
+            # (Not a JIT function, as Triton's own generated __init__: the cache key covers the methods and the call
+            # sites that pass the fields, not the field list.)
+            __init__.__triton_builtin__ = True
+            cls.__init__ = __init__
+        return (getattr(gluon, "aggregate", None) or _tl_core._aggregate)(cls)
+
+    @aggregate
+    class Ring:
+        """The mbarriers of a ring of STAGES shared-memory slots that a producer warp fills by TMA and consumers
+        release: the i-th use (a running count) takes slot i % STAGES on pass i // STAGES. Slot s is guarded by
+        full[s] (the loads' bytes arrive on it) and empty[s] (every consumer arrives once it is done with the
+        slot). A fresh barrier has completed no phase, so the producer's first wait on an "empty" barrier (parity
+        1) does not block; after that, each wait needs every consumer's release of the previous use. (The
+        buffers a slot holds are the kernel's business.)"""
+        full: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        STAGES: gl.constexpr
+
+        @gluon.jit
+        def wait_empty(self, i):
+            """Producer: wait until use i's slot is free; returns the slot."""
+            slot = i % self.STAGES
+            mbarrier.wait(self.empty.index(slot), ((i // self.STAGES) & 1) ^ 1)
+            return slot
+
+        @gluon.jit
+        def wait_full(self, i):
+            """Consumer: wait until use i's loads have landed; returns the slot."""
+            slot = i % self.STAGES
+            mbarrier.wait(self.full.index(slot), (i // self.STAGES) & 1)
+            return slot
+
+        @gluon.jit
+        def release(self, i):
+            """Consumer: done with use i's slot."""
+            mbarrier.arrive(self.empty.index(i % self.STAGES), count=1)
+
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
@@ -40,6 +104,8 @@ if AVAILABLE:
                                                   src.handle)
 
     tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+    # A barrier of the calling warps (a partition's, in warp_specialize): 3.6's gl.thread_barrier, gl.barrier later.
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
     def tanh_approx(x):
@@ -145,6 +211,6 @@ if AVAILABLE:
         return gl.convert_layout(bits, layout)
 
 
-__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "TensorDescriptor", "dropout_tile_keep",
-           "fence_async_shared", "gl", "gluon", "mbarrier", "tanh_approx", "tma", "tma_load", "tma_reduce_add",
-           "tma_store", "to_float32", "warpgroup_mma", "warpgroup_mma_wait"]
+__all__ = ["AVAILABLE", "CONSUMER_REGS", "PRODUCER_REGS", "Ring", "TensorDescriptor", "Value", "aggregate",
+           "dropout_tile_keep", "fence_async_shared", "gl", "gluon", "mbarrier", "tanh_approx", "tma", "tma_load",
+           "tma_reduce_add", "tma_store", "thread_barrier", "to_float32", "warpgroup_mma", "warpgroup_mma_wait"]

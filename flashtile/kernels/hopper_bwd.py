@@ -12,6 +12,10 @@ seven products for five. This kernel computes each product once:
 * a writer warp (``_bwd_dq_partition``) adds each staged dQ share into an fp32 buffer by bulk TMA reductions
   (the one reduction a key-block-parallel backward needs).
 
+The partitions share one ``BwdProgram``, built once in ``_bwd_kernel`` (Gluon aggregates: the constexprs and layouts,
+the shared memory with its ring, the key block's walk over the query tiles, the band, ...); the loader and the
+writer walk the tiles through ``_walk_tiles``.
+
 The reductions land in a varying order, so dQ's rounding varies from run to run (as in flash-attn's default
 backward); ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) takes the portable kernels.
 Coverage: fp16/bf16, head dims 64 and 128, GQA (the key block loops over the query heads of its group, so dK and
@@ -32,8 +36,8 @@ Sk] buffer; without softcap that tile is also the dQ product's dS operand, in pl
 Dropout (DROPOUT, not with an attn_mask) regenerates the forward's keep-mask per step while S^T and dP^T are in the
 tensor cores (_gluon.dropout_tile_keep, keys as rows); at d128 the Philox states spill ~40 registers per step.
 """
+import collections
 import dataclasses
-import os
 
 import torch
 import triton
@@ -42,12 +46,14 @@ import triton.language as tl
 from ..reference.dropout import dropout_threshold
 from . import _launch, configs, hopper_fwd
 from ._common import LOG2E
+from .._settings import SETTINGS
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import BIAS_FLOAT, Features
 
 if AVAILABLE:
-    from ._gluon import (TensorDescriptor, dropout_tile_keep, fence_async_shared, gl, gluon, mbarrier, tanh_approx,
-                         tma, tma_load, tma_reduce_add, tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
+    from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
+                         mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_reduce_add, tma_store,
+                         to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
@@ -55,8 +61,7 @@ BLOCK_M = {64: 128, 128: 64}
 HEAD_DIMS = (64, 128)
 STAGES = 2
 # On by default (1.2-1.4x the portable backward on an H200, benchmarks/NOTES.md "Gluon backward");
-# FLASHTILE_GLUON_BWD=0 turns it off.
-ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
+# SETTINGS.gluon_backward off (FLASHTILE_GLUON_BWD=0) turns it off.
 # Fewer keys than this (by head dim) take the portable backward: at 1k, d64 (B16 H32, H200) this kernel ran at
 # 0.92-0.95x the portable one (every program has only 8 query tiles to spread its prologue over).
 MIN_SEQLEN_K = {64: 2048, 128: 0}
@@ -65,9 +70,17 @@ MIN_SEQLEN_K = {64: 2048, 128: 0}
 # 64 KB more than the 194 KB in use, so a float bias at d64 takes the portable kernels. A bool mask's tiles are
 # half the size: [128, 128] uint8 fits at d64 too (226 KB).
 FLOAT_BIAS_HEAD_DIMS = (128,)
-# kv heads launched together under a float attn_mask shared by the heads (attention_backward, _grouped_order).
-# FLASHTILE_BWD_HEAD_GROUP: probes.
-HEAD_GROUP = int(os.environ.get("FLASHTILE_BWD_HEAD_GROUP", "4"))
+# kv heads launched together under a float attn_mask shared by the heads (_grouped_order): 4, where the forward
+# takes 8 (attention_backward says why).
+HEAD_GROUP = 4
+# The kernel's scalar arguments come in named groups (as hopper_fwd's): the batch and row strides of q, k, v, dout,
+# (batch, row, head) of dk and dv, alibi's batch stride; the scores' scalars (hopper_fwd.mod_scalars), the softmax
+# scale, dropout's threshold and 1 / (1 - p); the query and kv heads and how many kv heads launch together; the
+# attn_mask's batch and head factors (_Mul); a bool mask's lists' batch and head strides and columns (_Lists).
+_Strides = collections.namedtuple("_Strides", "q_b q_s k_b k_s v_b v_s do_b do_s dk_b dk_s dk_h dv_b dv_s dv_h alibi_b")
+_Scales, _Heads, _Mul, _Lists = (collections.namedtuple(name, fields) for name, fields in (
+    ("_Scales", "pre_scale qk_scale sm_scale drop_threshold drop_rescale"),
+    ("_Heads", "num_heads num_kv_heads head_group"), ("_Mul", "b h"), ("_Lists", "b h cols")))
 
 
 @triton.jit
@@ -111,6 +124,206 @@ def dq_from_tiles(acc, dq, seqlen_q_pad):
 
 if AVAILABLE:
 
+    @aggregate
+    class BwdConfig:
+        """A launch's compile-time choices (the kernel's constexprs, documented at _bwd_kernel) and what follows
+        from them: FLAT (dQ's tile-by-tile buffer, fixed-length batches), ROTATE (no right bound: each key block
+        starts its unmasked tiles at a different one), the layouts of a warpgroup's [64, BLOCK_M] transposed scores
+        (s_layout) and [64, HEAD_DIM] dK / dV accumulators (kv_layout), and the register-operand layout dot_a."""
+        HEAD_DIM: gl.constexpr
+        BLOCK_M: gl.constexpr
+        BLOCK_N: gl.constexpr
+        STAGES: gl.constexpr
+        MASK_LEFT: gl.constexpr
+        MASK_RIGHT: gl.constexpr
+        SOFTCAP: gl.constexpr
+        HAS_ALIBI: gl.constexpr
+        BIAS: gl.constexpr
+        DBIAS: gl.constexpr
+        VARLEN: gl.constexpr
+        DROPOUT: gl.constexpr
+        FLAT: gl.constexpr
+        ROTATE: gl.constexpr
+        dtype: gl.constexpr
+        s_layout: gl.constexpr
+        kv_layout: gl.constexpr
+        dot_a: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
+                     VARLEN, DROPOUT, dtype):
+            self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+            self.BLOCK_M = gl.constexpr(BLOCK_M)
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+            self.STAGES = gl.constexpr(STAGES)
+            self.MASK_LEFT = gl.constexpr(MASK_LEFT)
+            self.MASK_RIGHT = gl.constexpr(MASK_RIGHT)
+            self.SOFTCAP = gl.constexpr(SOFTCAP)
+            self.HAS_ALIBI = gl.constexpr(HAS_ALIBI)
+            self.BIAS = gl.constexpr(BIAS)
+            self.DBIAS = gl.constexpr(DBIAS)
+            self.VARLEN = gl.constexpr(VARLEN)
+            self.DROPOUT = gl.constexpr(DROPOUT)
+            self.FLAT = gl.constexpr(not VARLEN)
+            self.ROTATE = gl.constexpr(not MASK_RIGHT)
+            self.dtype = gl.constexpr(dtype)
+            kv_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+            self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                   instr_shape=[16, BLOCK_M, 16]))
+            self.kv_layout = gl.constexpr(kv_layout)
+            self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
+
+    # The aggregates below group what the partitions share; BwdProgram holds them all. Their field order is not
+    # free: warp_specialize hands the worker partitions their values (those a worker uses) in the order they first
+    # appear in the flattened arguments, and that order shapes ptxas's schedule of each partition. The order here
+    # (the consumers' values first, in these groups; then the loader's own, BwdLoads; then the dQ writer's, BwdDq)
+    # is the one the kernel was measured with.
+
+    @aggregate
+    class BwdPtrs:
+        """The tensors the consumers address in global memory: dK and dV (stored at the end), ALiBi's slopes."""
+        dK: gl.tensor
+        dV: gl.tensor
+        Alibi: gl.tensor
+
+    @aggregate
+    class BwdSmem:
+        """The backward's shared memory. The ring (q_bar, STAGES slots) holds each step's Q and dO tiles, its rows'
+        LSE and delta and its attn_mask tile (bias; its gradient goes out from there through dbias_desc);
+        offsets: ALiBi's query offsets per warpgroup (_bwd_step); k, v: the key block (kv_bar); ds: dS^T in two
+        alternating buffers (both halves in: ds_ready); dq: each warpgroup's staged dQ share for the writer
+        (dq_bars[2w] "staged", dq_bars[2w + 1] "read by the writer")."""
+        lse: gl.shared_memory_descriptor
+        delta: gl.shared_memory_descriptor
+        offsets: gl.shared_memory_descriptor
+        bias: gl.shared_memory_descriptor
+        dbias_desc: Value
+        dq_bars: gl.shared_memory_descriptor
+        k: gl.shared_memory_descriptor
+        v: gl.shared_memory_descriptor
+        q: gl.shared_memory_descriptor
+        do: gl.shared_memory_descriptor
+        ds: gl.shared_memory_descriptor
+        ds_ready: gl.shared_memory_descriptor
+        dq: gl.shared_memory_descriptor
+        kv_bar: gl.shared_memory_descriptor
+        q_bar: Ring
+
+    @aggregate
+    class BwdWalk:
+        """The key block this program owns (keys from start_n of kv head i_hk, batch entry i_b) and the query
+        tiles it visits for each of the group_size query heads of its kv head: m_lo + i * BLOCK_M for i < n_q, the
+        n_mask masked ones first (_masked_tile), then the others rotated by shift (_free_tile); see "Tile
+        order"."""
+        i_b: Value
+        i_hk: Value
+        start_n: Value
+        m_lo: Value
+        n_q: Value
+        i_full: Value
+        i_diag: Value
+        i_diag_end: Value
+        i_end: Value
+        n_mask: Value
+        shift: Value
+        group_size: Value
+
+    @aggregate
+    class BwdBand:
+        """Sk (the sequence's own under VARLEN) and the band: query i sees key j iff j - diag_offset - window_right
+        <= i <= j - diag_offset + window_left (a window of -1 is unbounded)."""
+        seqlen_k: Value
+        diag_offset: Value
+        window_left: Value
+        window_right: Value
+
+    @aggregate
+    class BwdMods:
+        """The scores' scalars (hopper_fwd.mod_scalars: pre_scale, qk_scale; sm_scale, which dS carries) and
+        ALiBi's batch stride."""
+        pre_scale: Value
+        qk_scale: Value
+        sm_scale: Value
+        stride_alibi_b: Value
+
+    @aggregate
+    class BwdStrides:
+        """dK's and dV's batch, row and head strides."""
+        dk_b: Value
+        dk_s: Value
+        dk_h: Value
+        dv_b: Value
+        dv_s: Value
+        dv_h: Value
+
+    @aggregate
+    class BwdLists:
+        """A bool attn_mask's lists of query tiles per key block (_list_row): Counts, Idx with strides stride_b,
+        stride_h and n_cols columns."""
+        Counts: gl.tensor
+        Idx: gl.tensor
+        stride_b: Value
+        stride_h: Value
+        n_cols: Value
+
+    @aggregate
+    class BwdDropout:
+        """Dropout: the Philox key Seed, bh0 = i_b * num_heads (a query head's counter word is bh0 + i_h), the keep
+        threshold and rescale = 1 / (1 - p)."""
+        Seed: gl.tensor
+        bh0: Value
+        threshold: Value
+        rescale: Value
+
+    @aggregate
+    class BwdLoads:
+        """What only the loader reads: the descriptors of Q, dO, K, V, LSE, delta and the attn_mask's tiles (bias:
+        a placeholder without one), num_heads, and the factors that turn a batch and a head index into the
+        attn_mask's (0 along a broadcast dim)."""
+        q_desc: Value
+        do_desc: Value
+        k_desc: Value
+        v_desc: Value
+        lse_desc: Value
+        delta_desc: Value
+        bias_desc: Value
+        num_heads: Value
+        bias_mul_b: Value
+        bias_mul_h: Value
+
+    @aggregate
+    class BwdDq:
+        """What only the dQ writer reads: the fp32 buffer's descriptor and its rows per batch entry (FLAT)."""
+        desc: Value
+        batch_rows: Value
+
+    @aggregate
+    class BwdProgram:
+        """Everything the partitions of one program share (built once in _bwd_kernel)."""
+        cfg: BwdConfig
+        ptrs: BwdPtrs
+        smem: BwdSmem
+        walk: BwdWalk
+        band: BwdBand
+        mods: BwdMods
+        strides: BwdStrides
+        lists: BwdLists
+        drop: BwdDropout
+        loads: BwdLoads
+        dq: BwdDq
+
+    @aggregate
+    class BwdHalf:
+        """One consumer warpgroup's half of the key block: keys key0 + (0 .. 63) (key, in the rows of the scores'
+        layout), its K and V rows, its dQ staging tile and ALiBi offsets row, and its index half."""
+        key0: Value
+        key: gl.tensor
+        k: gl.shared_memory_descriptor
+        v: gl.shared_memory_descriptor
+        dq: gl.shared_memory_descriptor
+        offsets: gl.shared_memory_descriptor
+        half: gl.constexpr
+
     # Tile order. A key block visits the query tiles m_lo + i * BLOCK_M, i < n_q, that see it; every partition
     # (loader, consumers, writer) walks them in the same order: first the n_mask masked ones, i in [0, i_full)
     # (crossed by the band's right edge), [i_diag, i_diag_end) (crossed by the diagonal; ALiBi only, see
@@ -118,29 +331,29 @@ if AVAILABLE:
     # [i_full, i_diag) and [i_diag_end, i_end), rotated by shift (_bwd_kernel says why).
 
     @gluon.jit
-    def _masked_tile(p, i_full, i_diag, i_diag_end, i_end):
+    def _masked_tile(walk, p):
         """Index of the p-th masked tile."""
-        i = p + gl.where(p >= i_full, i_diag - i_full, 0)
-        return i + gl.where(i >= i_diag_end, i_end - i_diag_end, 0)
+        i = p + gl.where(p >= walk.i_full, walk.i_diag - walk.i_full, 0)
+        return i + gl.where(i >= walk.i_diag_end, walk.i_end - walk.i_diag_end, 0)
 
     @gluon.jit
-    def _free_tile(j, i_full, i_diag, i_diag_end, n_free, shift, ROTATE: gl.constexpr):
-        """Index of the j-th unmasked tile (n_free of them)."""
+    def _free_tile(walk, j, ROTATE: gl.constexpr):
+        """Index of the j-th unmasked tile (n_q - n_mask of them)."""
+        n_free = walk.n_q - walk.n_mask
         if ROTATE:
-            j += shift  # < 2 n_free: a compare instead of a division
+            j += walk.shift  # < 2 n_free: a compare instead of a division
             j = gl.where(j >= n_free, j - n_free, j)
-        i = i_full + j
-        return i + gl.where(i >= i_diag, i_diag_end - i_diag, 0)
+        i = walk.i_full + j
+        return i + gl.where(i >= walk.i_diag, walk.i_diag_end - walk.i_diag, 0)
 
     @gluon.jit
-    def _tile_start(p, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M: gl.constexpr,
-                    ROTATE: gl.constexpr):
+    def _tile_start(walk, p, BLOCK_M: gl.constexpr, ROTATE: gl.constexpr):
         """First query row of the p-th tile in the partitions' order."""
-        if p < n_mask:
-            i = _masked_tile(p, i_full, i_diag, i_diag_end, i_end)
+        if p < walk.n_mask:
+            i = _masked_tile(walk, p)
         else:
-            i = _free_tile(p - n_mask, i_full, i_diag, i_diag_end, n_q - n_mask, shift, ROTATE)
-        return m_lo + i * BLOCK_M
+            i = _free_tile(walk, p - walk.n_mask, ROTATE)
+        return walk.m_lo + i * BLOCK_M
 
     # A bool attn_mask (BIAS == 2) replaces the ranges by a list (Features.block_lists, transposed): per (batch,
     # head, key block) the count and ascending indices of the query tiles with any attended element, so the tiles
@@ -149,74 +362,79 @@ if AVAILABLE:
     # ROTATE does.
 
     @gluon.jit
-    def _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, i_n):
+    def _list_row(lists, i_b, i_h, i_n):
         """(row of the lists, count of its tiles, rotation) for query head i_h and key block i_n."""
-        row = i_b * stride_cnt_b + i_h * stride_cnt_h + i_n
-        count = gl.load(Counts + row)
+        row = i_b * lists.stride_b + i_h * lists.stride_h + i_n
+        count = gl.load(lists.Counts + row)
         return row, count, i_n % gl.maximum(count, 1)
 
     @gluon.jit
-    def _listed_tile(Idx, row, n_cols, p, count, shift, BLOCK_M: gl.constexpr):
+    def _listed_tile(lists, row, p, count, shift, BLOCK_M: gl.constexpr):
         """First query row of the p-th listed tile of the list `row`, rotated by shift (< count)."""
         p += shift
         p = gl.where(p >= count, p - count, p)
-        return gl.load(Idx + row * n_cols + p) * BLOCK_M
+        return gl.load(lists.Idx + row * lists.n_cols + p) * BLOCK_M
 
     @gluon.jit
-    def _load_q_tile(t, m, i_h, i_b, start_n, num_heads, bias_mul_b, bias_mul_h, q_desc, do_desc, lse_desc,
-                     delta_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem, bias_smem, q_full, q_empty,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, BIAS: gl.constexpr):
-        """The producer's loads for the t-th step: query rows [m, m + BLOCK_M) of head i_h into ring slot t % STAGES
+    def _load_q_tile(prog, t, m, i_h):
+        """The loader's loads for the t-th step: query rows [m, m + BLOCK_M) of head i_h into ring slot t % STAGES
         (with the attn_mask tile of those rows and the key block)."""
-        slot = t % STAGES
-        mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
-        if BIAS:
-            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + 2 * lse_desc.block_type.nbytes + bias_desc.block_type.nbytes)
+        cfg = prog.cfg
+        loads = prog.loads
+        smem = prog.smem
+        slot = smem.q_bar.wait_empty(t)
+        nbytes: gl.constexpr = (loads.q_desc.block_type.nbytes + loads.do_desc.block_type.nbytes
+                                + 2 * loads.lse_desc.block_type.nbytes)
+        if cfg.BIAS:
+            mbarrier.expect(smem.q_bar.full.index(slot), nbytes + loads.bias_desc.block_type.nbytes)
         else:
-            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + 2 * lse_desc.block_type.nbytes)
-        tma_load(q_desc, [m, i_h * HEAD_DIM], q_full.index(slot), q_smem.index(slot))
-        tma_load(do_desc, [m, i_h * HEAD_DIM], q_full.index(slot), do_smem.index(slot))
+            mbarrier.expect(smem.q_bar.full.index(slot), nbytes)
+        tma_load(loads.q_desc, [m, i_h * cfg.HEAD_DIM], smem.q_bar.full.index(slot), smem.q.index(slot))
+        tma_load(loads.do_desc, [m, i_h * cfg.HEAD_DIM], smem.q_bar.full.index(slot), smem.do.index(slot))
         # The rows' LSE and delta ride along: read from shared memory where the softmax needs them, they hold
         # no registers across the products (at d128 registers are what the consumers run short of).
-        tma_load(lse_desc, [i_b * num_heads + i_h, m], q_full.index(slot), lse_smem.index(slot))
-        tma_load(delta_desc, [i_b * num_heads + i_h, m], q_full.index(slot), delta_smem.index(slot))
-        if BIAS:
+        i_b = prog.walk.i_b
+        tma_load(loads.lse_desc, [i_b * loads.num_heads + i_h, m], smem.q_bar.full.index(slot), smem.lse.index(slot))
+        tma_load(loads.delta_desc, [i_b * loads.num_heads + i_h, m], smem.q_bar.full.index(slot),
+                 smem.delta.index(slot))
+        if cfg.BIAS:
             # The attn_mask tile [BLOCK_M queries, BLOCK_N keys] rides in the same slot (released with Q and dO).
-            tile = bias_smem.index(slot)
-            tma_load(bias_desc, [i_b * bias_mul_b, i_h * bias_mul_h, m, start_n], q_full.index(slot),
-                     tile.reshape([1, 1, tile.shape[0], tile.shape[1]]))
+            tile = smem.bias.index(slot)
+            tma_load(loads.bias_desc, [i_b * loads.bias_mul_b, i_h * loads.bias_mul_h, m, prog.walk.start_n],
+                     smem.q_bar.full.index(slot), tile.reshape([1, 1, tile.shape[0], tile.shape[1]]))
 
     @gluon.jit
-    def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_desc, q_smem, do_smem,
-                            k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_full, q_empty, start_n, i_b,
-                            i_hk, num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
-                            bias_mul_b, bias_mul_h, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols,
-                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, ROTATE: gl.constexpr, BIAS: gl.constexpr):
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [start_n, i_hk * HEAD_DIM], kv_bar, k_smem)
-        tma_load(v_desc, [start_n, i_hk * HEAD_DIM], kv_bar, v_smem)
-        if BIAS == 2:
-            t = 0
-            for g in range(group_size):
-                i_h = i_hk * group_size + g
-                row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
+    def _bwd_load_partition(prog):
+        """The loader warp: the key block's K and V once, then each step's query-side tiles (_load_q_tile)."""
+        cfg = prog.cfg
+        walk = prog.walk
+        smem = prog.smem
+        mbarrier.expect(smem.kv_bar, prog.loads.k_desc.block_type.nbytes + prog.loads.v_desc.block_type.nbytes)
+        tma_load(prog.loads.k_desc, [walk.start_n, walk.i_hk * cfg.HEAD_DIM], smem.kv_bar, smem.k)
+        tma_load(prog.loads.v_desc, [walk.start_n, walk.i_hk * cfg.HEAD_DIM], smem.kv_bar, smem.v)
+        _walk_tiles(prog, _load_q_tile)
+
+    @gluon.jit
+    def _walk_tiles(prog, STEP: gl.constexpr):
+        """STEP(prog, u, m, i_h) for the u-th query tile the program visits (rows from m of query head i_h), in the
+        partitions' order: the kv head's query heads in turn, each one's listed tiles (a bool attn_mask) or its
+        range (_tile_start). (The consumers walk the same order in two loops, masked tiles and the rest.)"""
+        cfg = prog.cfg
+        walk = prog.walk
+        if cfg.BIAS == 2:
+            u = 0
+            for g in range(walk.group_size):
+                i_h = walk.i_hk * walk.group_size + g
+                row, count, rot = _list_row(prog.lists, walk.i_b, i_h, walk.start_n // cfg.BLOCK_N)
                 for p in range(count):
-                    m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
-                    _load_q_tile(t, m, i_h, i_b, start_n, num_heads, bias_mul_b, bias_mul_h, q_desc, do_desc,
-                                 lse_desc, delta_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem, bias_smem,
-                                 q_full, q_empty, HEAD_DIM, BLOCK_M, STAGES, BIAS)
-                    t += 1
+                    m = _listed_tile(prog.lists, row, p, count, rot, cfg.BLOCK_M)
+                    STEP(prog, u, m, i_h)
+                    u += 1
         else:
-            for t in range(group_size * n_q):
-                i_h = i_hk * group_size + t // n_q
-                m = _tile_start(t % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M,
-                                ROTATE)
-                _load_q_tile(t, m, i_h, i_b, start_n, num_heads, bias_mul_b, bias_mul_h, q_desc, do_desc, lse_desc,
-                             delta_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem, bias_smem, q_full,
-                             q_empty, HEAD_DIM, BLOCK_M, STAGES, BIAS)
+            for u in range(walk.group_size * walk.n_q):
+                i_h = walk.i_hk * walk.group_size + u // walk.n_q
+                m = _tile_start(walk, u % walk.n_q, cfg.BLOCK_M, cfg.ROTATE)
+                STEP(prog, u, m, i_h)
 
     @gluon.jit
     def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr, FLAT: gl.constexpr):
@@ -234,107 +452,77 @@ if AVAILABLE:
         else:
             dq_smem.store(dq)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(dq_bars.index(2 * half), count=1)
 
     @gluon.jit
-    def _reduce_dq(u, i_b, i_h, m, num_heads, dq_batch_rows, dq_desc, dq_smem, dq_bars, HEAD_DIM: gl.constexpr,
-                   BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr):
+    def _reduce_dq(prog, u, m, i_h):
         """The writer's u-th step: add both warpgroups' staged shares of query head i_h's dQ tile at query m of
-        batch entry i_b into the buffer (the kernel's dq_desc note)."""
+        the program's batch entry into the buffer (the kernel's dq_desc note)."""
+        cfg = prog.cfg
+        dq = prog.dq
+        dq_smem = prog.smem.dq
+        dq_bars = prog.smem.dq_bars
         # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
         for w in gl.static_range(2):
             mbarrier.wait(dq_bars.index(2 * w), u & 1)
-            # (DQ_MODE 3, a probe: the hand-offs without the reductions.)
-            if DQ_MODE != 3:
-                if FLAT:
-                    # The tile's two shares are 32 consecutive rows of 256 (dq_batch_rows: Sq_pad here).
-                    row = (i_b * num_heads + i_h) * (dq_batch_rows * HEAD_DIM // 256) + m * HEAD_DIM // 256 + w * 16
-                    tma_reduce_add(dq_desc, [row, 0], dq_smem.index(w))
-                else:
-                    # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64,
-                    # from 128-byte swizzled staging: 32 columns per reduction.
-                    col = i_h * HEAD_DIM + w * 64 if BLOCK_M == 64 else i_h * HEAD_DIM
-                    row = i_b * dq_batch_rows + m + (0 if BLOCK_M == 64 else w * 64)
-                    tma_reduce_add(dq_desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
-                    tma_reduce_add(dq_desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
+            if cfg.FLAT:
+                # The tile's two shares are 32 consecutive rows of 256 (batch_rows: Sq_pad here).
+                row = ((prog.walk.i_b * prog.loads.num_heads + i_h) * (dq.batch_rows * cfg.HEAD_DIM // 256)
+                       + m * cfg.HEAD_DIM // 256 + w * 16)
+                tma_reduce_add(dq.desc, [row, 0], dq_smem.index(w))
+            else:
+                # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64,
+                # from 128-byte swizzled staging: 32 columns per reduction.
+                col = i_h * cfg.HEAD_DIM + w * 64 if cfg.BLOCK_M == 64 else i_h * cfg.HEAD_DIM
+                row = prog.walk.i_b * dq.batch_rows + m + (0 if cfg.BLOCK_M == 64 else w * 64)
+                tma_reduce_add(dq.desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
+                tma_reduce_add(dq.desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
         # Warpgroup 0's reductions are the first 1 (FLAT) or 2 bulk groups: its tile is free once they have read it.
-        tma.store_wait(pendings=1 if FLAT else 2)
+        tma.store_wait(pendings=1 if cfg.FLAT else 2)
         mbarrier.arrive(dq_bars.index(1), count=1)
         tma.store_wait(pendings=0)
         mbarrier.arrive(dq_bars.index(3), count=1)
 
     @gluon.jit
-    def _bwd_dq_partition(dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                          i_end, n_mask, shift, group_size, num_heads, dq_batch_rows, Counts, Idx, stride_cnt_b,
-                          stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          ROTATE: gl.constexpr, DQ_MODE: gl.constexpr, BIAS: gl.constexpr, FLAT: gl.constexpr):
+    def _bwd_dq_partition(prog):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
         warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
-        if BIAS == 2:
-            if DQ_MODE != 1:
-                u = 0
-                for g in range(group_size):
-                    i_h = i_hk * group_size + g
-                    row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
-                    for p in range(count):
-                        m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
-                        _reduce_dq(u, i_b, i_h, m, num_heads, dq_batch_rows, dq_desc, dq_smem, dq_bars, HEAD_DIM,
-                                   BLOCK_M, DQ_MODE, FLAT)
-                        u += 1
-        else:
-            n = group_size * n_q
-            if DQ_MODE == 1:
-                n = 0
-            for u in range(n):
-                i_h = i_hk * group_size + u // n_q
-                m = _tile_start(u % n_q, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, BLOCK_M, ROTATE)
-                _reduce_dq(u, i_b, i_h, m, num_heads, dq_batch_rows, dq_desc, dq_smem, dq_bars, HEAD_DIM, BLOCK_M,
-                           DQ_MODE, FLAT)
+        _walk_tiles(prog, _reduce_dq)
 
     @gluon.jit
-    def _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, dq_bars, q_full, q_empty,
-                  lse_smem, delta_smem, offsets_smem, bias_smem, dbias_desc, i_b, i_h, dk, dv, key0, key, seqlen_k,
-                  diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale, slope, seed, bh,
-                  drop_threshold, drop_rescale, half: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                  BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr, FLAT: gl.constexpr,
-                  DROPOUT: gl.constexpr):
-        """One query tile of the key block's warpgroup half. The scores in log2 units are S^T * qk_scale, or with a
-        softcap tanh(S^T * pre_scale) * qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi, a float
-        attn_mask; the scalars of hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi, plus the
-        bias * log2(e) (BIAS 1). MASK: the tile needs the band's mask (or the key bound's, or it crosses the
-        diagonal under ALiBi, or a bool attn_mask applies: BIAS 2). DBIAS: also write the bias's gradient, dS
-        before softcap's factor, for query head i_h of batch entry i_b (see the DBIAS note in _bwd_kernel).
-        DROPOUT: the forward's keep-mask Z of (b, h) = bh, regenerated (docs/derivation.md#8): dV takes P o Z (its
-        1 / (1 - p) is applied once, to dV at the end) and dP^T becomes dP^T o Z / (1 - p)."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
-        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-        dtype: gl.constexpr = ds_smem.dtype
-        slot = t % STAGES
-        mbarrier.wait(q_full.index(slot), (t // STAGES) & 1)
-        q = q_smem.index(slot)
-        do = do_smem.index(slot)
-        zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
-        st_tok = warpgroup_mma(k_w, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(v_w, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-        ds_scale = sm_scale
-        if DROPOUT:
+    def _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, bh, MASK: gl.constexpr):
+        """One query tile (rows from m of query head i_h, the program's t-th step) for the warpgroup's half of the
+        key block (wg). The scores in log2 units are S^T * qk_scale, or with a softcap tanh(S^T * pre_scale) *
+        qk_scale (kernels/_common._score_mod's order: scale, softcap, ALiBi, a float attn_mask; the scalars of
+        hopper_fwd.mod_scalars), minus slope * |i + diag - j| with ALiBi, plus the bias * log2(e) (BIAS 1). MASK:
+        the tile needs the band's mask (or the key bound's, or it crosses the diagonal under ALiBi, or a bool
+        attn_mask applies: BIAS 2). DBIAS: also write the bias's gradient, dS before softcap's factor (see the
+        DBIAS note in _bwd_kernel). DROPOUT: the forward's keep-mask Z of (b, h) = bh, regenerated under the key
+        seed (docs/derivation.md#8): dV takes P o Z (its 1 / (1 - p) is applied once, to dV at the end) and dP^T
+        becomes dP^T o Z / (1 - p). Returns dK, dV."""
+        cfg = prog.cfg
+        smem = prog.smem
+        s_layout: gl.constexpr = cfg.s_layout
+        slot = smem.q_bar.wait_full(t)
+        q = smem.q.index(slot)
+        do = smem.do.index(slot)
+        zero = gl.zeros([64, cfg.BLOCK_M], gl.float32, layout=s_layout)
+        st_tok = warpgroup_mma(wg.k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(wg.v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        ds_scale = prog.mods.sm_scale
+        if cfg.DROPOUT:
             # Drawn while the products run: keys as rows, this tile's queries as columns, in four chunks (fewer
             # Philox states live at once; offline at d128 the loop still spills ~40 registers per step).
-            keep_t = dropout_tile_keep(key, m, seed, bh, drop_threshold, BLOCK_M, True)
-            ds_scale = sm_scale * drop_rescale
+            keep_t = dropout_tile_keep(wg.key, m, seed, bh, prog.drop.threshold, cfg.BLOCK_M, True)
+            ds_scale = prog.mods.sm_scale * prog.drop.rescale
 
-        if SOFTCAP:
+        if cfg.SOFTCAP:
             # dS needs t = tanh(scale q.k / softcap) again (d softcap(x) / dx = 1 - t^2): P and dS are computed in
             # one pass once both products are in, so t never lives across the dP wait (at d128 the consumers have
             # no registers for another score tile; at d64 not for half of one).
             st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
-            tt = tanh_approx(st * pre_scale)
+            tt = tanh_approx(st * prog.mods.pre_scale)
             score = tt
         else:
             st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
@@ -342,63 +530,75 @@ if AVAILABLE:
         # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask; so is a row that
         # sees no key (the preprocess turned its LSE of -inf into +inf). Both are read as [1, BLOCK_M] rows of the
         # scores' layout: broadcast along the keys with no layout conversion.
-        lse = lse_smem.index(slot).load(s_layout)
-        if HAS_ALIBI:
+        lse = smem.lse.index(slot).load(s_layout)
+        band = prog.band
+        if cfg.HAS_ALIBI:
             # -slope * |i + diag - j| (slope in log2 units), with i + diag - j = c - k: c = d0 + the query's offset in
             # the tile, d0 the distance at the tile's corner (query m, key key0), k the key's offset. Exact in fp32.
             # The query offsets 0..BLOCK_M-1 come as a constant fp32 row from shared memory: recomputed from the
             # thread index they cost ~6 integer instructions per column per step.
-            d0 = m + diag_offset - key0
-            c = offsets_smem.load(s_layout) + d0
+            d0 = m + band.diag_offset - wg.key0
+            c = wg.offsets.load(s_layout) + d0
             k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)).to(gl.float32), 1)
             if MASK:
-                xt = score * qk_scale - lse - slope * gl.abs(c - k)
+                xt = score * prog.mods.qk_scale - lse - slope * gl.abs(c - k)
             else:
                 # No unmasked tile crosses the diagonal (_bwd_kernel), so the distance has one sign in the tile and
                 # the bias splits into a term per query, folded into its LSE, and one per key: one add per score,
                 # and no register beyond the plain path's.
                 s = gl.where(d0 > 0, slope, -slope)
-                xt = score * qk_scale - (lse + s * c) + s * k
+                xt = score * prog.mods.qk_scale - (lse + s * c) + s * k
         else:
-            xt = score * qk_scale - lse
-        if BIAS:
+            xt = score * prog.mods.qk_scale - lse
+        if cfg.BIAS:
             # The slot's attn_mask tile is [BLOCK_M queries, 128 keys]; this warpgroup's 64 keys, read transposed.
-            b_t = bias_smem.index(slot).slice(half * 64, 64, dim=1).permute((1, 0)).load(s_layout)
-        if BIAS == 1:
+            b_t = smem.bias.index(slot).slice(wg.half * 64, 64, dim=1).permute((1, 0)).load(s_layout)
+        if cfg.BIAS == 1:
             xt = xt + to_float32(b_t) * LOG2E
         pt = gl.exp2(xt)
         if MASK:
             # Keys past Sk and the band's edges (kernels/_common._visible, transposed: keys are the rows here).
             # A bool mask reads 0 (hidden) past Sk (TMA's zero fill): it is the key bound then.
-            cols = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            if BIAS == 2:
+            cols = m + gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            if cfg.BIAS == 2:
                 keep = b_t != 0
             else:
-                keep = gl.expand_dims(key, 1) < seqlen_k
-            if MASK_RIGHT:
-                keep = keep & (gl.expand_dims(key, 1) <= gl.expand_dims(cols + (diag_offset + window_right), 0))
-            if MASK_LEFT:
-                keep = keep & (gl.expand_dims(key, 1) >= gl.expand_dims(cols + (diag_offset - window_left), 0))
+                keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
+            if cfg.MASK_RIGHT:
+                keep = keep & (gl.expand_dims(wg.key, 1)
+                               <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
+            if cfg.MASK_LEFT:
+                keep = keep & (gl.expand_dims(wg.key, 1)
+                               >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
             pt = gl.where(keep, pt, 0.0)
-        if not SOFTCAP:
+        if not cfg.SOFTCAP:
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         # dS times the softmax scale, which dK = dS^T Q and dQ = dS K both carry, so that the products come out
         # scaled: delta comes scaled from the preprocess, and the scale costs an FMA in place of a subtraction.
-        if DROPOUT:
+        if cfg.DROPOUT:
             dpt = gl.where(keep_t, dpt, 0.0)
-        dst = pt * (dpt * ds_scale - delta_smem.index(slot).load(s_layout))
-        if DBIAS:
+        dst = pt * (dpt * ds_scale - smem.delta.index(slot).load(s_layout))
+        if cfg.DBIAS:
             # The slot's attn_mask tile was read above and is dead until the slot is released: this warpgroup's
             # 64 keys of it take the bias's gradient, queries as rows like the bias itself, for one TMA store.
-            db_tile = bias_smem.index(slot).slice(half * 64, 64, dim=1)
-            db_tile.permute((1, 0)).store((dst * (1.0 / sm_scale)).to(dtype))  # dS itself
-        if SOFTCAP:
+            db_tile = smem.bias.index(slot).slice(wg.half * 64, 64, dim=1)
+            db_tile.permute((1, 0)).store((dst * (1.0 / prog.mods.sm_scale)).to(cfg.dtype))  # dS itself
+        if cfg.SOFTCAP:
             dst = dst * (1.0 - tt * tt)
-        dst = dst.to(dtype)
-        if DROPOUT:
+        dst = dst.to(cfg.dtype)
+        if cfg.DROPOUT:
             pt = gl.where(keep_t, pt, 0.0)  # (dS above took P before dropout)
-        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), dot_a), do, dv, is_async=True)
-        dk_tok = warpgroup_mma(gl.convert_layout(dst, dot_a), q, dk, is_async=True)
+        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(cfg.dtype), cfg.dot_a), do, dv, is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(dst, cfg.dot_a), q, dk, is_async=True)
+        return _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok)
+
+    @gluon.jit
+    def _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok):
+        """The end of _bwd_step, once dV's and dK's products are issued: dQ_i's share from both warpgroups' dS^T
+        halves (and the bias's gradient stored), the ring slot released, the share handed to the writer. Returns
+        dK, dV."""
+        cfg = prog.cfg
+        smem = prog.smem
         # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, 64, 16])
@@ -407,123 +607,106 @@ if AVAILABLE:
         # warpgroup then multiplies all 128 keys into its share of the dQ tile, so every dQ element is reduced once
         # per key block rather than once per warpgroup. Shares: at d128 (64 query rows) 64 of the columns, at d64
         # (128 query rows) 64 of the rows -- a [64, 64] fp32 tile per warpgroup either way.
-        ds_tile = ds_smem.index(t % 2)
+        ds_tile = smem.ds.index(t % 2)
         # Without softcap the dbias tile is dS itself, [BLOCK_M queries, 128 keys] once both halves are in: the
         # dQ product reads it as its A operand (keys contiguous: K-major) and ds_smem goes unused.
-        DS_IN_BIAS: gl.constexpr = DBIAS and not SOFTCAP
+        DS_IN_BIAS: gl.constexpr = cfg.DBIAS and not cfg.SOFTCAP
         if not DS_IN_BIAS:
-            ds_tile.slice(half * 64, 64).store(dst)
+            ds_tile.slice(wg.half * 64, 64).store(dst)
         fence_async_shared()
-        gl.thread_barrier()
-        if DBIAS:
+        thread_barrier()
+        if cfg.DBIAS:
             # Rows past Sq and keys past Sk are clipped by the descriptor's bounds.
             # (Triton 3.6 reshapes no subslice: the slot's 4-D view, sliced.)
-            tile4 = bias_smem.index(slot).reshape([1, 1, BLOCK_M, 2 * 64])
-            tma_store(dbias_desc, [i_b, i_h, m, key0], tile4.slice(half * 64, 64, dim=3))
-        mbarrier.arrive(ds_ready.index(t % 2), count=1)
-        if DQ_MODE != 4:
-            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+            tile4 = smem.bias.index(slot).reshape([1, 1, cfg.BLOCK_M, 2 * 64])
+            tma_store(smem.dbias_desc, [prog.walk.i_b, i_h, m, wg.key0], tile4.slice(wg.half * 64, 64, dim=3))
+        mbarrier.arrive(smem.ds_ready.index(t % 2), count=1)
+        mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
         if DS_IN_BIAS:
-            dq_tok = warpgroup_mma(bias_smem.index(slot), k_smem.slice(half * 64, 64, dim=1), dq_zero,
+            dq_tok = warpgroup_mma(smem.bias.index(slot), smem.k.slice(wg.half * 64, 64, dim=1), dq_zero,
                                    use_acc=False, is_async=True)
-        elif BLOCK_M == 64:
-            dq_tok = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(half * 64, 64, dim=1), dq_zero,
+        elif cfg.BLOCK_M == 64:
+            dq_tok = warpgroup_mma(ds_tile.permute((1, 0)), smem.k.slice(wg.half * 64, 64, dim=1), dq_zero,
                                    use_acc=False, is_async=True)
         else:
-            dq_tok = warpgroup_mma(ds_tile.slice(half * 64, 64, dim=1).permute((1, 0)), k_smem, dq_zero,
+            dq_tok = warpgroup_mma(ds_tile.slice(wg.half * 64, 64, dim=1).permute((1, 0)), smem.k, dq_zero,
                                    use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-        if DBIAS:
+        if cfg.DBIAS:
             tma.store_wait(pendings=0)  # the store has read the tile: the producer may refill the slot
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        if DQ_MODE != 1:
-            if DS_IN_BIAS:
-                dq = dq * sm_scale  # the bias tile holds dS itself
-            _stage_dq(dq, dq_smem, dq_bars, t, half, FLAT)
+        mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
+        if DS_IN_BIAS:
+            dq = dq * prog.mods.sm_scale  # the bias tile holds dS itself
+        _stage_dq(dq, wg.dq, smem.dq_bars, t, wg.half, cfg.FLAT)
         return dk, dv
 
     @gluon.jit
-    def _bwd_partition(half: gl.constexpr, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, dbias_desc,
-                       dq_bars, k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
-                       i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size,
-                       seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale, sm_scale,
-                       stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, Counts,
-                       Idx, stride_cnt_b, stride_cnt_h, n_cols, Seed, bh0, drop_threshold, drop_rescale,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                       HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, DQ_MODE: gl.constexpr,
-                       FLAT: gl.constexpr, DROPOUT: gl.constexpr):
-        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        key0 = start_n + half * 64
-        key = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        k_w = k_smem.slice(half * 64, 64)
-        v_w = v_smem.slice(half * 64, 64)
-        dq_w = dq_smem.index(half)
-        offsets_w = offsets_smem.index(half)
-        if HAS_ALIBI:
-            offsets = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
-            offsets_w.store(gl.expand_dims(offsets, 0))
-            gl.thread_barrier()
-        dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
-        dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=kv_layout)
+    def _bwd_partition(prog, half: gl.constexpr):
+        """Consumer warpgroup `half`: keys start_n + 64 * half .. + 63 of the block; every query tile of every
+        query head of the kv head (_bwd_step), then dK and dV stored."""
+        cfg = prog.cfg
+        walk = prog.walk
+        smem = prog.smem
+        key0 = walk.start_n + half * 64
+        wg = BwdHalf(key0, key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.s_layout)),
+                     smem.k.slice(half * 64, 64), smem.v.slice(half * 64, 64), smem.dq.index(half),
+                     smem.offsets.index(half), half)
+        if cfg.HAS_ALIBI:
+            offsets = gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(0, cfg.s_layout)).to(gl.float32)
+            wg.offsets.store(gl.expand_dims(offsets, 0))
+            thread_barrier()
+        dk = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
+        dv = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
         seed = 0
-        if DROPOUT:
-            seed = gl.load(Seed)
-        mbarrier.wait(kv_bar, 0)
+        if cfg.DROPOUT:
+            seed = gl.load(prog.drop.Seed)
+        mbarrier.wait(smem.kv_bar, 0)
         t = 0
-        for g in range(group_size):
-            i_h = i_hk * group_size + g
+        for g in range(walk.group_size):
+            i_h = walk.i_hk * walk.group_size + g
             slope = 0.0
-            if HAS_ALIBI:
-                slope = gl.load(Alibi + i_b * stride_alibi_b + i_h) * LOG2E
-            if BIAS == 2:
+            if cfg.HAS_ALIBI:
+                slope = gl.load(prog.ptrs.Alibi + walk.i_b * prog.mods.stride_alibi_b + i_h) * LOG2E
+            if cfg.BIAS == 2:
                 # The listed tiles, each masked (_list_row).
-                row, count, rot = _list_row(Counts, stride_cnt_b, stride_cnt_h, i_b, i_h, start_n // BLOCK_N)
+                row, count, rot = _list_row(prog.lists, walk.i_b, i_h, walk.start_n // cfg.BLOCK_N)
                 for p in range(count):
-                    m = _listed_tile(Idx, row, n_cols, p, count, rot, BLOCK_M)
-                    dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
-                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
-                                       i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, sm_scale, slope, seed, bh0 + i_h, drop_threshold,
-                                       drop_rescale, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT,
-                                       SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)
+                    m = _listed_tile(prog.lists, row, p, count, rot, cfg.BLOCK_M)
+                    dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
             else:
                 # The masked query tiles first, then the rest (the order of _tile_start).
-                for p in range(0, n_mask):
-                    m = m_lo + _masked_tile(p, i_full, i_diag, i_diag_end, i_end) * BLOCK_M
-                    dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
-                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
-                                       i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, sm_scale, slope, seed, bh0 + i_h, drop_threshold,
-                                       drop_rescale, half, HEAD_DIM, BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT,
-                                       SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)
+                for p in range(0, walk.n_mask):
+                    m = walk.m_lo + _masked_tile(walk, p) * cfg.BLOCK_M
+                    dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
-                for j in range(0, n_q - n_mask):
-                    m = m_lo + _free_tile(j, i_full, i_diag, i_diag_end, n_q - n_mask, shift, not MASK_RIGHT) * BLOCK_M
-                    dk, dv = _bwd_step(t, m, k_w, v_w, k_smem, q_smem, do_smem, ds_smem, ds_ready, dq_w, dq_bars,
-                                       q_full, q_empty, lse_smem, delta_smem, offsets_w, bias_smem, dbias_desc, i_b,
-                                       i_h, dk, dv, key0, key, seqlen_k, diag_offset, window_left, window_right,
-                                       pre_scale, qk_scale, sm_scale, slope, seed, bh0 + i_h, drop_threshold,
-                                       drop_rescale, half, HEAD_DIM, BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT,
-                                       SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)
+                for j in range(0, walk.n_q - walk.n_mask):
+                    m = walk.m_lo + _free_tile(walk, j, cfg.ROTATE) * cfg.BLOCK_M
+                    dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, False)
                     t += 1
-        rows = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
-        dcol = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), 0)
-        keep = gl.expand_dims(rows < seqlen_k, 1)
-        p_dk = (dK + i_b.to(gl.int64) * stride_dkb + i_hk.to(gl.int64) * stride_dkh
-                + gl.expand_dims(rows.to(gl.int64) * stride_dks, 1) + dcol)
-        p_dv = (dV + i_b.to(gl.int64) * stride_dvb + i_hk.to(gl.int64) * stride_dvh
-                + gl.expand_dims(rows.to(gl.int64) * stride_dvs, 1) + dcol)
-        if DROPOUT:
-            dv = dv * drop_rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
+        _store_dkdv(prog, wg, dk, dv)
+
+    @gluon.jit
+    def _store_dkdv(prog, wg, dk, dv):
+        """Store the warpgroup's 64 rows of dK and dV (those below Sk; DROPOUT: dV's 1 / (1 - p) applied here)."""
+        cfg = prog.cfg
+        ptrs = prog.ptrs
+        strides = prog.strides
+        i_b = prog.walk.i_b
+        i_hk = prog.walk.i_hk
+        rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.kv_layout))
+        dcol = gl.expand_dims(gl.arange(0, cfg.HEAD_DIM, layout=gl.SliceLayout(0, cfg.kv_layout)), 0)
+        keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
+        p_dk = (ptrs.dK + i_b.to(gl.int64) * strides.dk_b + i_hk.to(gl.int64) * strides.dk_h
+                + gl.expand_dims(rows.to(gl.int64) * strides.dk_s, 1) + dcol)
+        p_dv = (ptrs.dV + i_b.to(gl.int64) * strides.dv_b + i_hk.to(gl.int64) * strides.dv_h
+                + gl.expand_dims(rows.to(gl.int64) * strides.dv_s, 1) + dcol)
+        if cfg.DROPOUT:
+            dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
         # In the buffers' dtype: q's for the public API; float32 for context parallelism's block gradients, which
         # are summed over the ring (flashtile/distributed/_local.py) and would otherwise be rounded once per block.
-        gl.store(p_dk, dk.to(dK.dtype.element_ty), mask=keep)
-        gl.store(p_dv, dv.to(dV.dtype.element_ty), mask=keep)
+        gl.store(p_dk, dk.to(ptrs.dK.dtype.element_ty), mask=keep)
+        gl.store(p_dv, dv.to(ptrs.dV.dtype.element_ty), mask=keep)
 
     @gluon.jit
     def _grouped_order(i_n, i_bh, group):
@@ -537,100 +720,34 @@ if AVAILABLE:
         return r // size, g0 + r % size
 
     @gluon.jit
-    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK, Seed,
-                    stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs, stride_dob, stride_dos,
-                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_alibi_b,
-                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, pre_scale, qk_scale,
-                    sm_scale, drop_threshold, drop_rescale, num_heads, num_kv_heads, head_group, Bias, bias_mul_b,
-                    bias_mul_h, DBias, Counts, Idx,
-                    stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
-                    DQ_MODE: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):
-        # Seed: the call's Philox key (int64) with DROPOUT (drop_threshold, drop_rescale = 1 / (1 - p)).
-        # VARLEN: Q, dOut, K, V, dK, dV and DqAcc are packed sequences ([total, H, D]; the host passes batch strides
-        # of 0): batch entry i_b is rows [CuSeqQ[i_b], CuSeqQ[i_b + 1]) of the query-side tensors and
-        # [CuSeqK[i_b], CuSeqK[i_b + 1]) of the key-side ones; seqlen_q / seqlen_k are the longest sequences (the
-        # grid's), replaced below by this sequence's own. LseLog2 and Delta stay [B, H, Sq_pad] rows, indexed by
-        # the query's position in its sequence. CuSeqQ, CuSeqK are unused without.
-        # Bias: with BIAS (1 a float bias of q's dtype, 2 a bool mask) a TMA descriptor of [BLOCK_M, BLOCK_N] tiles
-        # over the [B|1, H|1, Sq, Sk] attn_mask (hopper_fwd.bias_descriptor; bias_mul_b/_h are 0 along its
-        # broadcast dims); Counts, Idx: a bool mask's tile lists (_list_row). Unused (placeholders) without.
-        # DBias: with DBIAS (a float bias that wants its gradient) a TMA descriptor of [BLOCK_M, 64] tiles over a
-        # [B, H, Sq, Sk] buffer of the bias's dtype (attention_backward sums it over the bias's broadcast dims).
-        # dbias = dS, the gradient of the score after softcap (the bias is added after it); every visited tile
-        # (query tile x key block x query head) is stored once, from the ring slot its bias tile came in.
-        dtype: gl.constexpr = Q.dtype.element_ty
-        gl.static_assert(not DBIAS or (BIAS == 1 and BLOCK_M == 64))
-        # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
-        gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
-        # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
-        # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
-        # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
-        # local-memory requests in a 4k backward).
-        group_size = num_heads // num_kv_heads
-        i_n = gl.program_id(0)
-        i_bh = gl.program_id(1)
-        if (MASK_RIGHT or BIAS == 2) and not VARLEN:
-            # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is, and programs start
-            # in launch order (i_n fastest): each head's heaviest block would start no earlier than its lightest
-            # ones of the heads before, and the last heads' heavy blocks would run alone at the end. So the
-            # launch index is remapped: heads go in groups of `group`, and a group launches its key blocks heaviest
-            # first across its heads (block 0 of each head, then block 1, ...). group * n_blocks >= 128, about the
-            # programs in flight at once (132 SMs, one program each), keeps about one group in flight (its Q, dO
-            # and dQ rows stay in L2, as before) while giving the scheduler a full wave to balance. A bool mask (BIAS
-            # 2) takes the same order: its block lists are most often causal-shaped (as the forward assumes in
-            # _tile_coords), and for any other shape the order only permutes the blocks within a group.
-            i_n, i_bh = _grouped_order(i_n, i_bh, gl.maximum(gl.cdiv(128, gl.num_programs(0)), head_group))
-        elif head_group > 1:
-            # A float attn_mask shared by the heads (attention_backward's head_group): the same order, so that the
-            # group's programs for one key block read each mask tile at about the same time (their walks over the
-            # query tiles start at the same tile), once from memory.
-            i_n, i_bh = _grouped_order(i_n, i_bh, head_group)
-        i_b = i_bh // num_kv_heads
-        i_hk = i_bh % num_kv_heads
-        start_n = i_n * BLOCK_N
-        q_rows = seqlen_q  # rows of the query-side descriptors
-        if VARLEN:
-            # This sequence alone: its own lengths and bottom-right diagonal (kernels/_common._seq_bounds), every
-            # tensor based at its first row, and descriptors of its own length, so that TMA zero-fills (loads) and
-            # clips (dQ reductions) at the sequence's end, never touching a neighbour's rows.
-            q_start = gl.load(CuSeqQ + i_b)
-            seqlen_q = gl.load(CuSeqQ + i_b + 1) - q_start
-            k_start = gl.load(CuSeqK + i_b)
-            seqlen_k = gl.load(CuSeqK + i_b + 1) - k_start
-            diag_offset = seqlen_k - seqlen_q
-            if start_n >= seqlen_k:  # the grid covers the longest sequence; this key block is past this one's end
-                return
-            Q += q_start.to(gl.int64) * stride_qs
-            dOut += q_start.to(gl.int64) * stride_dos
-            DqAcc += q_start.to(gl.int64) * (num_heads * HEAD_DIM)
-            K += k_start.to(gl.int64) * stride_ks
-            V += k_start.to(gl.int64) * stride_vs
-            dK += k_start.to(gl.int64) * stride_dks
-            dV += k_start.to(gl.int64) * stride_dvs
-            # A sequence without queries still writes its keys' dK, dV (zeros: it visits no query tile); a
-            # descriptor takes no empty dimension, and this one is never read then.
-            q_rows = gl.maximum(seqlen_q, 1)
+    def _seq_span(cu_seqlens, i_b):
+        """(first row, length) of sequence i_b of a varlen batch: rows [cu[i_b], cu[i_b + 1])."""
+        start = gl.load(cu_seqlens + i_b)
+        return start, gl.load(cu_seqlens + i_b + 1) - start
 
+    @gluon.jit
+    def _query_tiles(cfg, i_n, start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right):
+        """The query tiles key block i_n visits, in the fields of BwdWalk: (m_lo, n_q, i_full, i_diag, i_diag_end,
+        i_end, n_mask, shift); see "Tile order"."""
+        BLOCK_M: gl.constexpr = cfg.BLOCK_M
         # Query rows that see this key block (kernels/_common._query_range): query i sees key j iff
         # j - diag - window_right <= i <= j - diag + window_left. Tiles m_lo + i * BLOCK_M, i < n_q.
         m_lo = 0
-        if MASK_RIGHT:
+        if cfg.MASK_RIGHT:
             m_lo = (gl.maximum(start_n - diag_offset - window_right, 0) // BLOCK_M) * BLOCK_M
         m_hi = seqlen_q
-        if MASK_LEFT:
-            m_hi = gl.minimum(seqlen_q, gl.minimum(start_n + BLOCK_N, seqlen_k) - diag_offset + window_left)
+        if cfg.MASK_LEFT:
+            m_hi = gl.minimum(seqlen_q, gl.minimum(start_n + cfg.BLOCK_N, seqlen_k) - diag_offset + window_left)
         n_q = gl.cdiv(gl.maximum(m_hi - m_lo, 0), BLOCK_M)
         # Tiles i in [i_full, i_end) see every key of the block: no mask. Below i_full the band's right edge crosses
         # the tile, from i_end on its left edge; a key block past Sk masks every tile.
         i_full = 0
-        if MASK_RIGHT:
-            i_full = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag_offset - window_right - m_lo, 0), BLOCK_M)
+        if cfg.MASK_RIGHT:
+            i_full = gl.cdiv(gl.maximum(start_n + cfg.BLOCK_N - 1 - diag_offset - window_right - m_lo, 0), BLOCK_M)
         i_end = n_q
-        if MASK_LEFT:
+        if cfg.MASK_LEFT:
             i_end = gl.maximum(start_n - diag_offset + window_left + 1 - m_lo, 0) // BLOCK_M
-        if start_n + BLOCK_N > seqlen_k:
+        if start_n + cfg.BLOCK_N > seqlen_k:
             i_full = n_q
         i_full = gl.minimum(i_full, n_q)
         i_end = gl.minimum(gl.maximum(i_end, i_full), n_q)
@@ -638,9 +755,9 @@ if AVAILABLE:
         # window (0, 0)): in every other tile i + diag - j has one sign (see _bwd_step).
         i_diag = i_end
         i_diag_end = i_end
-        if HAS_ALIBI:
+        if cfg.HAS_ALIBI:
             i_diag = gl.maximum(start_n - diag_offset + 1 - m_lo, 0) // BLOCK_M
-            i_diag_end = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag_offset - m_lo, 0), BLOCK_M)
+            i_diag_end = gl.cdiv(gl.maximum(start_n + cfg.BLOCK_N - 1 - diag_offset - m_lo, 0), BLOCK_M)
             i_diag = gl.minimum(gl.maximum(i_diag, i_full), i_end)
             i_diag_end = gl.minimum(gl.maximum(i_diag_end, i_diag), i_end)
         n_mask = i_full + (i_diag_end - i_diag) + (n_q - i_end)
@@ -648,66 +765,81 @@ if AVAILABLE:
         # of its unmasked tiles (ROTATE), so that the programs' dQ reductions do not all land on the same rows at
         # once. With one, the blocks' ranges start at different rows anyway.
         shift = i_n % gl.maximum(n_q - n_mask, 1)
+        return m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift
 
-        # One descriptor per tensor: rows are sequence positions, columns (head, dim), so every head of the batch
-        # entry is a column offset. supports() checks that the heads of a row are contiguous.
+    @gluon.jit
+    def _bwd_descriptors(cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, i_b, q_rows, seqlen_k, seqlen_q_pad):
+        """TMA descriptors of the batch entry's Q, dO, K, V and of LSE and delta. One descriptor per tensor: rows
+        are sequence positions, columns (head, dim), so every head of the batch entry is a column offset
+        (supports() checks that the heads of a row are contiguous)."""
+        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_desc = tma.make_tensor_descriptor(Q + i_b.to(gl.int64) * stride_qb, [q_rows, num_heads * HEAD_DIM],
-                                            [stride_qs, 1], [BLOCK_M, HEAD_DIM], layout)
-        do_desc = tma.make_tensor_descriptor(dOut + i_b.to(gl.int64) * stride_dob,
-                                             [q_rows, num_heads * HEAD_DIM], [stride_dos, 1],
-                                             [BLOCK_M, HEAD_DIM], layout)
-        k_desc = tma.make_tensor_descriptor(K + i_b.to(gl.int64) * stride_kb, [seqlen_k, num_kv_heads * HEAD_DIM],
-                                            [stride_ks, 1], [BLOCK_N, HEAD_DIM], layout)
-        v_desc = tma.make_tensor_descriptor(V + i_b.to(gl.int64) * stride_vb, [seqlen_k, num_kv_heads * HEAD_DIM],
-                                            [stride_vs, 1], [BLOCK_N, HEAD_DIM], layout)
-
+        q_desc = tma.make_tensor_descriptor(Q + i_b.to(gl.int64) * strides.q_b, [q_rows, heads.num_heads * HEAD_DIM],
+                                            [strides.q_s, 1], [cfg.BLOCK_M, HEAD_DIM], layout)
+        do_desc = tma.make_tensor_descriptor(dOut + i_b.to(gl.int64) * strides.do_b,
+                                             [q_rows, heads.num_heads * HEAD_DIM], [strides.do_s, 1],
+                                             [cfg.BLOCK_M, HEAD_DIM], layout)
+        k_desc = tma.make_tensor_descriptor(K + i_b.to(gl.int64) * strides.k_b,
+                                            [seqlen_k, heads.num_kv_heads * HEAD_DIM], [strides.k_s, 1],
+                                            [cfg.BLOCK_N, HEAD_DIM], layout)
+        v_desc = tma.make_tensor_descriptor(V + i_b.to(gl.int64) * strides.v_b,
+                                            [seqlen_k, heads.num_kv_heads * HEAD_DIM], [strides.v_s, 1],
+                                            [cfg.BLOCK_N, HEAD_DIM], layout)
         # LSE and delta: [B * H, Sq_pad] fp32, one [1, BLOCK_M] row piece per query tile.
         row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        bh_rows = (gl.num_programs(1) // num_kv_heads) * num_heads
-        lse_desc = tma.make_tensor_descriptor(LseLog2, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, BLOCK_M],
+        bh_rows = (gl.num_programs(1) // heads.num_kv_heads) * heads.num_heads
+        lse_desc = tma.make_tensor_descriptor(LseLog2, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, cfg.BLOCK_M],
                                               row_layout)
-        delta_desc = tma.make_tensor_descriptor(Delta, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, BLOCK_M],
+        delta_desc = tma.make_tensor_descriptor(Delta, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, cfg.BLOCK_M],
                                                 row_layout)
-        # dQ accumulates in fp32. FLAT (fixed-length batches): tile by tile, [B, H, Sq_pad / BLOCK_M, 2 shares,
-        # 4096] in _stage_dq's order, seen as rows of 256 (one [16, 256] reduction per share);
-        # attention_backward's _dq_from_tiles_kernel puts it in dQ's layout. VARLEN: laid out as dQ itself,
-        # [total_q, H, D], this sequence's rows, reduced by [64, 32] boxes of 128-byte swizzled staging (the
-        # reductions clip the tiles at the sequence's end).
-        FLAT: gl.constexpr = not VARLEN
+        return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc
+
+    @gluon.jit
+    def _bwd_smem(cfg, DqAcc, Bias, DBias, heads, q_rows, seqlen_q_pad):
+        """dQ's fp32 buffer descriptor (BwdDq) and the backward's shared memory (BwdSmem), barriers initialized.
+
+        dQ accumulates in fp32. FLAT (fixed-length batches): tile by tile, [B, H, Sq_pad / BLOCK_M, 2 shares, 4096]
+        in _stage_dq's order, seen as rows of 256 (one [16, 256] reduction per share); attention_backward's
+        _dq_from_tiles_kernel puts it in dQ's layout. VARLEN: laid out as dQ itself, [total_q, H, D], this sequence's
+        rows, reduced by [64, 32] boxes of 128-byte swizzled staging (the reductions clip the tiles at the
+        sequence's end)."""
+        HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
+        BLOCK_M: gl.constexpr = cfg.BLOCK_M
+        STAGES: gl.constexpr = cfg.STAGES
         dq_batch_rows = seqlen_q_pad
-        if FLAT:
+        if cfg.FLAT:
             dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            dq_rows = (gl.num_programs(1) // num_kv_heads) * num_heads * (seqlen_q_pad * HEAD_DIM // 256)
+            dq_rows = (gl.num_programs(1) // heads.num_kv_heads) * heads.num_heads * (seqlen_q_pad * HEAD_DIM // 256)
             dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, 256], [256, 1], [16, 256], dq_layout)
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, 16, 256], dq_layout)
         else:
             dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
             dq_batch_rows = 0
-            dq_desc = tma.make_tensor_descriptor(DqAcc, [q_rows, num_heads * HEAD_DIM], [num_heads * HEAD_DIM, 1],
-                                                 [64, 32], dq_layout)
+            dq_desc = tma.make_tensor_descriptor(DqAcc, [q_rows, heads.num_heads * HEAD_DIM],
+                                                 [heads.num_heads * HEAD_DIM, 1], [64, 32], dq_layout)
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        if DBIAS and not SOFTCAP:
-            ds_smem = q_smem  # never read: dS rides in the ring's bias tiles (_bwd_step)
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
+        v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
+        q_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        do_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        if cfg.DBIAS and not cfg.SOFTCAP:
+            ds_smem = q_smem  # never read: dS rides in the ring's bias tiles (_dq_step)
         else:
-            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], layout)
+            ds_smem = gl.allocate_shared_memory(cfg.dtype, [2, cfg.BLOCK_N, BLOCK_M], layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # Per consumer warpgroup w: dq_bars[2w] "staged tile full", dq_bars[2w + 1] "read by the writer".
         dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         offsets_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)  # ALiBi: see _bwd_step
-        if BIAS:
+        if cfg.BIAS:
             # One attn_mask tile per ring slot (a [64, 128] bf16 tile at d128 is 16 KB: 226 KB in all).
             b_type: gl.constexpr = Bias.block_type.element_ty
             b_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                           element_bitwidth=b_type.primitive_bitwidth, rank=2)
-            bias_smem = gl.allocate_shared_memory(b_type, [STAGES, BLOCK_M, BLOCK_N], b_layout)
+            bias_smem = gl.allocate_shared_memory(b_type, [STAGES, BLOCK_M, cfg.BLOCK_N], b_layout)
         else:
             bias_smem = lse_smem  # never read
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -721,36 +853,101 @@ if AVAILABLE:
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T are in shared memory
         for i in gl.static_range(4):
             mbarrier.init(dq_bars.index(i), count=1)
+        smem = BwdSmem(lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars, k_smem, v_smem, q_smem, do_smem,
+                       ds_smem, ds_ready, dq_smem, kv_bar, Ring(q_full, q_empty, STAGES))
+        return smem, BwdDq(dq_desc, dq_batch_rows)
 
-        # (Both consumers' argument lists are written out, as in kernels/hopper_fwd.py: a shared tuple concatenated
-        # with the warpgroup index loses its constexpr entries in Triton 3.6.)
-        gl.warp_specialize([
-            (_bwd_partition, (0, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars,
-                              k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
-                              i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
-                              group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
-                              sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, Seed,
-                              i_b * num_heads, drop_threshold, drop_rescale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)),
-            (_bwd_partition, (1, dK, dV, Alibi, lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars,
-                              k_smem, v_smem, q_smem, do_smem, ds_smem, ds_ready, dq_smem, kv_bar, q_full, q_empty,
-                              i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
-                              group_size, seqlen_k, diag_offset, window_left, window_right, pre_scale, qk_scale,
-                              sm_scale, stride_alibi_b, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                              stride_dvh, Counts, Idx, stride_cnt_b, stride_cnt_h, n_cols, Seed,
-                              i_b * num_heads, drop_threshold, drop_rescale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                              MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS, DQ_MODE, FLAT, DROPOUT)),
-            (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, q_smem, do_smem,
-                                   k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_full, q_empty, start_n,
-                                   i_b, i_hk, num_heads, group_size, m_lo, n_q, i_full, i_diag, i_diag_end, i_end,
-                                   n_mask, shift, bias_mul_b, bias_mul_h, Counts, Idx, stride_cnt_b, stride_cnt_h,
-                                   n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, not MASK_RIGHT, BIAS)),
-            (_bwd_dq_partition, (dq_desc, dq_smem, dq_bars, i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end,
-                                 i_end, n_mask, shift, group_size, num_heads, dq_batch_rows, Counts, Idx,
-                                 stride_cnt_b, stride_cnt_h, n_cols, HEAD_DIM, BLOCK_M, BLOCK_N, not MASK_RIGHT,
-                                 DQ_MODE, BIAS, FLAT)),
-        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    @gluon.jit
+    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK, Seed, strides, seqlen_q,
+                    seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, scales, heads, Bias, bias_mul,
+                    DBias, Counts, Idx, lists, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                    HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, VARLEN: gl.constexpr,
+                    DROPOUT: gl.constexpr):
+        """One program per (key block, batch entry x kv head); the partitions and their roles are the module
+        docstring's. strides, scales, heads, bias_mul and lists: the named tuples _Strides, _Scales, _Heads, _Mul,
+        _Lists (attention_backward).
+        Seed: the call's Philox key (int64) with DROPOUT (scales' drop_threshold, drop_rescale = 1 / (1 - p)).
+        VARLEN: Q, dOut, K, V, dK, dV and DqAcc are packed sequences ([total, H, D]; the host passes batch strides
+        of 0): batch entry i_b is rows [CuSeqQ[i_b], CuSeqQ[i_b + 1]) of the query-side tensors and
+        [CuSeqK[i_b], CuSeqK[i_b + 1]) of the key-side ones; seqlen_q / seqlen_k are the longest sequences (the
+        grid's), replaced below by this sequence's own. LseLog2 and Delta stay [B, H, Sq_pad] rows, indexed by
+        the query's position in its sequence. CuSeqQ, CuSeqK are unused without.
+        Bias: with BIAS (1 a float bias of q's dtype, 2 a bool mask) a TMA descriptor of [BLOCK_M, BLOCK_N] tiles
+        over the [B|1, H|1, Sq, Sk] attn_mask (hopper_fwd.bias_descriptor; bias_mul's factors are 0 along its
+        broadcast dims); Counts, Idx: a bool mask's tile lists (_list_row). Unused (placeholders) without.
+        DBias: with DBIAS (a float bias that wants its gradient) a TMA descriptor of [BLOCK_M, 64] tiles over a
+        [B, H, Sq, Sk] buffer of the bias's dtype (attention_backward sums it over the bias's broadcast dims).
+        dbias = dS, the gradient of the score after softcap (the bias is added after it); every visited tile
+        (query tile x key block x query head) is stored once, from the ring slot its bias tile came in."""
+        gl.static_assert(not DBIAS or (BIAS == 1 and BLOCK_M == 64))
+        # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
+        gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
+        cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
+                        VARLEN, DROPOUT, Q.dtype.element_ty)
+        # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
+        # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
+        # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
+        # local-memory requests in a 4k backward).
+        group_size = heads.num_heads // heads.num_kv_heads
+        i_n = gl.program_id(0)
+        i_bh = gl.program_id(1)
+        if (MASK_RIGHT or BIAS == 2) and not VARLEN:
+            # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is, and programs start
+            # in launch order (i_n fastest): each head's heaviest block would start no earlier than its lightest
+            # ones of the heads before, and the last heads' heavy blocks would run alone at the end. So the
+            # launch index is remapped: heads go in groups of `group`, and a group launches its key blocks heaviest
+            # first across its heads (block 0 of each head, then block 1, ...). group * n_blocks >= 128, about the
+            # programs in flight at once (132 SMs, one program each), keeps about one group in flight (its Q, dO
+            # and dQ rows stay in L2, as before) while giving the scheduler a full wave to balance. A bool mask (BIAS
+            # 2) takes the same order: its block lists are most often causal-shaped (as the forward assumes in
+            # _tile_coords), and for any other shape the order only permutes the blocks within a group.
+            i_n, i_bh = _grouped_order(i_n, i_bh, gl.maximum(gl.cdiv(128, gl.num_programs(0)), heads.head_group))
+        elif heads.head_group > 1:
+            # A float attn_mask shared by the heads (attention_backward's head_group): the same order, so that the
+            # group's programs for one key block read each mask tile at about the same time (their walks over the
+            # query tiles start at the same tile), once from memory.
+            i_n, i_bh = _grouped_order(i_n, i_bh, heads.head_group)
+        i_b = i_bh // heads.num_kv_heads
+        i_hk = i_bh % heads.num_kv_heads
+        start_n = i_n * BLOCK_N
+        q_rows = seqlen_q  # rows of the query-side descriptors
+        if VARLEN:
+            # This sequence alone: its own lengths and bottom-right diagonal (kernels/_common._seq_bounds), every
+            # tensor based at its first row, and descriptors of its own length, so that TMA zero-fills (loads) and
+            # clips (dQ reductions) at the sequence's end, never touching a neighbour's rows.
+            q_start, seqlen_q = _seq_span(CuSeqQ, i_b)
+            k_start, seqlen_k = _seq_span(CuSeqK, i_b)
+            diag_offset = seqlen_k - seqlen_q
+            if start_n >= seqlen_k:  # the grid covers the longest sequence; this key block is past this one's end
+                return
+            Q += q_start.to(gl.int64) * strides.q_s
+            dOut += q_start.to(gl.int64) * strides.do_s
+            DqAcc += q_start.to(gl.int64) * (heads.num_heads * HEAD_DIM)
+            K += k_start.to(gl.int64) * strides.k_s
+            V += k_start.to(gl.int64) * strides.v_s
+            dK += k_start.to(gl.int64) * strides.dk_s
+            dV += k_start.to(gl.int64) * strides.dv_s
+            # A sequence without queries still writes its keys' dK, dV (zeros: it visits no query tile); a
+            # descriptor takes no empty dimension, and this one is never read then.
+            q_rows = gl.maximum(seqlen_q, 1)
+        m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift = _query_tiles(
+            cfg, i_n, start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right)
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
+            cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, i_b, q_rows, seqlen_k, seqlen_q_pad)
+        smem, dq = _bwd_smem(cfg, DqAcc, Bias, DBias, heads, q_rows, seqlen_q_pad)
+        prog = BwdProgram(
+            cfg, BwdPtrs(dK, dV, Alibi), smem,
+            BwdWalk(i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size),
+            BwdBand(seqlen_k, diag_offset, window_left, window_right),
+            BwdMods(scales.pre_scale, scales.qk_scale, scales.sm_scale, strides.alibi_b),
+            BwdStrides(strides.dk_b, strides.dk_s, strides.dk_h, strides.dv_b, strides.dv_s, strides.dv_h),
+            BwdLists(Counts, Idx, lists.b, lists.h, lists.cols),
+            BwdDropout(Seed, i_b * heads.num_heads, scales.drop_threshold, scales.drop_rescale),
+            BwdLoads(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, heads.num_heads, bias_mul.b,
+                     bias_mul.h), dq)
+        gl.warp_specialize([(_bwd_partition, (prog, 0)), (_bwd_partition, (prog, 1)), (_bwd_load_partition, (prog, )),
+                            (_bwd_dq_partition, (prog, ))], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 def features_supported(feats: Features) -> bool:
@@ -781,7 +978,7 @@ def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=F
     """Whether this kernel computes the request: the forward's input conditions (kernels/hopper_fwd.inputs_ok),
     features_supported, not deterministic, and a TMA-aligned dout of q's dtype. Any strides: attention_backward
     copies inputs whose heads are not contiguous within a sequence row (_rows)."""
-    if not (ENABLED and not deterministic and hopper_fwd.inputs_ok(q, k, v, softmax_scale)):
+    if not (SETTINGS.gluon_backward and not deterministic and hopper_fwd.inputs_ok(q, k, v, softmax_scale)):
         return False
     if not (features_supported(feats) and bias_ok(q, k, feats)):
         return False
@@ -804,17 +1001,14 @@ def _rows(t):
 
 
 def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, feats: Features,
-                       dbias=None, dq_mode=2):
+                       dbias=None):
     """q, k, v, dout: [B, S, H, D], or [total, H, D] packed sequences with feats.varlen (diagonal_offset is then unused:
     the kernel aligns each sequence to its own corner), any strides (_rows). dq, dk, dv: output buffers (their shapes,
     any strides); lse_log2, delta: [B, H, Sq_pad] (Sq_pad from max_seqlen_q for varlen) from the portable backward's
     preprocess (kernels/backward.py), the sinks and dLSE already folded in, delta times softmax_scale (the kernel's dS
     carries the scale: _bwd_step); feats: the call's options (features_supported). dbias: None, or a [B, H, Sq, Sk]
     buffer of the float bias's dtype (unit key stride, 16-byte aligned rows) that takes dS; the tiles outside a band are
-    not written. dq_mode other than 2 gives a wrong dQ on purpose, timing probes for benchmarks/bwd_probe.py: 1 skips
-    the staging and the reductions (and with its result unused the compiler drops the dQ product too: 100 HGMMA
-    instructions instead of 128 at d128), 3 the reductions only (the hand-offs to the writer warp stay), 4 the wait of
-    each warpgroup for the other's half of dS (so the warpgroups run free of each other)."""
+    not written."""
     q, k, v, dout = (_rows(t) for t in (q, k, v, dout))
     varlen = feats.varlen
     dropout = feats.dropout_p > 0  # the call's Philox key: feats.seed
@@ -867,14 +1061,14 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         head_group = min(HEAD_GROUP, num_kv_heads)
     _launch.launch(_bwd_kernel, grid, (
         q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k, feats.seed if dropout else delta,
-        *(st for t in strides for st in t), stride_alibi_b,
-        seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset, feats.window_left, feats.window_right, pre_scale,
-        qk_scale, softmax_scale, dropout_threshold(feats.dropout_p), 1.0 / (1.0 - feats.dropout_p), num_heads,
-        num_kv_heads, head_group,
-        bias, bias_mul_b, bias_mul_h, dbias_desc, counts, indices, stride_cnt_b, stride_cnt_h, n_cols), dict(
+        _Strides(*(st for t in strides for st in t), stride_alibi_b), seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset,
+        feats.window_left, feats.window_right,
+        _Scales(pre_scale, qk_scale, softmax_scale, dropout_threshold(feats.dropout_p), 1.0 / (1.0 - feats.dropout_p)),
+        _Heads(num_heads, num_kv_heads, head_group), bias, _Mul(bias_mul_b, bias_mul_h), dbias_desc, counts, indices,
+        _Lists(stride_cnt_b, stride_cnt_h, n_cols)), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
         MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DBIAS=dbias is not None, DQ_MODE=dq_mode, VARLEN=varlen, DROPOUT=dropout),
+        BIAS=feats.bias_kind, DBIAS=dbias is not None, VARLEN=varlen, DROPOUT=dropout),
         q.device.index, num_warps=4)
     if varlen:
         dq.copy_(dq_acc)

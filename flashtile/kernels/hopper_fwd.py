@@ -24,6 +24,11 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
 * a float attn_mask shared by the heads is read by groups of ``HEAD_GROUP`` heads' items at about the same time
   (``_tile_coords``), once from memory.
 
+The partitions share one ``FwdProgram``, built once in ``_fwd_kernel``: Gluon aggregates of the launch's constexprs
+and layouts (``FwdConfig``), the shared memory with its mbarrier rings (``FwdSmem``, ``_gluon.Ring``), the work list,
+the band, the scores' modifications, the outputs and what only the producer reads; a work item and a warpgroup's
+rows of it are aggregates too (``FwdItem``, ``FwdRows``).
+
 Facts about ptxas (Triton 3.6) that shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
 has the SASS. (1) ptxas hoists ``wgmma.wait_group`` above independent arithmetic of the same basic block: with
 the wait for ``P_{j-1} V_{j-1}`` simply written after the softmax, it landed before the exponentials and a
@@ -46,8 +51,8 @@ and tests/test_gluon.py and tests/test_gluon_features.py compare the two kernels
 in Triton's interpreter, so this module only compiles on a Hopper GPU; importing it anywhere is safe.
 """
 # q, out: [B, Sq, H, D]; k, v: [B, Sk, Hk, D]; lse: [B, H, Sq] (fp32, natural log)
+import collections
 import functools
-import os
 
 import torch
 import triton
@@ -56,12 +61,14 @@ import triton.language as tl
 from ..reference.dropout import dropout_threshold
 from . import _common, _launch, configs
 from ._common import LN2, LOG2E
+from .._settings import SETTINGS
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import BIAS_BOOL, BIAS_FLOAT, Features
 
 if AVAILABLE:
-    from ._gluon import (TensorDescriptor, dropout_tile_keep, fence_async_shared, gl, gluon, mbarrier, tanh_approx,
-                         tma, tma_load, tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
+    from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
+                         mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_store, to_float32,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
 WG_M = 64
@@ -83,60 +90,278 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 # H100/H200 block may use, what is left beside the barriers).
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
-# LAZY_MAX = 1: without an attn_mask, a left window or ALiBi, on two warpgroups, blocks after a work item's first take
-# their exponentials against the rows' reference from earlier blocks, with no row maximum and no rescale of O,
-# unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards (benchmarks/NOTES.md, "The forward
-# without a row maximum"). FLASHTILE_LAZY_MAX=0 turns it off; 2 (set here by probes only) skips the check: a
-# measure of its cost, with wrong results once scores grow. 2^15: every P then fits fp16 (65504), and so does its
+# LAZY_MAX (SETTINGS.lazy_max, on by default): without an attn_mask, a left window or ALiBi, on two warpgroups, blocks
+# after a work item's first take their exponentials against the rows' reference from earlier blocks, with no row
+# maximum and no rescale of O, unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards
+# (benchmarks/NOTES.md, "The forward without a row maximum"). 2^15: every P then fits fp16 (65504), and so does its
 # sum.
-LAZY_MAX = 0 if os.environ.get("FLASHTILE_LAZY_MAX", "1") == "0" else 1
 LAZY_LIMIT = tl.constexpr(32768.0)
 # An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
 # every head. Items in the default order (a head's query tiles in turn) read each mask tile once per head from
 # memory: 16 heads at 16k stream 8.6 GB for a 0.5 GB mask. HEAD_GROUP heads are then interleaved (_tile_coords), so
 # that they read a tile at about the same time and L2 serves all but the first. 8: at 16k d128 a wave of programs
 # covers ~16 query tiles of 8 heads, and the K/V the wave also reads (8 heads' worth, from memory once per wave)
-# and the mask (twice in all) are then about equal. 1 keeps the default order. (FLASHTILE_HEAD_GROUP: probes.)
-HEAD_GROUP = int(os.environ.get("FLASHTILE_HEAD_GROUP", "8"))
-# False launches one program per work item instead of persistent ones (the same kernel, no dynamic schedule).
-PERSISTENT = True
-# FLASHTILE_GLUON=0 turns the fast path off (to compare with the portable kernel, or to work around a problem).
-ENABLED = os.environ.get("FLASHTILE_GLUON", "1") != "0"
+# and the mask (twice in all) are then about equal.
+HEAD_GROUP = 8
+# The kernel's scalar arguments come in named groups: Triton specializes each field as an argument of its own, and
+# the kernel reads them by name (FwdProgram's aggregates).
+# Strides of out (batch, row, head), lse (batch, head) and alibi (batch).
+_Strides = collections.namedtuple("_Strides", "out_b out_s out_h lse_b lse_h alibi_b")
+# The attn_mask: the factors that turn a batch and a head index into its own (0 along a broadcast dim); a bool
+# mask's block lists (Features.block_lists): batch and head strides, columns.
+_Mask = collections.namedtuple("_Mask", "mul_b mul_h lists_b lists_h lists_cols")
+# Sk; the band's right and left bounds i + diag_offset, i + left_offset; ALiBi's distance |i + alibi_offset - j|.
+_Band = collections.namedtuple("_Band", "seqlen_k diag_offset left_offset alibi_offset")
+_Scales = collections.namedtuple("_Scales", "qk_scale mod_unit pre_scale drop_threshold drop_keep")  # mod_scalars
+# Query heads, heads interleaved in a group (HEAD_GROUP), query heads per kv head.
+_Heads = collections.namedtuple("_Heads", "num_heads head_group group_size")
 
 if AVAILABLE:
+    @aggregate
+    class FwdConfig:
+        """A launch's compile-time choices (the kernel's constexprs, documented at _fwd_kernel; BSTAGES is
+        BIAS_STAGES) and the layouts that follow from them: s_layout for a warpgroup's [PART_M, BLOCK_N] scores,
+        o_layout for its [PART_M, HEAD_DIM] output, dot_a for P as the register operand of P V, row_layout for
+        per-row values."""
+        HEAD_DIM: gl.constexpr
+        BLOCK_M: gl.constexpr
+        BLOCK_N: gl.constexpr
+        PART_M: gl.constexpr
+        STAGES: gl.constexpr
+        MASK_RIGHT: gl.constexpr
+        MASK_LEFT: gl.constexpr
+        SOFTCAP: gl.constexpr
+        HAS_ALIBI: gl.constexpr
+        HAS_SINKS: gl.constexpr
+        BIAS: gl.constexpr
+        BSTAGES: gl.constexpr
+        STAGE_O: gl.constexpr
+        NUM_WG: gl.constexpr
+        DYNAMIC: gl.constexpr
+        QBUF: gl.constexpr
+        VARLEN: gl.constexpr
+        LAZY: gl.constexpr
+        DROPOUT: gl.constexpr
+        dtype: gl.constexpr
+        s_layout: gl.constexpr
+        o_layout: gl.constexpr
+        dot_a: gl.constexpr
+        row_layout: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                     BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, dtype):
+            self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+            self.BLOCK_M = gl.constexpr(BLOCK_M)
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+            self.PART_M = gl.constexpr(BLOCK_M // NUM_WG)
+            self.STAGES = gl.constexpr(STAGES)
+            self.MASK_RIGHT = gl.constexpr(MASK_RIGHT)
+            self.MASK_LEFT = gl.constexpr(MASK_LEFT)
+            self.SOFTCAP = gl.constexpr(SOFTCAP)
+            self.HAS_ALIBI = gl.constexpr(HAS_ALIBI)
+            self.HAS_SINKS = gl.constexpr(HAS_SINKS)
+            self.BIAS = gl.constexpr(BIAS)
+            self.BSTAGES = gl.constexpr(BIAS_STAGES)
+            self.STAGE_O = gl.constexpr(STAGE_O)
+            self.NUM_WG = gl.constexpr(NUM_WG)
+            self.DYNAMIC = gl.constexpr(DYNAMIC)
+            self.QBUF = gl.constexpr(QBUF)
+            self.VARLEN = gl.constexpr(VARLEN)
+            self.LAZY = gl.constexpr(LAZY)
+            self.DROPOUT = gl.constexpr(DROPOUT)
+            self.dtype = gl.constexpr(dtype)
+            s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+            o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+            self.s_layout = gl.constexpr(s_layout)
+            self.o_layout = gl.constexpr(o_layout)
+            self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+            self.row_layout = gl.constexpr(gl.SliceLayout(1, s_layout))
+
+    # The aggregates below group what the partitions share; FwdProgram holds them all. Their field order is not
+    # free: warp_specialize hands the worker partitions their values (those a worker uses) in the order they first
+    # appear in the flattened arguments, and that order shapes ptxas's schedule of each partition. The order here
+    # (consumer values first, in these groups; then the producer's own, FwdProducer) is the one the kernel was
+    # measured with.
+
+    @aggregate
+    class FwdProducer:
+        """What only the producer reads: the descriptors it loads from (bias_desc: None without an attn_mask), the
+        dynamic schedule's Counter, the varlen TileMap, group_size query heads per kv head, and the factors that
+        turn a batch and a head index into the attn_mask's (0 along a broadcast dim)."""
+        q_desc: Value
+        k_desc: Value
+        v_desc: Value
+        bias_desc: Value
+        Counter: gl.tensor
+        TileMap: gl.tensor
+        group_size: Value
+        bias_mul_b: Value
+        bias_mul_h: Value
+
+    @aggregate
+    class FwdOut:
+        """The outputs: o_desc (stores through staging buffers), Out and its strides, Lse and its strides."""
+        o_desc: Value
+        Out: gl.tensor
+        stride_ob: Value
+        stride_os: Value
+        stride_oh: Value
+        Lse: gl.tensor
+        stride_lb: Value
+        stride_lh: Value
+
+    @aggregate
+    class FwdSmem:
+        """The forward's shared memory: query tiles (q: QBUF buffers of NUM_WG [PART_M, HEAD_DIM] parts), K and V
+        blocks (STAGES of [BLOCK_N, HEAD_DIM]), output staging tiles (o), attn_mask tiles (b: BSTAGES slots of
+        NUM_WG [PART_M, BLOCK_N] parts), the work items the producer hands over (tile: per query buffer the item's
+        index, and under VARLEN its ITEM_FIELDS), _wg_max's buffers (flag), and the rings' barriers. Buffers and
+        rings a launch does not use alias used ones and are never read."""
+        q: gl.shared_memory_descriptor
+        k: gl.shared_memory_descriptor
+        v: gl.shared_memory_descriptor
+        o: gl.shared_memory_descriptor
+        b: gl.shared_memory_descriptor
+        tile: gl.shared_memory_descriptor
+        flag: gl.shared_memory_descriptor
+        q_bar: Ring
+        k_bar: Ring
+        v_bar: Ring
+        b_bar: Ring
+
+    @aggregate
+    class FwdWork:
+        """The work list: n_tiles items over n_m query tiles (varlen: the map's n_upper), num_heads heads
+        interleaved in groups of head_group (_tile_coords)."""
+        n_tiles: Value
+        n_m: Value
+        num_heads: Value
+        head_group: Value
+
+    @aggregate
+    class FwdBand:
+        """The keys a query sees: seqlen_q / seqlen_k (a varlen launch's longest), the band's right and left
+        bounds i + diag_offset and i + left_offset (kernel coordinates; a varlen item adds its own Sk - Sq)."""
+        seqlen_q: Value
+        seqlen_k: Value
+        diag_offset: Value
+        left_offset: Value
+
+    @aggregate
+    class FwdMods:
+        """The scores' modifications and what the epilogue adds: qk_scale, mod_unit and pre_scale of mod_scalars;
+        ALiBi's slopes (Alibi, stride_alibi_b; the distance is |i + alibi_offset - j|); Sinks; dropout's Philox key
+        Seed, its threshold and keep probability drop_keep = 1 - p."""
+        qk_scale: Value
+        Alibi: gl.tensor
+        stride_alibi_b: Value
+        alibi_offset: Value
+        mod_unit: Value
+        pre_scale: Value
+        Sinks: gl.tensor
+        Seed: gl.tensor
+        drop_threshold: Value
+        drop_keep: Value
+
+    @aggregate
+    class FwdLists:
+        """A bool attn_mask's lists of key blocks per query tile (Features.block_lists: Counts, Idx with strides
+        stride_cb, stride_ch and idx_cols columns; _item_blocks)."""
+        Counts: gl.tensor
+        Idx: gl.tensor
+        stride_cb: Value
+        stride_ch: Value
+        idx_cols: Value
+
+    @aggregate
+    class FwdProgram:
+        """Everything the partitions of one program share (built once in _fwd_kernel)."""
+        cfg: FwdConfig
+        producer: FwdProducer
+        out: FwdOut
+        smem: FwdSmem
+        work: FwdWork
+        band: FwdBand
+        mods: FwdMods
+        lists: FwdLists
+
+    @aggregate
+    class FwdItem:
+        """One work item: query rows from start_m of batch i_b, head i_h. Under VARLEN its sequence's rows start
+        at q_start / k_start of the packed tensors, it has its own seqlen_q / seqlen_k and adds offset = Sk - Sq
+        to the band's offsets (diag_offset, left_offset here are the item's); t_b is the descriptors' batch index
+        (0 under VARLEN)."""
+        start_m: Value
+        i_b: Value
+        i_h: Value
+        t_b: Value
+        q_start: Value
+        seqlen_q: Value
+        k_start: Value
+        seqlen_k: Value
+        offset: Value
+        diag_offset: Value
+        left_offset: Value
+
+    @aggregate
+    class FwdRows:
+        """A consumer warpgroup's rows of a work item: row (PART_M query positions from row_start), the item's key
+        bound and band offsets, its blocks (the j-th is _block_at(j_lo, j, idx_row)) of which those below full_lo
+        or from n_full on are masked, ALiBi's per-row i + a (arow) and slope, and the warpgroup's index part."""
+        row_start: Value
+        row: gl.tensor
+        seqlen_k: Value
+        diag_offset: Value
+        left_offset: Value
+        j_lo: Value
+        n_full: Value
+        full_lo: Value
+        idx_row: gl.tensor
+        arow: gl.tensor
+        slope: Value
+        part: gl.constexpr
+
+    @aggregate
+    class Dropout:
+        """Dropout's Philox key (seed), the (batch, head) counter word bh and the keep threshold."""
+        seed: Value
+        bh: Value
+        threshold: Value
+
     @gluon.jit
-    def _tile_coords(tile, n_m, num_heads, head_group, BLOCK_M: gl.constexpr, REVERSE: gl.constexpr):
+    def _tile_coords(work, tile, BLOCK_M: gl.constexpr, REVERSE: gl.constexpr):
         """Work item -> (first query row, batch, head). With head_group 1 the query tiles of one head are
         consecutive items, so the programs running at one time share few heads' K/V in L2. With head_group g > 1
         (an attn_mask shared by the heads: HEAD_GROUP) the heads go in groups of g and a group's items take its
         heads in turn for each query tile, so that g programs read each mask tile at about the same time, once
         from memory. REVERSE (causal, and bool masks, which are often causal-like): last tiles first, the ones
         that see the most keys."""
-        if head_group == 1:
-            i_bh = tile // n_m
-            i_m = tile % n_m
-            i_b = i_bh // num_heads
-            i_h = i_bh % num_heads
+        if work.head_group == 1:
+            i_bh = tile // work.n_m
+            i_m = tile % work.n_m
+            i_b = i_bh // work.num_heads
+            i_h = i_bh % work.num_heads
         else:
-            per_b = n_m * num_heads
+            per_b = work.n_m * work.num_heads
             i_b = tile // per_b
             r = tile - i_b * per_b
-            g0 = (r // (head_group * n_m)) * head_group
-            size = gl.minimum(head_group, num_heads - g0)
-            r = r - g0 * n_m
+            g0 = (r // (work.head_group * work.n_m)) * work.head_group
+            size = gl.minimum(work.head_group, work.num_heads - g0)
+            r = r - g0 * work.n_m
             i_m = r // size
             i_h = g0 + r - i_m * size
         if REVERSE:
-            i_m = n_m - 1 - i_m
+            i_m = work.n_m - 1 - i_m
         return i_m * BLOCK_M, i_b, i_h
 
     @gluon.jit
     def _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr):
+                     MASK_RIGHT: gl.constexpr, MASK_LEFT: gl.constexpr):
         """Key blocks a query tile sees, (first, count): all of them, or up to the right bound of its last row
-        (CAUSAL), from the left bound of its first row on (MASK_LEFT)."""
+        (MASK_RIGHT), from the left bound of its first row on (MASK_LEFT)."""
         kv_end = seqlen_k
-        if CAUSAL:
+        if MASK_RIGHT:
             kv_end = gl.maximum(gl.minimum(seqlen_k, start_m + BLOCK_M + diag_offset), 0)
         j_hi = gl.cdiv(kv_end, BLOCK_N)
         j_lo = 0
@@ -145,19 +370,17 @@ if AVAILABLE:
         return j_lo, j_hi - j_lo
 
     @gluon.jit
-    def _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts, Idx, stride_cb, stride_ch,
-                     idx_cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                     MASK_LEFT: gl.constexpr, LISTS: gl.constexpr):
-        """A work item's key blocks: (first, count, its block list). LISTS (a bool attn_mask): the count and the
+    def _item_blocks(cfg, lists, item):
+        """A work item's key blocks: (first, count, its block list). A bool attn_mask (BIAS 2): the count and the
         list of the blocks that hold any attended key, from Features.block_lists (see _block_at); otherwise a
         contiguous range (_block_range; idx_row is not read)."""
-        if LISTS:
-            off = i_b * stride_cb + i_h * stride_ch + start_m // BLOCK_M
-            return 0, gl.load(Counts + off), Idx + off.to(gl.int64) * idx_cols
+        if cfg.BIAS == 2:
+            off = item.i_b * lists.stride_cb + item.i_h * lists.stride_ch + item.start_m // cfg.BLOCK_M
+            return 0, gl.load(lists.Counts + off), lists.Idx + off.to(gl.int64) * lists.idx_cols
         else:
-            j_lo, n_blocks = _block_range(start_m, seqlen_k, diag_offset, left_offset, BLOCK_M, BLOCK_N, CAUSAL,
-                                          MASK_LEFT)
-            return j_lo, n_blocks, Idx
+            j_lo, n_blocks = _block_range(item.start_m, item.seqlen_k, item.diag_offset, item.left_offset,
+                                          cfg.BLOCK_M, cfg.BLOCK_N, cfg.MASK_RIGHT, cfg.MASK_LEFT)
+            return j_lo, n_blocks, lists.Idx
 
     @gluon.jit
     def _block_at(j_lo, j, idx_row, LISTS: gl.constexpr):
@@ -174,6 +397,12 @@ if AVAILABLE:
         """Store a work item's index (dynamic schedule) from the producer warp."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         tile_smem.store(gl.full([1], tile, gl.int32, layout))
+
+    @gluon.jit
+    def _read_tile(tile_smem):
+        """The work item the producer wrote for this warpgroup (dynamic schedule)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.max(tile_smem.load(layout), 0)
 
     # Varlen (VARLEN): q, k, v, out are [total, H, D] packed sequences, read through 4-D descriptors over
     # [1, total, H, D], so a tile may run into the next sequence's rows: keys past a sequence's end are masked by its
@@ -193,122 +422,116 @@ if AVAILABLE:
                 gl.load(row + 5), tile // n_upper)
 
     @gluon.jit
-    def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem, Counter,
-                        TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                        num_heads, head_group, group_size, seqlen_k, diag_offset, left_offset, bias_mul_b, bias_mul_h,
-                        Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        MASK_LEFT: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                        DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
+    def _hand_over(tile_smem, qb, tile, item, VARLEN: gl.constexpr):
+        """The producer's hand-over of a work item to the consumers (dynamic schedule): its index, and under
+        VARLEN the fields the consumers cannot compute (_consumer_item reads them)."""
+        if VARLEN:
+            base = qb * ITEM_FIELDS
+            _write_tile(tile_smem.index(base), tile)
+            _write_tile(tile_smem.index(base + 1), item.i_b)
+            _write_tile(tile_smem.index(base + 2), item.start_m)
+            _write_tile(tile_smem.index(base + 3), item.q_start)
+            _write_tile(tile_smem.index(base + 4), item.seqlen_q)
+            _write_tile(tile_smem.index(base + 5), item.seqlen_k)
+            _write_tile(tile_smem.index(base + 6), item.i_h)
+        else:
+            _write_tile(tile_smem.index(qb), tile)
+
+    @gluon.jit
+    def _load_partition(prog):
+        """The producer warp: walks the program's work items and loads each one's query tile, K/V blocks and
+        attn_mask tiles into the rings (_load_item)."""
+        cfg = prog.cfg
+        work = prog.work
+        band = prog.band
         c = 0  # blocks loaded so far by this program: slot c % STAGES, pass c // STAGES through the ring
         bc = 0  # attn_mask tiles loaded so far (its own ring: slot bc % BSTAGES)
         it = 0  # work items so far
         tile = gl.program_id(0)
-        while tile < n_tiles:
-            if VARLEN:
+        while tile < work.n_tiles:
+            if cfg.VARLEN:
                 # n_m is n_upper here; the item's sequence and its own bottom-right offsets.
-                i_b, start_m, q_start, seqlen_q_i, k_start, seqlen_k_i, i_h = _varlen_item(TileMap, tile, n_m)
-                offset = seqlen_k_i - seqlen_q_i
+                i_b, start_m, q_start, seqlen_q, k_start, seqlen_k, i_h = _varlen_item(prog.producer.TileMap, tile,
+                                                                                       work.n_m)
+                offset = seqlen_k - seqlen_q
                 t_b = 0  # the descriptors' batch index
                 valid = i_b >= 0
             else:
-                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, head_group, BLOCK_M, CAUSAL | (BIAS == 2))
+                start_m, i_b, i_h = _tile_coords(work, tile, cfg.BLOCK_M, cfg.MASK_RIGHT | (cfg.BIAS == 2))
                 q_start = 0
                 k_start = 0
-                seqlen_k_i = seqlen_k
+                seqlen_k = band.seqlen_k
                 offset = 0
                 t_b = i_b
-                seqlen_q_i = 0  # (not read)
+                seqlen_q = 0  # (not read)
                 valid = True
             if valid:
-                c, bc, it = _load_item(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem,
-                                       tile_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty,
-                                       c, bc, it, tile, start_m, i_b, i_h, t_b, q_start, seqlen_q_i,
-                                       k_start, group_size, seqlen_k_i, diag_offset + offset, left_offset + offset,
-                                       bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                       BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
-                                       DYNAMIC, QBUF, VARLEN)
-            if DYNAMIC:
+                item = FwdItem(start_m, i_b, i_h, t_b, q_start, seqlen_q, k_start, seqlen_k, offset,
+                               band.diag_offset + offset, band.left_offset + offset)
+                c, bc, it = _load_item(prog, c, bc, it, tile, item)
+            if cfg.DYNAMIC:
                 # Items after the first one per program come from a global counter, in list order. Taken here,
                 # after this item's loads are issued, its latency hides behind the wait for a free query buffer.
-                tile = gl.num_programs(0) + gl.atomic_add(Counter, 1)
+                tile = gl.num_programs(0) + gl.atomic_add(prog.producer.Counter, 1)
             else:
                 tile += gl.num_programs(0)
-        if DYNAMIC:
+        if cfg.DYNAMIC:
             # No item left: hand the consumers n_tiles in place of an index.
-            qb = it % QBUF
-            mbarrier.wait(q_empty.index(qb), ((it // QBUF) & 1) ^ 1)
-            _write_tile(tile_smem.index(qb * (ITEM_FIELDS if VARLEN else 1)), n_tiles)
-            mbarrier.arrive(q_full.index(qb), count=1)
+            qb = prog.smem.q_bar.wait_empty(it)
+            _write_tile(prog.smem.tile.index(qb * (ITEM_FIELDS if cfg.VARLEN else 1)), work.n_tiles)
+            mbarrier.arrive(prog.smem.q_bar.full.index(qb), count=1)
 
     @gluon.jit
-    def _load_item(q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem, q_full, q_empty,
-                   k_full, k_empty, v_full, v_empty, b_full, b_empty, c, bc, it, tile, start_m, i_b, i_h, t_b,
-                   q_start, seqlen_q, k_start, group_size, seqlen_k, diag_offset, left_offset, bias_mul_b,
-                   bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   MASK_LEFT: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                   DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr):
-        """The producer's loads for one work item (query rows from start_m of batch i_b, head i_h; the descriptors'
-        rows offset by q_start / k_start and their batch index t_b under VARLEN). Returns the ring counters."""
-        i_hk = i_h // group_size
-        j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k, diag_offset, left_offset, Counts,
-                                               Idx, stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
-                                               MASK_LEFT, BIAS == 2)
-        # A fresh barrier has completed no phase, so the first wait on an "empty" barrier (parity 1) does not
-        # block; after that, each wait needs every consumer's release of the previous use.
-        qb = it % QBUF
-        mbarrier.wait(q_empty.index(qb), ((it // QBUF) & 1) ^ 1)
-        if DYNAMIC:
+    def _load_item(prog, c, bc, it, tile, item):
+        """The producer's loads for one work item (the descriptors' rows offset by q_start / k_start and their
+        batch index t_b under VARLEN). Returns the ring counters."""
+        cfg = prog.cfg
+        smem = prog.smem
+        producer = prog.producer
+        i_hk = item.i_h // producer.group_size
+        j_lo, n_blocks, idx_row = _item_blocks(cfg, prog.lists, item)
+        qb = smem.q_bar.wait_empty(it)
+        if cfg.DYNAMIC:
             # The consumers read the item's index once its query tile has arrived (the barrier's completion
             # orders this store before their read); they are done with this slot's previous index (q_empty).
-            if VARLEN:
-                base = qb * ITEM_FIELDS
-                _write_tile(tile_smem.index(base), tile)
-                _write_tile(tile_smem.index(base + 1), i_b)
-                _write_tile(tile_smem.index(base + 2), start_m)
-                _write_tile(tile_smem.index(base + 3), q_start)
-                _write_tile(tile_smem.index(base + 4), seqlen_q)
-                _write_tile(tile_smem.index(base + 5), seqlen_k)
-                _write_tile(tile_smem.index(base + 6), i_h)
-            else:
-                _write_tile(tile_smem.index(qb), tile)
-        mbarrier.expect(q_full.index(qb), NUM_WG * q_desc.block_type.nbytes)
-        for part in gl.static_range(NUM_WG):
-            tma_load(q_desc, [t_b, q_start + start_m + part * PART_M, i_h, 0], q_full.index(qb),
-                     q_smem.index(qb * NUM_WG + part).reshape([1, PART_M, 1, HEAD_DIM]))
+            _hand_over(smem.tile, qb, tile, item, cfg.VARLEN)
+        mbarrier.expect(smem.q_bar.full.index(qb), cfg.NUM_WG * producer.q_desc.block_type.nbytes)
+        for part in gl.static_range(cfg.NUM_WG):
+            tma_load(producer.q_desc, [item.t_b, item.q_start + item.start_m + part * cfg.PART_M, item.i_h, 0],
+                     smem.q_bar.full.index(qb),
+                     smem.q.index(qb * cfg.NUM_WG + part).reshape([1, cfg.PART_M, 1, cfg.HEAD_DIM]))
         # K runs one block ahead of V, the order the consumers use them in: step j reads K_j (and its bias
         # tile) and V_{j-1}.
         for j in range(n_blocks + 1):
             if j < n_blocks:
-                blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
-                col = blk * BLOCK_N
-                slot = (c + j) % STAGES
-                mbarrier.wait(k_empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                tma_load(k_desc, [t_b, k_start + col, i_hk, 0], k_full.index(slot),
-                         k_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
-                if BIAS != 0:
+                blk, partial = _block_at(j_lo, j, idx_row, cfg.BIAS == 2)
+                col = blk * cfg.BLOCK_N
+                _load_block(cfg, smem.k, smem.k_bar, producer.k_desc, c + j, item, col, i_hk)
+                if cfg.BIAS != 0:
                     if partial:
                         # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
-                        slot = bc % BSTAGES
-                        mbarrier.wait(b_empty.index(slot), ((bc // BSTAGES) & 1) ^ 1)
-                        mbarrier.expect(b_full.index(slot), NUM_WG * bias_desc.block_type.nbytes)
-                        for part in gl.static_range(NUM_WG):
-                            tma_load(bias_desc,
-                                     [i_b * bias_mul_b, i_h * bias_mul_h, start_m + part * PART_M, col],
-                                     b_full.index(slot),
-                                     bias_smem.index(slot * NUM_WG + part).reshape([1, 1, PART_M, BLOCK_N]))
+                        slot = smem.b_bar.wait_empty(bc)
+                        mbarrier.expect(smem.b_bar.full.index(slot), cfg.NUM_WG * producer.bias_desc.block_type.nbytes)
+                        for part in gl.static_range(cfg.NUM_WG):
+                            tma_load(producer.bias_desc,
+                                     [item.i_b * producer.bias_mul_b, item.i_h * producer.bias_mul_h,
+                                      item.start_m + part * cfg.PART_M, col], smem.b_bar.full.index(slot),
+                                     smem.b.index(slot * cfg.NUM_WG + part).reshape([1, 1, cfg.PART_M, cfg.BLOCK_N]))
                         bc += 1
             if j > 0:
-                blk, partial = _block_at(j_lo, j - 1, idx_row, BIAS == 2)
-                col = blk * BLOCK_N
-                slot = (c + j - 1) % STAGES
-                mbarrier.wait(v_empty.index(slot), (((c + j - 1) // STAGES) & 1) ^ 1)
-                mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                tma_load(v_desc, [t_b, k_start + col, i_hk, 0], v_full.index(slot),
-                         v_smem.index(slot).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+                blk, partial = _block_at(j_lo, j - 1, idx_row, cfg.BIAS == 2)
+                col = blk * cfg.BLOCK_N
+                _load_block(cfg, smem.v, smem.v_bar, producer.v_desc, c + j - 1, item, col, i_hk)
         return c + n_blocks, bc, it + 1
+
+    @gluon.jit
+    def _load_block(cfg, buf, ring, desc, i, item, col, i_hk):
+        """Load the key block at col (K or V: its buffers, ring and descriptor) of the item's kv head i_hk as the
+        ring's i-th use."""
+        slot = ring.wait_empty(i)
+        mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
+        tma_load(desc, [item.t_b, item.k_start + col, i_hk, 0], ring.full.index(slot),
+                 buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
 
     @gluon.jit
     def _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF: gl.constexpr):
@@ -346,42 +569,42 @@ if AVAILABLE:
         return s
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, row, col0, seqlen_k, diag_offset, left_offset, qk_scale, mask, arow, slope,
-                      pre_scale, mod_unit, bias_smem, b_full, b_empty, bc, part: gl.constexpr,
-                      CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                      BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr):
-        """Scores -> online softmax for one block: returns p, alpha, m, l and the attn_mask tiles read so far.
-        `mask` (runtime): apply Sk and the band (CAUSAL: the right bound i + diag_offset; MASK_LEFT: the left
-        bound i + left_offset) and a bool attn_mask's tile (BIAS 2: the block is masked iff it has a tile). A float
-        attn_mask's tile (BIAS 1) is read for every block. Both branches hold a whole softmax, so the wait that
-        follows a call starts a basic block of its own and ptxas cannot hoist it above the exponentials."""
+    def _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, col0, mask, bc):
+        """Scores -> online softmax for the block at columns col0 + (0 .. BLOCK_N-1): returns p, alpha, m, l and
+        the attn_mask tiles read so far. `mask` (runtime): apply Sk and the band (_visible) and a bool attn_mask's
+        tile (BIAS 2: the block is masked iff it has a tile). A float attn_mask's tile (BIAS 1) is read for every
+        block. Both branches hold a whole softmax, so the wait that follows a call starts a basic block of its own
+        and ptxas cannot hoist it above the exponentials."""
         b = 0.0
         # A float attn_mask is added here only after a softcap; without one it is already in s (_issue_scores).
-        BIAS_MOD: gl.constexpr = BIAS if SOFTCAP else BIAS & 2
+        BIAS_MOD: gl.constexpr = cfg.BIAS if cfg.SOFTCAP else cfg.BIAS & 2
         if BIAS_MOD == 1:
-            b = _read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS, True)
+            b = _read_bias(cfg, smem, bc, s, rows.part, True)
             bc += 1
-        s = _score_mod(s, col0, arow, slope, pre_scale, b, mod_unit, SOFTCAP, HAS_ALIBI, BIAS_MOD)
-        KEEP_NEG_INF: gl.constexpr = MASK_LEFT | (BIAS != 0)
+        s = _score_mod(s, col0, rows.arow, rows.slope, mods.pre_scale, b, mods.mod_unit, cfg.SOFTCAP,
+                       cfg.HAS_ALIBI, BIAS_MOD)
+        KEEP_NEG_INF: gl.constexpr = cfg.MASK_LEFT | (cfg.BIAS != 0)
         if mask:
-            keep = _visible(s, row, col0, seqlen_k, diag_offset, left_offset, CAUSAL, MASK_LEFT)
-            if BIAS == 2:
-                keep = keep & (_read_bias(bias_smem, b_full, b_empty, bc, s, part, NUM_WG, BSTAGES, BIAS,
-                                          True) != 0)
+            keep = _visible(s, rows.row, col0, rows.seqlen_k, rows.diag_offset, rows.left_offset, cfg.MASK_RIGHT,
+                            cfg.MASK_LEFT)
+            if cfg.BIAS == 2:
+                keep = keep & (_read_bias(cfg, smem, bc, s, rows.part, True) != 0)
                 bc += 1
-            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, KEEP_NEG_INF)
+            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, mods.qk_scale,
+                                               KEEP_NEG_INF)
         else:
-            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF)
+            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, mods.qk_scale, KEEP_NEG_INF)
         return p, alpha, m_n, l_n, bc
 
     @gluon.jit
-    def _visible(s, row, col0, seqlen_k, diag_offset, left_offset, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr):
-        """Which scores of the block at columns col0 + (0 .. BLOCK_N-1) a row sees: Sk and the band (CAUSAL: the
-        right bound i + diag_offset; MASK_LEFT: the left bound i + left_offset). The block-relative column is
+    def _visible(s, row, col0, seqlen_k, diag_offset, left_offset, MASK_RIGHT: gl.constexpr,
+                 MASK_LEFT: gl.constexpr):
+        """Which scores of the block at columns col0 + (0 .. BLOCK_N-1) a row sees: Sk and the band (MASK_RIGHT:
+        the right bound i + diag_offset; MASK_LEFT: the left bound i + left_offset). The block-relative column is
         compared with one limit per row (the row's last visible key, relative to the block): one compare per
         score."""
         rel = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        if CAUSAL:
+        if MASK_RIGHT:
             lim = gl.minimum(row + diag_offset, seqlen_k - 1) - col0
             keep = gl.expand_dims(rel, 0) <= gl.expand_dims(lim, 1)
         else:
@@ -391,23 +614,22 @@ if AVAILABLE:
         return keep
 
     @gluon.jit
-    def _lazy_exp(s, m_i, row, col0, seqlen_k, diag_offset, qk_scale, mask, pre_scale, mod_unit, CAUSAL: gl.constexpr,
-                  SOFTCAP: gl.constexpr):
+    def _lazy_exp(cfg, mods, rows, s, m_i, col0, mask):
         """The exponentials of one block against the row's current reference m_i, with no row maximum and no
         rescale (LAZY; docs/derivation.md ch. 3 holds for any reference, not only the running maximum): returns
         P = exp2(qk_scale s - m_i) and its row sums. Unless a row's new scores exceed m_i by more than
         log2(LAZY_LIMIT), every P is at most LAZY_LIMIT and the sums say so; the caller checks them and redoes
         the block with the maximum (_softmax_step) when one does not hold."""
         # (LAZY runs without ALiBi, a left window or an attn_mask: the softcap is the only modification.)
-        s = _score_mod(s, col0, 0.0, 0.0, pre_scale, 0.0, mod_unit, SOFTCAP, False, 0)
+        s = _score_mod(s, col0, 0.0, 0.0, mods.pre_scale, 0.0, mods.mod_unit, cfg.SOFTCAP, False, 0)
         # m_i is finite: without a left bound or an attn_mask the state never keeps -inf (_softmax_core), and a
         # row that saw no key in its first block sees none here either.
         ref = gl.expand_dims(m_i, 1)
         if mask:
-            keep = _visible(s, row, col0, seqlen_k, diag_offset, 0, CAUSAL, False)
-            p = gl.exp2(gl.where(keep, s, float("-inf")) * qk_scale - ref)
+            keep = _visible(s, rows.row, col0, rows.seqlen_k, rows.diag_offset, 0, cfg.MASK_RIGHT, False)
+            p = gl.exp2(gl.where(keep, s, float("-inf")) * mods.qk_scale - ref)
         else:
-            p = gl.exp2(s * qk_scale - ref)
+            p = gl.exp2(s * mods.qk_scale - ref)
         return p, gl.sum(p, 1)
 
     @gluon.jit
@@ -417,34 +639,31 @@ if AVAILABLE:
         warp's maximum (shuffles), stored, then all four read back. (gl.max over x would use two barriers.)"""
         w = gl.max(gl.reshape(x, [4, x.shape[0] // 4]), 1)
         buf.store(w)
-        gl.thread_barrier()
+        thread_barrier()
         layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
         return gl.max(buf.load(layout), 0)
 
     @gluon.jit
-    def _issue_s(q, k_smem, k_full, i, s_buf, STAGES: gl.constexpr, USE_ACC: gl.constexpr):
-        """Issue S = Q K_i^T for the program's block i (a running count: slot i % STAGES) into the registers of
-        s_buf: S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read."""
-        slot = i % STAGES
-        mbarrier.wait(k_full.index(slot), (i // STAGES) & 1)
-        return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
+    def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr):
+        """Issue S = Q K_i^T for the program's block i (the K ring's i-th use) into the registers of s_buf:
+        S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read."""
+        slot = smem.k_bar.wait_full(i)
+        return warpgroup_mma(q, smem.k.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
 
     @gluon.jit
-    def _issue_scores(q, k_smem, k_full, i, s_zero, bias_smem, b_full, b_empty, bc, part: gl.constexpr,
-                      STAGES: gl.constexpr, SOFTCAP: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
-                      NUM_WG: gl.constexpr):
+    def _issue_scores(cfg, smem, q, i, s_zero, bc, part: gl.constexpr):
         """_issue_s, except that a float attn_mask without softcap starts the accumulator at its tile (read here,
         the next one in the ring, bc): the tensor cores add it, and the softmax, which bounds the loop, does not.
         Q was scaled by the softmax scale for this path (_scale_q), so the tile needs no multiply: only its
         widening. Returns (the product's token, bc)."""
-        if BIAS == 1 and not SOFTCAP:
-            b = _read_bias(bias_smem, b_full, b_empty, bc, s_zero, part, NUM_WG, BSTAGES, BIAS, False)
-            tok = _issue_s(q, k_smem, k_full, i, to_float32(b), STAGES, True)
+        if cfg.BIAS == 1 and not cfg.SOFTCAP:
+            b = _read_bias(cfg, smem, bc, s_zero, part, False)
+            tok = _issue_s(smem, q, i, to_float32(b), True)
             # The product's issue needed the tile in registers: its read is complete, the slot may be refilled.
-            mbarrier.arrive(b_empty.index(bc % BSTAGES), count=1)
+            smem.b_bar.release(bc)
             return tok, bc + 1
         else:
-            return _issue_s(q, k_smem, k_full, i, s_zero, STAGES, False), bc
+            return _issue_s(smem, q, i, s_zero, False), bc
 
     @gluon.jit
     def _scale_q(q, factor):
@@ -458,21 +677,19 @@ if AVAILABLE:
         q.store((x.to(gl.float32) * factor).to(q.dtype))
         # The products read Q through the async proxy, issued once every warp of the warpgroup has stored.
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
 
     @gluon.jit
-    def _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES: gl.constexpr, RESCALE: gl.constexpr = True):
-        """Rescale O by the alpha of P's block (RESCALE), then issue O += P V_i."""
+    def _issue_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr = True):
+        """Rescale O by the alpha of P's block (RESCALE), then issue O += P V_i (the V ring's i-th use)."""
         if RESCALE:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-        slot = i % STAGES
-        mbarrier.wait(v_full.index(slot), (i // STAGES) & 1)
-        return warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+        slot = smem.v_bar.wait_full(i)
+        return warpgroup_mma(p, smem.v.index(slot), acc, is_async=True)
 
     @gluon.jit
-    def _read_bias(bias_smem, b_full, b_empty, i, s, part: gl.constexpr, NUM_WG: gl.constexpr,
-                   BSTAGES: gl.constexpr, BIAS: gl.constexpr, RELEASE: gl.constexpr):
-        """This warpgroup's attn_mask tile of the program's i-th tile (slot i % BSTAGES), in the layout of the
+    def _read_bias(cfg, smem, i, s, part: gl.constexpr, RELEASE: gl.constexpr):
+        """This warpgroup's attn_mask tile of the program's i-th tile (the ring's i-th use), in the layout of the
         scores s (0.0: no attn_mask). RELEASE: hand the slot back to the producer here, behind a proxy fence;
         otherwise the caller releases it once an instruction has consumed the tile.
 
@@ -481,32 +698,37 @@ if AVAILABLE:
         sooner (the tile loaded before K and prefetched into L2), releasing without the fence read the next
         tile's values into some rows in 6-10 of 12 runs on an H100 (benchmarks/NOTES.md, "The bias ring's
         release")."""
-        if BIAS != 0:
-            slot = i % BSTAGES
-            mbarrier.wait(b_full.index(slot), (i // BSTAGES) & 1)
-            b = bias_smem.index(slot * NUM_WG + part).load(s.type.layout)
+        if cfg.BIAS != 0:
+            slot = smem.b_bar.wait_full(i)
+            b = smem.b.index(slot * cfg.NUM_WG + part).load(s.type.layout)
             if RELEASE:
                 fence_async_shared()
-                mbarrier.arrive(b_empty.index(slot), count=1)
+                mbarrier.arrive(smem.b_bar.empty.index(slot), count=1)
             return b
         else:
             return 0.0
 
     @gluon.jit
-    def _drop(p, row, col0, seed, bh, threshold):
+    def _drop(p, row, col0, drop):
         """Dropout on a block's probabilities P (queries `row`, keys from col0), after their row sums went into l:
         the dropped ones become 0 (the epilogue divides O by l (1 - p)); the bits are _gluon.dropout_bits'."""
-        keep = dropout_tile_keep(row, col0, seed, bh, threshold, p.shape[1], False)
+        keep = dropout_tile_keep(row, col0, drop.seed, drop.bh, drop.threshold, p.shape[1], False)
         return gl.where(keep, p, 0.0)
 
     @gluon.jit
-    def _finish_step(q, s_tok, k_smem, k_full, s_zero, flag_smem, v_smem, k_empty, v_full, v_empty, bias_smem, b_full,
-                     b_empty, j, c, bc, p_prev, alpha_prev, acc, m_i, l_i, row, seqlen_k, diag_offset, left_offset,
-                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, seed, bh,
-                     drop_threshold, part: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                     BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr, LAZY: gl.constexpr,
-                     DROPOUT: gl.constexpr, dot_a: gl.constexpr):
+    def _block_mask(cfg, rows, j):
+        """The item's j-th key block and whether it is masked: it lies below full_lo or from n_full on, or (a bool
+        attn_mask) it has a mask tile."""
+        blk, partial = _block_at(rows.j_lo, j, rows.idx_row, cfg.BIAS == 2)
+        mask = j >= rows.n_full
+        if cfg.MASK_LEFT:
+            mask = mask | (j < rows.full_lo)
+        if cfg.BIAS == 2:
+            mask = partial
+        return blk, mask
+
+    @gluon.jit
+    def _finish_step(cfg, smem, mods, rows, drop, q, s_tok, s_zero, j, c, bc, p_prev, alpha_prev, acc, m_i, l_i):
         """Step j >= 1 with S_j issued and nothing after it: issue P_{j-1} V_{j-1}, softmax(S_j) while it runs,
         retire it. In P_{j-1} and its alpha, out P_j and its alpha (and the attn_mask tile count); O then holds
         P_{<j} V_{<j}.
@@ -516,128 +738,92 @@ if AVAILABLE:
         warpgroup agrees on its largest row sum (_wg_max). If it passes LAZY_LIMIT (some row's scores grew past
         m_i + log2(LAZY_LIMIT): P would lose range in fp16, or overflow), it issues S_j again (K_j's slot is
         released only after the check) and takes the usual softmax step, rescaling O there; the next P V never
-        rescales. LAZY 2 (probes only) skips the check."""
-        acc_tok = _issue_pv(p_prev, v_smem, v_full, c + j - 1, acc, alpha_prev, STAGES, not LAZY)
+        rescales."""
+        acc_tok = _issue_pv(smem, p_prev, c + j - 1, acc, alpha_prev, not cfg.LAZY)
         # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        if not LAZY:
-            mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
-        blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
-        mask = j >= n_full
-        if MASK_LEFT:
-            mask = mask | (j < full_lo)
-        if BIAS == 2:
-            mask = partial
-        if LAZY:
-            p, l_blk = _lazy_exp(s, m_i, row, blk * BLOCK_N, seqlen_k, diag_offset, qk_scale, mask, pre_scale,
-                                 mod_unit, CAUSAL, SOFTCAP)
+        if not cfg.LAZY:
+            smem.k_bar.release(c + j)
+        blk, mask = _block_mask(cfg, rows, j)
+        if cfg.LAZY:
+            p, l_blk = _lazy_exp(cfg, mods, rows, s, m_i, blk * cfg.BLOCK_N, mask)
             alpha = alpha_prev  # not read: LAZY never rescales at issue
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
-            big = 0.0
-            if LAZY == 1:
-                # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
-                big = _wg_max(l_blk, flag_smem.index(part * 2 + (c + j) % 2))
+            # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
+            big = _wg_max(l_blk, smem.flag.index(rows.part * 2 + (c + j) % 2))
             if big > LAZY_LIMIT:
-                s_tok = _issue_s(q, k_smem, k_full, c + j, s_zero, STAGES, False)
+                s_tok = _issue_s(smem, q, c + j, s_zero, False)
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset,
-                                                       left_offset, qk_scale, mask, arow, slope, pre_scale,
-                                                       mod_unit, bias_smem, b_full, b_empty, bc, part, CAUSAL,
-                                                       MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG)
+                p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask,
+                                                       bc)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
             else:
                 l_i = l_i + l_blk
-            mbarrier.arrive(k_empty.index((c + j) % STAGES), count=1)
+            smem.k_bar.release(c + j)
         else:
-            p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset,
-                                                   left_offset, qk_scale, mask, arow, slope, pre_scale, mod_unit,
-                                                   bias_smem, b_full, b_empty, bc, part, CAUSAL, MASK_LEFT, SOFTCAP,
-                                                   HAS_ALIBI, BIAS, BSTAGES, NUM_WG)
+            p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask, bc)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
-        mbarrier.arrive(v_empty.index((c + j - 1) % STAGES), count=1)
-        if DROPOUT:
-            p = _drop(p, row, blk * BLOCK_N, seed, bh, drop_threshold)
-        p = gl.convert_layout(p.to(q.dtype), dot_a)
+        smem.v_bar.release(c + j - 1)
+        if cfg.DROPOUT:
+            p = _drop(p, rows.row, blk * cfg.BLOCK_N, drop)
+        p = gl.convert_layout(p.to(q.dtype), cfg.dot_a)
         return p, alpha, acc, m_i, l_i, bc
 
     @gluon.jit
-    def _last_pv(p, v_smem, v_full, v_empty, i, acc, alpha, STAGES: gl.constexpr, RESCALE: gl.constexpr):
+    def _last_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr):
         """The work item's last P V (block i), retired at once: the epilogue needs O."""
-        acc_tok = _issue_pv(p, v_smem, v_full, i, acc, alpha, STAGES, RESCALE)
+        acc_tok = _issue_pv(smem, p, i, acc, alpha, RESCALE)
         acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
-        mbarrier.arrive(v_empty.index(i % STAGES), count=1)
+        smem.v_bar.release(i)
         return acc
 
     @gluon.jit
-    def _tile_blocks(q, k_smem, v_smem, flag_smem, k_full, k_empty, v_full, v_empty, bias_smem, b_full, b_empty,
-                     q_empty, c, bc, n_blocks, acc, m_i, l_i, s_zero, row, seqlen_k, diag_offset, left_offset,
-                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope, pre_scale, mod_unit, seed, bh,
-                     drop_threshold, part: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                     BIAS: gl.constexpr, BSTAGES: gl.constexpr, NUM_WG: gl.constexpr, LAZY: gl.constexpr,
-                     DROPOUT: gl.constexpr, dot_a: gl.constexpr):
-        """All key blocks of one work item (n_blocks >= 1; block j is _block_at(j_lo, j, idx_row)) for one
-        warpgroup: returns O (unnormalized), m, l and the attn_mask tile count bc. Blocks j below full_lo or from
-        n_full on are masked (with a bool attn_mask: those with a mask tile)."""
-        s_tok, bc = _issue_scores(q, k_smem, k_full, c, s_zero, bias_smem, b_full, b_empty, bc, part, STAGES,
-                                  SOFTCAP, BIAS, BSTAGES, NUM_WG)
+    def _tile_blocks(cfg, smem, mods, rows, drop, q, q_empty, c, bc, n_blocks, acc, m_i, l_i, s_zero):
+        """All key blocks of one work item (n_blocks >= 1) for one warpgroup: returns O (unnormalized), m, l and
+        the attn_mask tile count bc."""
+        s_tok, bc = _issue_scores(cfg, smem, q, c, s_zero, bc, rows.part)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+        smem.k_bar.release(c)
         # Step 0: the first block's scores and softmax; nothing to multiply into V yet.
-        blk, partial = _block_at(j_lo, 0, idx_row, BIAS == 2)
-        mask = n_full <= 0
-        if MASK_LEFT:
-            mask = mask | (full_lo > 0)
-        if BIAS == 2:
-            mask = partial
-        p, alpha, m_i, l_i, bc = _softmax_step(s, m_i, l_i, row, blk * BLOCK_N, seqlen_k, diag_offset, left_offset,
-                                               qk_scale, mask, arow, slope, pre_scale, mod_unit, bias_smem, b_full,
-                                               b_empty, bc, part, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
-                                               BSTAGES, NUM_WG)
-        if DROPOUT:
-            p = _drop(p, row, blk * BLOCK_N, seed, bh, drop_threshold)
-        p = gl.convert_layout(p.to(q.dtype), dot_a)
+        blk, mask = _block_mask(cfg, rows, 0)
+        p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask, bc)
+        if cfg.DROPOUT:
+            p = _drop(p, rows.row, blk * cfg.BLOCK_N, drop)
+        p = gl.convert_layout(p.to(q.dtype), cfg.dot_a)
         for j in range(1, n_blocks):
-            s_tok, bc = _issue_scores(q, k_smem, k_full, c + j, s_zero, bias_smem, b_full, b_empty, bc, part,
-                                      STAGES, SOFTCAP, BIAS, BSTAGES, NUM_WG)
-            p, alpha, acc, m_i, l_i, bc = _finish_step(q, s_tok, k_smem, k_full, s_zero, flag_smem, v_smem,
-                                                       k_empty, v_full, v_empty, bias_smem, b_full, b_empty, j, c,
-                                                       bc, p, alpha, acc, m_i, l_i, row, seqlen_k, diag_offset,
-                                                       left_offset, qk_scale, n_full, full_lo, j_lo, idx_row, arow,
-                                                       slope, pre_scale, mod_unit, seed, bh, drop_threshold, part,
-                                                       BLOCK_N, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI, BIAS,
-                                                       BSTAGES, NUM_WG, LAZY, DROPOUT, dot_a)
+            s_tok, bc = _issue_scores(cfg, smem, q, c + j, s_zero, bc, rows.part)
+            p, alpha, acc, m_i, l_i, bc = _finish_step(cfg, smem, mods, rows, drop, q, s_tok, s_zero, j, c, bc, p,
+                                                       alpha, acc, m_i, l_i)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
         # (LAZY: O was rescaled where a step took the maximum, and is 0 after step 0.)
-        acc = _last_pv(p, v_smem, v_full, v_empty, c + n_blocks - 1, acc, alpha, STAGES, not LAZY)
+        acc = _last_pv(smem, p, c + n_blocks - 1, acc, alpha, not cfg.LAZY)
         return acc, m_i, l_i, bc
 
     @gluon.jit
-    def _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty, c, bc, n_blocks, j_lo, idx_row,
-                     STAGES: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr):
+    def _skip_blocks(cfg, smem, rows, q_empty, c, bc, n_blocks):
         """A warpgroup whose rows all lie past Sq (the last query tile) computes nothing: it only follows the ring,
         releasing each K (and attn_mask tile) and V block once loaded, in the producer's order (K_j, then
         V_{j-1}). Returns the attn_mask tile count."""
         for j in range(n_blocks):
             i = c + j
-            mbarrier.wait(k_full.index(i % STAGES), (i // STAGES) & 1)
-            mbarrier.arrive(k_empty.index(i % STAGES), count=1)
-            if BIAS != 0:
-                blk, partial = _block_at(j_lo, j, idx_row, BIAS == 2)
+            smem.k_bar.wait_full(i)
+            smem.k_bar.release(i)
+            if cfg.BIAS != 0:
+                blk, partial = _block_at(rows.j_lo, j, rows.idx_row, cfg.BIAS == 2)
                 if partial:
-                    mbarrier.wait(b_full.index(bc % BSTAGES), (bc // BSTAGES) & 1)
-                    mbarrier.arrive(b_empty.index(bc % BSTAGES), count=1)
+                    smem.b_bar.wait_full(bc)
+                    smem.b_bar.release(bc)
                     bc += 1
             if j > 0:
-                mbarrier.wait(v_full.index((i - 1) % STAGES), ((i - 1) // STAGES) & 1)
-                mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
+                smem.v_bar.wait_full(i - 1)
+                smem.v_bar.release(i - 1)
         mbarrier.arrive(q_empty, count=1)
         if n_blocks > 0:
             i = c + n_blocks - 1
-            mbarrier.wait(v_full.index(i % STAGES), (i // STAGES) & 1)
-            mbarrier.arrive(v_empty.index(i % STAGES), count=1)
+            smem.v_bar.wait_full(i)
+            smem.v_bar.release(i)
         return bc
 
     @gluon.jit
@@ -650,287 +836,261 @@ if AVAILABLE:
         tma_store(o_desc, [i_b, row0, i_h, 0], o_buf.reshape([1, o_buf.shape[0], 1, o_buf.shape[1]]))
 
     @gluon.jit
-    def _store_o(o, Out, i_b, i_h, q_start, row, seqlen_q, stride_ob, stride_os, stride_oh, o_layout: gl.constexpr):
-        """Store a warpgroup's output rows (those below seqlen_q) from registers."""
+    def _store_o(out, o, item, row, o_layout: gl.constexpr):
+        """Store a warpgroup's output rows (those below the item's seqlen_q) from registers."""
         o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
-        o_ptr = (Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
-                 + gl.expand_dims((q_start + o_rows).to(gl.int64) * stride_os, 1) + gl.expand_dims(o_cols, 0))
-        gl.store(o_ptr, o, mask=gl.expand_dims(o_rows < seqlen_q, 1))
+        o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
+                 + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1) + gl.expand_dims(o_cols, 0))
+        gl.store(o_ptr, o, mask=gl.expand_dims(o_rows < item.seqlen_q, 1))
 
     @gluon.jit
-    def _read_tile(tile_smem):
-        """The work item the producer wrote for this warpgroup (dynamic schedule)."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        return gl.max(tile_smem.load(layout), 0)
+    def _consumer_item(prog, tile, it):
+        """The work item `tile`, as the consumers see it: under VARLEN the fields the producer handed over
+        (_hand_over), else the item's coordinates."""
+        cfg = prog.cfg
+        band = prog.band
+        if cfg.VARLEN:
+            # The item's row from the producer (_varlen_item): its sequence's bounds and own offsets.
+            base = (it % cfg.QBUF) * ITEM_FIELDS
+            i_b = _read_tile(prog.smem.tile.index(base + 1))
+            start_m = _read_tile(prog.smem.tile.index(base + 2))
+            q_start = _read_tile(prog.smem.tile.index(base + 3))
+            seqlen_q = _read_tile(prog.smem.tile.index(base + 4))
+            seqlen_k = _read_tile(prog.smem.tile.index(base + 5))
+            i_h = _read_tile(prog.smem.tile.index(base + 6))
+            offset = seqlen_k - seqlen_q
+            t_b = 0
+        else:
+            start_m, i_b, i_h = _tile_coords(prog.work, tile, cfg.BLOCK_M, cfg.MASK_RIGHT | (cfg.BIAS == 2))
+            q_start = 0
+            seqlen_q = band.seqlen_q
+            seqlen_k = band.seqlen_k
+            offset = 0
+            t_b = i_b
+        return FwdItem(start_m, i_b, i_h, t_b, q_start, seqlen_q, 0, seqlen_k, offset, band.diag_offset + offset,
+                       band.left_offset + offset)
 
     @gluon.jit
-    def _softmax_partition(part: gl.constexpr, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                           q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full, q_empty, k_full,
-                           k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m, num_heads, head_group, seqlen_q,
-                           seqlen_k, diag_offset, left_offset, qk_scale, Alibi, stride_alibi_b, alibi_offset,
-                           mod_unit, pre_scale, Sinks, Seed, drop_threshold, drop_keep, Counts, Idx, stride_cb,
-                           stride_ch, idx_cols,
-                           PART_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                           HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr,
-                           STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                           VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr):
-        dtype: gl.constexpr = o_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        s_zero = gl.zeros([PART_M, BLOCK_N], gl.float32, layout=s_layout)
+    def _item_rows(prog, item, part: gl.constexpr):
+        """Warpgroup `part`'s rows of the item (FwdRows) and the item's block count."""
+        cfg = prog.cfg
+        j_lo, n_blocks, idx_row = _item_blocks(cfg, prog.lists, item)
+        row_start = item.start_m + part * cfg.PART_M
+        row = row_start + gl.arange(0, cfg.PART_M, layout=cfg.row_layout)
+        # Blocks from full_lo to below n_full (counted from the item's first block) are visible to every row of
+        # this part and lie inside Sk: no mask there.
+        n_full = item.seqlen_k // cfg.BLOCK_N
+        if cfg.MASK_RIGHT:
+            n_full = gl.minimum(n_full, gl.maximum(row_start + item.diag_offset + 1, 0) // cfg.BLOCK_N)
+        n_full -= j_lo
+        full_lo = 0
+        if cfg.MASK_LEFT:
+            full_lo = gl.cdiv(gl.maximum(row_start + cfg.PART_M - 1 + item.left_offset, 0), cfg.BLOCK_N) - j_lo
+        # ALiBi (_score_mod): the slope in score units and i + a per row.
+        slope = 0.0
+        arow = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
+        if cfg.HAS_ALIBI:
+            mods = prog.mods
+            slope = gl.load(mods.Alibi + item.i_b * mods.stride_alibi_b + item.i_h) * mods.mod_unit
+            arow = (row + (mods.alibi_offset + item.offset)).to(gl.float32)
+        rows = FwdRows(row_start, row, item.seqlen_k, item.diag_offset, item.left_offset, j_lo, n_full, full_lo,
+                       idx_row, arow, slope, part)
+        return rows, n_blocks
 
+    @gluon.jit
+    def _consume_item(prog, item, rows, q, qb, c, bc, n_blocks, s_zero, seed):
+        """One warpgroup's work on one item whose rows start below Sq (its query tile in buffer qb): all its
+        blocks, then the epilogue (O = acc / l, after the sinks and dropout's 1 / (1 - p), and the rows' LSE,
+        stored). Returns the attn_mask tile count. (The epilogue stays in this function: as a function of its own
+        it moved ptxas's schedule of a few variants, whose debug scopes change with it.)"""
+        cfg = prog.cfg
+        m_i = gl.full([cfg.PART_M], float("-inf"), gl.float32, layout=cfg.row_layout)
+        l_i = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
+        acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM], gl.float32, layout=cfg.o_layout)
+        if n_blocks > 0:
+            if cfg.BIAS == 1 and not cfg.SOFTCAP:
+                _scale_q(q, prog.mods.pre_scale)
+            q_empty = prog.smem.q_bar.empty.index(qb)
+            drop = Dropout(seed, item.i_b * prog.work.num_heads + item.i_h, prog.mods.drop_threshold)
+            acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, prog.mods, rows, drop, q, q_empty, c, bc, n_blocks, acc,
+                                             m_i, l_i, s_zero)
+        else:
+            mbarrier.arrive(prog.smem.q_bar.empty.index(qb), count=1)
+        out = prog.out
+        if cfg.HAS_SINKS:
+            # The head's sink logit joins the denominator (docs/derivation.md#8): one more term, exp(sink - m),
+            # and m grows to cover it. A row that saw no key then outputs 0 and has LSE = sink.
+            sink = gl.load(prog.mods.Sinks + item.i_h) * LOG2E
+            m_fin = gl.maximum(m_i, sink)
+            # A row that saw no key with a sink of -inf keeps m = -inf: subtract 0 there (-inf - -inf is NaN).
+            m_sub = gl.where(m_fin == float("-inf"), 0.0, m_fin)
+            alpha = gl.exp2(m_i - m_sub)
+            l_i = l_i * alpha + gl.exp2(sink - m_sub)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout)), 1)
+            m_i = m_fin
+        # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+        if cfg.DROPOUT:
+            l_safe = l_safe * prog.mods.drop_keep  # 1 - p: the kept probabilities are scaled by 1 / (1 - p)
+        acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, cfg.o_layout)), 1)
+        # (Varlen: lse is [H, total_q], stride_lb 0; the sequence's rows start at q_start.)
+        lse_base = (out.Lse + item.i_b.to(gl.int64) * out.stride_lb + item.i_h.to(gl.int64) * out.stride_lh
+                    + item.q_start)
+        gl.store(lse_base + rows.row, lse, mask=rows.row < item.seqlen_q)
+        if cfg.STAGE_O:
+            if cfg.VARLEN:
+                # A descriptor clips rows past Sq, but under VARLEN the rows past a sequence's end belong to the
+                # next one: a part that runs past it is stored from registers.
+                if rows.row_start + cfg.PART_M <= item.seqlen_q:
+                    _stage_o(acc.to(cfg.dtype), prog.smem.o.index(rows.part), out.o_desc, item.t_b,
+                             item.q_start + rows.row_start, item.i_h)
+                else:
+                    _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout)
+            else:
+                _stage_o(acc.to(cfg.dtype), prog.smem.o.index(rows.part), out.o_desc, item.t_b,
+                         item.q_start + rows.row_start, item.i_h)
+        else:
+            # No staging buffer (its shared memory holds attn_mask tiles, or out is float32: distributed/_local.py).
+            _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout)
+        return bc
+
+    @gluon.jit
+    def _softmax_partition(prog, part: gl.constexpr):
+        """Consumer warpgroup `part`: walks the program's work items in the producer's order, each one's PART_M
+        query rows from start_m + part * PART_M."""
+        cfg = prog.cfg
+        smem = prog.smem
+        s_zero = gl.zeros([cfg.PART_M, cfg.BLOCK_N], gl.float32, layout=cfg.s_layout)
         c = 0  # blocks consumed so far by this program, counted as the producer counts them
         bc = 0  # attn_mask tiles read so far, likewise
         seed = 0
-        if DROPOUT:
-            seed = gl.load(Seed)  # the call's Philox key (int64), drawn on the device by the caller
+        if cfg.DROPOUT:
+            seed = gl.load(prog.mods.Seed)  # the call's Philox key (int64), drawn on the device by the caller
         it = 0  # work items so far
-        if DYNAMIC:
+        if cfg.DYNAMIC:
             # The producer writes each item's index before its query tile arrives, and n_tiles after the last.
-            mbarrier.wait(q_full.index(0), 0)
-            tile = _read_tile(tile_smem.index(0))  # (entry 0 of buffer 0 under VARLEN too)
+            mbarrier.wait(smem.q_bar.full.index(0), 0)
+            tile = _read_tile(smem.tile.index(0))  # (entry 0 of buffer 0 under VARLEN too)
         else:
             tile = gl.program_id(0)
-        while tile < n_tiles:
-            if VARLEN:
-                # The item's row from the producer (_varlen_item): its sequence's bounds and own offsets.
-                base = (it % QBUF) * ITEM_FIELDS
-                i_b = _read_tile(tile_smem.index(base + 1))
-                start_m = _read_tile(tile_smem.index(base + 2))
-                q_start = _read_tile(tile_smem.index(base + 3))
-                seqlen_q_i = _read_tile(tile_smem.index(base + 4))
-                seqlen_k_i = _read_tile(tile_smem.index(base + 5))
-                i_h = _read_tile(tile_smem.index(base + 6))
-                offset = seqlen_k_i - seqlen_q_i
-                o_b = 0
-            else:
-                start_m, i_b, i_h = _tile_coords(tile, n_m, num_heads, head_group, BLOCK_M, CAUSAL | (BIAS == 2))
-                q_start = 0
-                seqlen_q_i = seqlen_q
-                seqlen_k_i = seqlen_k
-                offset = 0
-                o_b = i_b
-            diag_i = diag_offset + offset
-            left_i = left_offset + offset
-            j_lo, n_blocks, idx_row = _item_blocks(start_m, i_b, i_h, seqlen_k_i, diag_i, left_i, Counts, Idx,
-                                                   stride_cb, stride_ch, idx_cols, BLOCK_M, BLOCK_N, CAUSAL,
-                                                   MASK_LEFT, BIAS == 2)
-            row_start = start_m + part * PART_M
-            row = row_start + gl.arange(0, PART_M, layout=row_layout)
-            # Blocks from full_lo to below n_full (counted from the item's first block) are visible to every row of
-            # this part and lie inside Sk: no mask there.
-            n_full = seqlen_k_i // BLOCK_N
-            if CAUSAL:
-                n_full = gl.minimum(n_full, gl.maximum(row_start + diag_i + 1, 0) // BLOCK_N)
-            n_full -= j_lo
-            full_lo = 0
-            if MASK_LEFT:
-                full_lo = gl.cdiv(gl.maximum(row_start + PART_M - 1 + left_i, 0), BLOCK_N) - j_lo
-            # ALiBi (_score_mod): the slope in score units and i + a per row.
-            slope = 0.0
-            arow = gl.zeros([PART_M], gl.float32, layout=row_layout)
-            if HAS_ALIBI:
-                slope = gl.load(Alibi + i_b * stride_alibi_b + i_h) * mod_unit
-                arow = (row + (alibi_offset + offset)).to(gl.float32)
-
-            qb = it % QBUF
-            q = q_smem.index(qb * NUM_WG + part)
-            if not DYNAMIC:
-                mbarrier.wait(q_full.index(qb), (it // QBUF) & 1)
-            if row_start >= seqlen_q_i:
+        while tile < prog.work.n_tiles:
+            item = _consumer_item(prog, tile, it)
+            rows, n_blocks = _item_rows(prog, item, part)
+            qb = it % cfg.QBUF
+            q = smem.q.index(qb * cfg.NUM_WG + part)
+            if not cfg.DYNAMIC:
+                smem.q_bar.wait_full(it)
+            if rows.row_start >= item.seqlen_q:
                 # Every row of this part lies past Sq (the last query tile): follow the ring, compute nothing.
-                bc = _skip_blocks(k_full, k_empty, v_full, v_empty, b_full, b_empty, q_empty.index(qb), c, bc,
-                                  n_blocks, j_lo, idx_row, STAGES, BIAS, BSTAGES)
+                bc = _skip_blocks(cfg, smem, rows, smem.q_bar.empty.index(qb), c, bc, n_blocks)
             else:
-                m_i = gl.full([PART_M], float("-inf"), gl.float32, layout=row_layout)
-                l_i = gl.zeros([PART_M], gl.float32, layout=row_layout)
-                acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, layout=o_layout)
-                if n_blocks > 0:
-                    if BIAS == 1 and not SOFTCAP:
-                        _scale_q(q, pre_scale)
-                    acc, m_i, l_i, bc = _tile_blocks(q, k_smem, v_smem, flag_smem, k_full, k_empty, v_full, v_empty,
-                                                     bias_smem, b_full, b_empty, q_empty.index(qb), c, bc, n_blocks,
-                                                     acc, m_i, l_i, s_zero, row, seqlen_k_i, diag_i, left_i,
-                                                     qk_scale, n_full, full_lo, j_lo, idx_row, arow, slope,
-                                                     pre_scale, mod_unit, seed, i_b * num_heads + i_h,
-                                                     drop_threshold, part, BLOCK_N, STAGES, CAUSAL, MASK_LEFT,
-                                                     SOFTCAP, HAS_ALIBI, BIAS, BSTAGES, NUM_WG, LAZY, DROPOUT, dot_a)
-                else:
-                    mbarrier.arrive(q_empty.index(qb), count=1)
-                if HAS_SINKS:
-                    # The head's sink logit joins the denominator (docs/derivation.md#8): one more term, exp(sink -
-                    # m), and m grows to cover it. A row that saw no key then outputs 0 and has LSE = sink.
-                    sink = gl.load(Sinks + i_h) * LOG2E
-                    m_fin = gl.maximum(m_i, sink)
-                    alpha = gl.exp2(m_i - m_fin)
-                    l_i = l_i * alpha + gl.exp2(sink - m_fin)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                    m_i = m_fin
-
-                # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
-                empty = l_i == 0.0
-                l_safe = gl.where(empty, 1.0, l_i)
-                lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-                if DROPOUT:
-                    l_safe = l_safe * drop_keep  # 1 - p: the kept probabilities are scaled by 1 / (1 - p)
-                acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-                # (Varlen: lse is [H, total_q], stride_lb 0; the sequence's rows start at q_start.)
-                lse_base = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + q_start
-                gl.store(lse_base + row, lse, mask=row < seqlen_q_i)
-                if STAGE_O:
-                    if VARLEN:
-                        # A descriptor clips rows past Sq, but under VARLEN the rows past a sequence's end belong
-                        # to the next one: a part that runs past it is stored from registers.
-                        if row_start + PART_M <= seqlen_q_i:
-                            _stage_o(acc.to(dtype), o_smem.index(part), o_desc, o_b, q_start + row_start, i_h)
-                        else:
-                            _store_o(acc.to(dtype), Out, i_b, i_h, q_start, row, seqlen_q_i, stride_ob, stride_os,
-                                     stride_oh, o_layout)
-                    else:
-                        _stage_o(acc.to(dtype), o_smem.index(part), o_desc, o_b, q_start + row_start, i_h)
-                else:
-                    # No staging buffer (its shared memory holds attn_mask tiles).
-                    _store_o(acc.to(dtype), Out, i_b, i_h, q_start, row, seqlen_q_i, stride_ob, stride_os, stride_oh,
-                             o_layout)
+                bc = _consume_item(prog, item, rows, q, qb, c, bc, n_blocks, s_zero, seed)
             c += n_blocks
             it += 1
-            if DYNAMIC:
-                mbarrier.wait(q_full.index(it % QBUF), (it // QBUF) & 1)
-                tile = _read_tile(tile_smem.index((it % QBUF) * (ITEM_FIELDS if VARLEN else 1)))
+            if cfg.DYNAMIC:
+                qb = smem.q_bar.wait_full(it)
+                tile = _read_tile(smem.tile.index(qb * (ITEM_FIELDS if cfg.VARLEN else 1)))
             else:
                 tile += gl.num_programs(0)
         tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _fwd_smem(cfg, bias_desc):
+        """Allocate the forward's shared memory (FwdSmem) and initialize its barriers."""
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG * cfg.QBUF, cfg.PART_M, cfg.HEAD_DIM], layout)
+        k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
+        v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
+        if cfg.STAGE_O:
+            o_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG, cfg.PART_M, cfg.HEAD_DIM], layout)
+        else:
+            o_smem = q_smem  # not read: the epilogue stores from registers
+        # Per query buffer, the item's index (dynamic schedule), and with VARLEN its fields (_hand_over).
+        tile_smem = gl.allocate_shared_memory(gl.int32, [cfg.QBUF * ITEM_FIELDS if cfg.VARLEN else cfg.QBUF, 1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        if cfg.LAZY:
+            # The warpgroup maxima of _wg_max: two buffers of 4 floats per consumer warpgroup.
+            flag_smem = gl.allocate_shared_memory(gl.float32, [2 * cfg.NUM_WG, 4],
+                                                  gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            flag_smem = tile_smem  # not read
+        q_full = gl.allocate_shared_memory(gl.int64, [cfg.QBUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [cfg.QBUF, 1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [cfg.STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [cfg.STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [cfg.STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [cfg.STAGES, 1], mbarrier.MBarrierLayout())
+        # Each "empty" barrier waits for every consumer warpgroup.
+        for i in gl.static_range(cfg.QBUF):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=cfg.NUM_WG)
+        for i in gl.static_range(cfg.STAGES):
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=cfg.NUM_WG)
+            mbarrier.init(v_empty.index(i), count=cfg.NUM_WG)
+        k_bar = Ring(k_full, k_empty, cfg.STAGES)
+        if cfg.BIAS != 0:
+            # attn_mask tiles: a ring of BSTAGES slots, one [PART_M, BLOCK_N] tile per consumer in each.
+            b_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                          element_bitwidth=bias_desc.dtype.primitive_bitwidth, rank=2)
+            bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [cfg.BSTAGES * cfg.NUM_WG, cfg.PART_M,
+                                                                    cfg.BLOCK_N], b_layout)
+            b_full = gl.allocate_shared_memory(gl.int64, [cfg.BSTAGES, 1], mbarrier.MBarrierLayout())
+            b_empty = gl.allocate_shared_memory(gl.int64, [cfg.BSTAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(cfg.BSTAGES):
+                mbarrier.init(b_full.index(i), count=1)
+                mbarrier.init(b_empty.index(i), count=cfg.NUM_WG)
+            b_bar = Ring(b_full, b_empty, cfg.BSTAGES)
+        else:
+            bias_smem, b_bar = k_smem, k_bar  # not read
+        return FwdSmem(q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, Ring(q_full, q_empty, cfg.QBUF),
+                       k_bar, Ring(v_full, v_empty, cfg.STAGES), b_bar)
 
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Seed, Counts,
-                    Idx, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_alibi_b, bias_mul_b, bias_mul_h,
-                    stride_cb, stride_ch, idx_cols, seqlen_q, seqlen_k, diag_offset, left_offset, alibi_offset,
-                    qk_scale, mod_unit, pre_scale, drop_threshold, drop_keep, num_heads, head_group, group_size, n_m,
-                    n_tiles,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                    HAS_SINKS: gl.constexpr, BIAS: gl.constexpr, BSTAGES: gl.constexpr, STAGE_O: gl.constexpr,
-                    NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr, VARLEN: gl.constexpr,
-                    LAZY: gl.constexpr, DROPOUT: gl.constexpr):
+                    Idx, strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                    MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
+                    BIAS: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr,
+                    QBUF: gl.constexpr, VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr):
+        """One program per SM (persistent) walking work items; the partitions and their roles are the module
+        docstring's. strides, mask, band, scales and heads: the named tuples _Strides, _Mask, _Band, _Scales, _Heads.
+        Constexprs: MASK_RIGHT, the band's right bound i + diag_offset (causal, or a right window folded into the
+        offset); MASK_LEFT, its left bound i + left_offset; BIAS 0 none, 1 a float attn_mask, 2 a bool one (tiles
+        in a ring of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of
+        BLOCK_M // NUM_WG rows; DYNAMIC: the global counter's schedule; QBUF query buffers; LAZY: LAZY_MAX's steps
+        (_finish_step)."""
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
-        gl.static_assert(LAZY == 0 or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
-        PART_M: gl.constexpr = BLOCK_M // NUM_WG
-        dtype: gl.constexpr = q_desc.dtype
-        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG * QBUF, PART_M, HEAD_DIM], layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
-        if STAGE_O:
-            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, PART_M, HEAD_DIM], layout)
-        else:
-            o_smem = q_smem  # not read: the epilogue stores from registers
-        # Per query buffer, the item's index (dynamic schedule), and with VARLEN its fields (_varlen_item).
-        tile_smem = gl.allocate_shared_memory(gl.int32, [QBUF * ITEM_FIELDS if VARLEN else QBUF, 1],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        if LAZY != 0:
-            # The warpgroup maxima of _wg_max: two buffers of 4 floats per consumer warpgroup.
-            flag_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_WG, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        else:
-            flag_smem = tile_smem  # not read
-        q_full = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
-        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # Each "empty" barrier waits for every consumer warpgroup.
-        for i in gl.static_range(QBUF):
-            mbarrier.init(q_full.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=NUM_WG)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_full.index(i), count=1)
-            mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=NUM_WG)
-            mbarrier.init(v_empty.index(i), count=NUM_WG)
-        if BIAS != 0:
-            # attn_mask tiles: a ring of BSTAGES slots, one [PART_M, BLOCK_N] tile per consumer in each.
-            b_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                          element_bitwidth=bias_desc.dtype.primitive_bitwidth, rank=2)
-            bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [BSTAGES * NUM_WG, PART_M, BLOCK_N], b_layout)
-            b_full = gl.allocate_shared_memory(gl.int64, [BSTAGES, 1], mbarrier.MBarrierLayout())
-            b_empty = gl.allocate_shared_memory(gl.int64, [BSTAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(BSTAGES):
-                mbarrier.init(b_full.index(i), count=1)
-                mbarrier.init(b_empty.index(i), count=NUM_WG)
-        else:
-            bias_smem, b_full, b_empty = k_smem, k_full, k_empty  # not read
-
-        # (The partitions' argument lists are written out: a tuple built once and concatenated loses the
-        # constexpr-ness of its entries in Triton 3.6.)
+        gl.static_assert(not LAZY or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
+        cfg = FwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS,
+                        STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, q_desc.dtype)
+        # (The tuples' fields are read where they are passed: an assignment would turn the ones Triton specialized
+        # into constants, integer arguments equal to 1, into runtime values.)
+        prog = FwdProgram(
+            cfg, FwdProducer(q_desc, k_desc, v_desc, bias_desc, Counter, TileMap, heads.group_size, mask.mul_b,
+                             mask.mul_h),
+            FwdOut(o_desc, Out, strides.out_b, strides.out_s, strides.out_h, Lse, strides.lse_b, strides.lse_h),
+            _fwd_smem(cfg, bias_desc), FwdWork(n_tiles, n_m, heads.num_heads, heads.head_group),
+            FwdBand(seqlen_q, band.seqlen_k, band.diag_offset, band.left_offset),
+            FwdMods(scales.qk_scale, Alibi, strides.alibi_b, band.alibi_offset, scales.mod_unit, scales.pre_scale,
+                    Sinks, Seed, scales.drop_threshold, scales.drop_keep),
+            FwdLists(Counts, Idx, mask.lists_b, mask.lists_h, mask.lists_cols))
         if NUM_WG == 3:
             # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
-            gl.warp_specialize([
-                (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
-                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
-                (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
-                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
-                (_softmax_partition, (2, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
-                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
-                (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
-                                   Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
-                                   b_empty, n_tiles, n_m, num_heads, head_group, group_size, seqlen_k, diag_offset,
-                                   left_offset, bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols,
-                                   PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
-                                   DYNAMIC, QBUF, VARLEN)),
-            ], [4, 4, 1], [CONSUMER_REGS_3WG, CONSUMER_REGS_3WG, PRODUCER_REGS])
+            gl.warp_specialize([(_softmax_partition, (prog, 0)), (_softmax_partition, (prog, 1)),
+                                (_softmax_partition, (prog, 2)), (_load_partition, (prog, ))], [4, 4, 1],
+                               [CONSUMER_REGS_3WG, CONSUMER_REGS_3WG, PRODUCER_REGS])
         else:
-            gl.warp_specialize([
-                (_softmax_partition, (0, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
-                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
-                (_softmax_partition, (1, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lb, stride_lh,
-                                      q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, q_full,
-                                      q_empty, k_full, k_empty, v_full, v_empty, b_full, b_empty, n_tiles, n_m,
-                                      num_heads, head_group, seqlen_q, seqlen_k, diag_offset, left_offset, qk_scale,
-                                      Alibi, stride_alibi_b, alibi_offset, mod_unit, pre_scale, Sinks, Seed,
-                                      drop_threshold, drop_keep, Counts, Idx, stride_cb, stride_ch, idx_cols, PART_M,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                                      HAS_SINKS, BIAS, BSTAGES, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT)),
-                (_load_partition, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, tile_smem,
-                                   Counter, TileMap, q_full, q_empty, k_full, k_empty, v_full, v_empty, b_full,
-                                   b_empty, n_tiles, n_m, num_heads, head_group, group_size, seqlen_k, diag_offset,
-                                   left_offset, bias_mul_b, bias_mul_h, Counts, Idx, stride_cb, stride_ch, idx_cols,
-                                   PART_M, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_LEFT, BIAS, BSTAGES, NUM_WG,
-                                   DYNAMIC, QBUF, VARLEN)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            gl.warp_specialize([(_softmax_partition, (prog, 0)), (_softmax_partition, (prog, 1)),
+                                (_load_partition, (prog, ))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def inputs_ok(q, k, v, softmax_scale) -> bool:
@@ -956,15 +1116,15 @@ def features_supported(feats: Features) -> bool:
 
 def varlen_supported(feats: Features) -> bool:
     """Varlen calls this kernel implements: every option of features_supported except attn_mask (which varlen
-    does not take anywhere), on the persistent kernel (its items come from the dynamic schedule)."""
-    return feats.varlen and feats.attn_bias is None and PERSISTENT
+    does not take anywhere); its items come from the dynamic schedule."""
+    return feats.varlen and feats.attn_bias is None
 
 
 def supports(q, k, v, feats: Features, softmax_scale) -> bool:
     """Whether this kernel computes the request (inputs_ok, features_supported or varlen_supported, and an
-    attn_mask that Features.gluon_bias_ok accepts). Anything else (and FLASHTILE_GLUON=0) takes the portable
-    kernel."""
-    if not (ENABLED and inputs_ok(q, k, v, softmax_scale)):
+    attn_mask that Features.gluon_bias_ok accepts). Anything else (and SETTINGS.gluon_forward off:
+    FLASHTILE_GLUON=0) takes the portable kernel."""
+    if not (SETTINGS.gluon_forward and inputs_ok(q, k, v, softmax_scale)):
         return False
     if feats.varlen:
         # (No descriptor over an empty packed tensor: a call with no queries or no keys at all takes the portable
@@ -1121,8 +1281,8 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
         q4, k4, v4, o4 = q, k, v, out
         out_strides = (out.stride(0), out.stride(1), out.stride(2))
         lse_strides = (lse.stride(0), lse.stride(1))
-    # The kernel's right bound is i + diag_offset (CAUSAL): causal, or a right window folded into the offset; its
-    # left bound i + left_offset (MASK_LEFT).
+    # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
+    # its left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (feats.window_right if feats.mask_right else 0)
     alibi, stride_alibi_b = feats.alibi_args(lse)  # lse: a placeholder, never read without ALiBi
     left_offset = diagonal_offset - feats.window_left if feats.mask_left else 0
@@ -1161,9 +1321,9 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
         dynamic = True
     n_tiles = n_m * batch * num_heads if not varlen else n_m * num_heads
     head_group = min(HEAD_GROUP, num_heads) if bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen else 1
-    dynamic = PERSISTENT and dynamic
-    persistent = PERSISTENT and (dynamic or not feats.banded)
-    grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles, )
+    # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
+    # work items than programs).
+    grid = (min(n_tiles, _num_sms(q.device.index)), )
     # The dynamic schedule's item counter (items after each program's first); unused otherwise.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     # LAZY_MAX: not with an attn_mask (a redone block would need its tile again) or a left window (a row may see
@@ -1171,21 +1331,23 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
     # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
     # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
     # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
-    lazy = not bias_kind and not feats.mask_left and feats.alibi_slopes is None and num_wg == 2
+    lazy = (SETTINGS.lazy_max and not bias_kind and not feats.mask_left and feats.alibi_slopes is None
+            and num_wg == 2)
     seed = feats.seed if feats.dropout_p > 0 else lse  # the call's Philox key; lse: a placeholder, never read
     qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not feats.softcap > 0)
+    strides = _Strides(*out_strides, *lse_strides, stride_alibi_b)
+    mask = _Mask(bias_mul_b, bias_mul_h, *count_strides, idx_cols)
+    band = _Band(seqlen_k, right_offset, left_offset, diagonal_offset)
+    scales = _Scales(qk_scale, mod_unit, pre_scale, dropout_threshold(feats.dropout_p), 1.0 - feats.dropout_p)
+    heads = _Heads(num_heads, max(head_group, 1), num_heads // num_kv_heads)
     _launch.launch(_fwd_kernel, grid, (
         _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o4, WG_M), bias_desc,
         out, lse, counter, tile_map, alibi, lse if feats.sinks is None else feats.sinks, seed, counts, indices,
-        *out_strides, *lse_strides, stride_alibi_b, bias_mul_b,
-        bias_mul_h, *count_strides, idx_cols, seqlen_q, seqlen_k, right_offset, left_offset, diagonal_offset,
-        qk_scale, mod_unit, pre_scale, dropout_threshold(feats.dropout_p), 1.0 - feats.dropout_p, num_heads,
-        max(head_group, 1), num_heads // num_kv_heads, n_m, n_tiles), dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=feats.mask_right,
+        strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles), dict(
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], MASK_RIGHT=feats.mask_right,
         MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, BSTAGES=BIAS_STAGES, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf if persistent else 1, VARLEN=varlen, LAZY=LAZY_MAX if lazy else 0,
-        DROPOUT=feats.dropout_p > 0),
+        HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
+        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=feats.dropout_p > 0),
         q.device.index, num_warps=4)
     return out, lse
