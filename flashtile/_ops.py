@@ -16,9 +16,11 @@ the ops. Packed inputs: with k None, q is a packed qkv tensor (..., 3, H, D); wi
 Double backward is not supported: a second differentiation through the attention raises a RuntimeError that says
 so (the gradients themselves are computed by kernels that have no derivative of their own). Under torch.func
 transforms the call runs _TransformAttn: grad, vjp and jacrev differentiate it once, vmap batches it and vmap of grad
-too (the ops run once per sample), and forward mode (jvp, jacfwd, hessian, torch.autograd.forward_ad) raises a RuntimeError that says it is
-not supported, as does grad of grad.
+too (the ops run once per sample), and forward mode (jvp, jacfwd, hessian, torch.autograd.forward_ad) raises a
+RuntimeError that says it is not supported, as does grad of grad.
 """
+import dataclasses
+
 import torch
 
 from . import _values, dispatch
@@ -50,15 +52,26 @@ def unpack(q, k, v):
     return q, k, v
 
 
+def _device_offsets(req, q, k):
+    """A varlen request on CUDA tensors whose offsets were not checked (their values are not read by default) gets
+    offsets clamped on the device (_values.clamp_offsets): the kernels then never index past the packed tensors."""
+    if not req.varlen or not req.cu_seqlens_q.is_cuda or SETTINGS.check_values:
+        return req
+    return dataclasses.replace(req, cu_seqlens_q=_values.clamp_offsets(req.cu_seqlens_q, q.shape[0]),
+                               cu_seqlens_k=_values.clamp_offsets(req.cu_seqlens_k, k.shape[0]))
+
+
 def forward(q, k, v, req: AttentionRequest):
     """(out, lse fp32) of one request, no autograd: unpack, then the backend dispatch chooses."""
     q, k, v = unpack(q, k, v)
-    return dispatch.forward(q, k, v, req)
+    return dispatch.forward(q, k, v, _device_offsets(req, q, k))
 
 
 def backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, bias_requires_grad=False):
     """Gradients of forward: [dq, dk, dv] (packed inputs: [dqkv] or [dq, dkv]), then dbias if bias_requires_grad,
     then dsinks if req.sinks is set. dlse is the gradient reaching the returned LSE (None when it is unused)."""
+    qq, kk, _ = unpack(q, k, v)
+    req = _device_offsets(req, qq, kk)
     grads, dbias, dsinks = dispatch.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad)
     if bias_requires_grad:
         grads.append(dbias)

@@ -24,7 +24,7 @@ import torch
 
 from ._settings import SETTINGS
 from .kernels import _gluon, configs
-from .kernels.features import BIAS_BOOL, Features
+from .kernels.features import Features
 from .request import AttentionRequest
 
 # Head dims the Gluon kernels are compiled for (q, k and v alike).
@@ -52,14 +52,6 @@ class Target:
             major, minor = torch.cuda.get_device_capability(t.device)
             return cls("cuda", major * 10 + minor, False)
         return cls(t.device.type, 0, configs.INTERPRETING)
-
-
-def features(req: AttentionRequest) -> Features:
-    """The kernels' view of a request (kernels/features.py)."""
-    return Features(window_left=req.window_left, window_right=req.window_right, softcap=req.softcap,
-                    alibi_slopes=req.alibi_slopes, attn_bias=req.attn_bias, sinks=req.sinks,
-                    dropout_p=req.dropout_p, seed=req.seed, cu_seqlens_q=req.cu_seqlens_q,
-                    cu_seqlens_k=req.cu_seqlens_k, max_seqlen_q=req.max_seqlen_q, max_seqlen_k=req.max_seqlen_k)
 
 
 def _seqlens(q, k, req):
@@ -101,7 +93,7 @@ class GluonHopper:
                 return "an empty packed batch (no queries or no keys at all)"
         elif req.attn_bias is not None:
             sq, sk = _seqlens(q, k, req)
-            if not features(req).gluon_bias_ok(q.dtype, sq, sk):
+            if not Features(req).gluon_bias_ok(q.dtype, sq, sk):
                 return ("its attn_mask must be bool or of the inputs' dtype, full along queries and keys (not "
                         "broadcast), with a unit key stride and 16-byte aligned rows")
         return None
@@ -138,12 +130,12 @@ class GluonHopper:
             return "the output gradient must have q's dtype and 16-byte aligned strides"
         return None
 
-    def forward(self, q, k, v, req):
+    def forward(self, q, k, v, req, out_dtype=None):
         from .kernels import hopper_fwd
-        return hopper_fwd.attention_forward(q, k, v, req.softmax_scale, req.diagonal_offset, features(req))
+        return hopper_fwd.attention_forward(q, k, v, req, out_dtype)
 
     def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=True)
 
 
 class PortableTriton:
@@ -163,12 +155,12 @@ class PortableTriton:
     def decline_backward(self, dout, q, k, v, req, target):
         return self._decline(target)
 
-    def forward(self, q, k, v, req):
+    def forward(self, q, k, v, req, out_dtype=None):
         from .kernels import forward as fwd_kernels
-        return fwd_kernels.attention_forward(q, k, v, req.softmax_scale, req.diagonal_offset, features(req))
+        return fwd_kernels.attention_forward(q, k, v, req, out_dtype)
 
     def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=False)
 
 
 class Reference:
@@ -181,11 +173,12 @@ class Reference:
     def decline_backward(self, dout, q, k, v, req, target):
         return None
 
-    def forward(self, q, k, v, req):
+    def forward(self, q, k, v, req, out_dtype=None):
         from .reference import fallback
         _warn_cpu_fallback()
         with torch.no_grad():
-            return fallback.forward(q, k, v, req)
+            out, lse = fallback.forward(q, k, v, req)
+        return out if out_dtype is None else out.to(out_dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
         from .reference import fallback
@@ -201,14 +194,13 @@ class Reference:
 BACKENDS = (GluonHopper(), PortableTriton(), Reference())
 
 
-def _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+def _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon):
     from .kernels import backward as bwd_kernels
     dq = dk = dv = None
     if grads is not None:
         dq, dk, dv = grads[1]
     dq, dk, dv, dbias, dsinks = bwd_kernels.attention_backward(
-        dout, q, k, v, out, lse, dlse, req.softmax_scale, req.diagonal_offset, features(req), dq=dq, dk=dk, dv=dv,
-        bias_grad=bias_requires_grad, deterministic=req.deterministic)
+        dout, q, k, v, out, lse, dlse, req, gluon=gluon, dq=dq, dk=dk, dv=dv, bias_grad=bias_requires_grad)
     return (grads[0] if grads is not None else [dq, dk, dv]), dbias, dsinks
 
 

@@ -56,7 +56,8 @@ def bwd_spy(monkeypatch, call_counter):
     from flashtile._settings import SETTINGS
     from flashtile.kernels import hopper_bwd
     monkeypatch.setattr(SETTINGS, "gluon_backward", True)
-    monkeypatch.setattr(hopper_bwd, "MIN_SEQLEN_K", {64: 0, 128: 0})
+    from flashtile import dispatch
+    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", {64: 0, 128: 0})
     return call_counter(hopper_bwd, "attention_backward")
 
 

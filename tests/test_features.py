@@ -13,6 +13,7 @@ import flashtile
 from flashtile._settings import SETTINGS
 from flashtile.kernels import configs
 from flashtile.kernels.configs import TileConfig
+from flashtile.request import AttentionRequest
 from flashtile.kernels.features import Features
 from flashtile.reference import naive_attention
 from flashtile.reference.dropout import dropout_mask
@@ -231,7 +232,7 @@ def test_dbias_sum_over_broadcast_dims(bias_shape, dtype):
     from flashtile.kernels.backward import _reduce_dbias
     full = torch.randn(3, 5, 37, 72, generator=_gen(61), device=DEVICE).to(dtype)[..., :70]
     bias = torch.zeros(bias_shape, dtype=dtype, device=DEVICE)
-    out = _reduce_dbias(full, Features(attn_bias=bias))
+    out = _reduce_dbias(full, AttentionRequest(1.0, attn_bias=bias))
     assert out.shape == bias.shape and out.dtype == dtype and out.is_contiguous()
     dims = tuple(i for i in range(2) if bias_shape[i] == 1)
     ref = full.double().sum(dim=dims, keepdim=True) if dims else full.double()
@@ -239,7 +240,7 @@ def test_dbias_sum_over_broadcast_dims(bias_shape, dtype):
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
     n_terms = full.shape[0] * full.shape[1]  # at most this many partial sums, each rounded to fp32
     assert ((out.double() - ref).abs() <= ref.abs() * ulp + mag * n_terms * 2.0 ** -24).all()
-    assert torch.equal(out, _reduce_dbias(full, Features(attn_bias=bias)))
+    assert torch.equal(out, _reduce_dbias(full, AttentionRequest(1.0, attn_bias=bias)))
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 45, 60), (2, 1, 45, 60), (45, 60)], ids=lambda s: "x".join(map(str, s)))
@@ -308,7 +309,8 @@ def test_block_lists_match_tiles(sq, sk, mark_full):
     mask[:, :, :16, :16] = True  # tile (0, 0) entirely visible
     mask[1, 2] = False  # a head that attends nothing
     mask[0, 0, -3:, -5:] = True  # the corner tile, cut by Sq and Sk: never "entirely visible"
-    counts, indices, _, cols = Features(attn_bias=mask).block_lists(16, 16, False, sq, sk, mark_full=mark_full)
+    lists = Features(AttentionRequest(1.0, attn_bias=mask)).block_lists(16, 16, False, sq, sk, mark_full=mark_full)
+    counts, indices, _, cols = lists
     want_counts, want_rows = _naive_block_lists(mask, 16, 16, mark_full)
     assert torch.equal(counts.cpu(), want_counts)
     got = indices.cpu().reshape(-1, cols)
@@ -322,19 +324,20 @@ def test_block_lists_reused_across_calls():
     from flashtile.kernels import features
     mask = torch.rand(40, 48, generator=torch.Generator().manual_seed(72)) > 0.5
     view = lambda: mask.reshape(1, 1, 40, 48)  # noqa: E731 -- what check_attn_mask hands the kernels
-    first = Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)
-    again = Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)
+    first = Features(AttentionRequest(1.0, attn_bias=view())).block_lists(16, 16, True, 40, 48)
+    again = Features(AttentionRequest(1.0, attn_bias=view())).block_lists(16, 16, True, 40, 48)
     assert again[1] is first[1]
-    other = Features(attn_bias=view()).block_lists(16, 16, False, 40, 48)  # another key: its own lists
+    # another key: its own lists
+    other = Features(AttentionRequest(1.0, attn_bias=view())).block_lists(16, 16, False, 40, 48)
     assert other[1] is not first[1]
     mask[:16, :16] = False
     mask[0, 0] = True
-    rebuilt = Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)
+    rebuilt = Features(AttentionRequest(1.0, attn_bias=view())).block_lists(16, 16, True, 40, 48)
     assert rebuilt[1] is not first[1]
     want_counts, _ = _naive_block_lists(view().transpose(2, 3), 16, 16, False)
     assert torch.equal(rebuilt[0].cpu(), want_counts)
     mask[:16, :16] = False  # the same lists again, but written since: rebuilt
-    assert Features(attn_bias=view()).block_lists(16, 16, True, 40, 48)[0] is not rebuilt[0]
+    assert Features(AttentionRequest(1.0, attn_bias=view())).block_lists(16, 16, True, 40, 48)[0] is not rebuilt[0]
     key = id(mask)
     assert key in features._mask_lists_cache
     mask = None  # the last reference: the mask is freed
@@ -617,9 +620,9 @@ def test_mask_tma_needs_a_row_stride():
     """TMA takes no zero stride: a mask expanded along the queries reads its tiles through pointers, while
     expanded batch and head dims only offset the base and keep the descriptors."""
     rows = torch.ones((1, 1, 1, 64), dtype=torch.bool, device=DEVICE).expand(2, 2, 48, 64)
-    assert not Features(attn_bias=rows)._bias_tma_ok(True, 48, 64)
+    assert not Features(AttentionRequest(1.0, attn_bias=rows))._bias_tma_ok(True, 48, 64)
     heads = torch.ones((1, 1, 48, 64), dtype=torch.bool, device=DEVICE).expand(2, 2, 48, 64)
-    assert Features(attn_bias=heads)._bias_tma_ok(True, 48, 64)
+    assert Features(AttentionRequest(1.0, attn_bias=heads))._bias_tma_ok(True, 48, 64)
 
 
 def test_combination_with_dropout(poison):

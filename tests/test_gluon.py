@@ -190,7 +190,8 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
 
 def test_short_d64_takes_the_portable_backward(call_counter):
     calls = call_counter(hopper_bwd, "attention_backward")
-    for sk, expected in ((hopper_bwd.MIN_SEQLEN_K[64] - 1, 0), (hopper_bwd.MIN_SEQLEN_K[64], 1)):
+    from flashtile.dispatch import GLUON_BWD_MIN_SEQLEN_K
+    for sk, expected in ((GLUON_BWD_MIN_SEQLEN_K[64] - 1, 0), (GLUON_BWD_MIN_SEQLEN_K[64], 1)):
         q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)
         _fwd_bwd(q, k, v, torch.randn(q.shape, device=DEVICE).to(torch.bfloat16), False)
         assert len(calls) == expected

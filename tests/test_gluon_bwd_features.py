@@ -174,7 +174,23 @@ _VARLEN = dict(cu_seqlens_q=_CU, cu_seqlens_k=_CU, max_seqlen_q=4, max_seqlen_k=
 ], ids=["plain", "causal-window", "window", "right-window", "softcap", "alibi", "sinks", "dropout", "bias",
         "mask-causal-softcap", "bias-dropout", "varlen", "varlen-features", "varlen-dropout", "varlen-bias"])
 def test_features_supported(kw, ok):
-    assert hopper_bwd.features_supported(Features(**kw)) is ok
+    """The Gluon backward's allow-list (flashtile.dispatch.GluonHopper) on the options alone, as on an H100: bf16
+    d128 inputs whose attn_mask (where there is one) TMA can read."""
+    from flashtile.dispatch import GluonHopper, Target
+    from flashtile.request import AttentionRequest
+    kw = dict(kw)
+    if "attn_bias" in kw:
+        kw["attn_bias"] = torch.zeros((1, 1, 64, 4096), dtype=kw["attn_bias"].dtype).to(
+            torch.bfloat16 if kw["attn_bias"].dtype != torch.bool else torch.bool)
+    q = torch.empty((1, 64, 2, 128), dtype=torch.bfloat16)
+    k = torch.empty((1, 4096, 2, 128), dtype=torch.bfloat16)
+    if "cu_seqlens_q" in kw:
+        q, k = q[0], k[0]
+        kw.update(cu_seqlens_q=torch.tensor([0, 64], dtype=torch.int32),
+                  cu_seqlens_k=torch.tensor([0, 4096], dtype=torch.int32), max_seqlen_q=64, max_seqlen_k=4096)
+    req = AttentionRequest(softmax_scale=0.1, **kw)
+    reason = GluonHopper().decline_backward(torch.empty_like(q), q, k, k, req, Target("cuda", 90, False))
+    assert (reason is None) is ok, reason
 
 
 # ---------------------------------------------------------------------------------------------------------------

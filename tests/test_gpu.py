@@ -76,12 +76,13 @@ def test_preferred_tiles_compile(monkeypatch, d, causal, dtype):
     """The tuned tiles (first candidate) must compile on this GPU; a fallback would silently cost speed. The
     portable kernels' tiles are checked with the Hopper Gluon kernels switched off (they take these calls)."""
     from flashtile.kernels.features import Features
+    from flashtile.request import AttentionRequest
     monkeypatch.setattr(SETTINGS, "gluon_forward", False)
     monkeypatch.setattr(SETTINGS, "gluon_backward", False)
     _check(1, 1024, 1024, 4, 4, d, causal, dtype, seed=1)
     # Only this call's (featureless) launches: other tests in the same process launch feature variants, whose
     # own first candidates may not fit.
-    plain = Features(window_right=0 if causal else -1).variant()
+    plain = Features(AttentionRequest(softmax_scale=1.0, window_right=0 if causal else -1)).variant()
     for kind in ("fwd", "bwd_dkdv", "bwd_dq"):
         settled = configs.chosen(kind, d, causal, dtype, plain)
         assert settled, f"no {kind} launch recorded"

@@ -11,8 +11,8 @@ plus the argument checks of the public API and, for Ulysses, the public flash_at
 A Block becomes an AttentionRequest (flashtile/request.py) and flashtile.dispatch picks the backend, as for any
 call. Block outputs and block gradients are float32 whatever the inputs' dtype, so that merging and summing them
 over the ring adds no rounding per step (docs/distributed.md, "Precision"): the backward hands the chosen backend
-float32 gradient buffers; the forward calls the chosen kernel launcher itself with out_dtype=float32 (the backends'
-forward takes no output dtype), or the float32 reference on float32 copies of the inputs.
+float32 gradient buffers, and the forward asks the chosen backend for a float32 output (out_dtype), or runs the
+reference on float32 copies of the inputs.
 
 # q, out: [B, Sq, Hq, D(v)]   k, v: [B, Sk, Hk, D(v)]   lse: [B, Hq, Sq] fp32
 # varlen blocks: q [total_q, Hq, D], k, v [total_k, Hk, D], lse [Hq, total_q]
@@ -24,8 +24,6 @@ import torch
 
 from .. import _validate, dispatch
 from ..interface import flash_attn_func
-from ..kernels import forward as _fwd_kernels
-from ..kernels import hopper_fwd as _hopper_fwd
 from ..request import AttentionRequest
 
 # The public API's argument checks (each raises TypeError/ValueError naming the value and the fix).
@@ -81,11 +79,9 @@ def block_forward(q, k, v, block: Block):
     req = block.request()
     backend = dispatch.choose_forward(q, k, v, req)
     with torch.no_grad():
-        if backend.name == "reference":
+        if backend.name == "reference":  # float32 copies: the reference computes in the inputs' dtype's rounding
             return backend.forward(q.float(), k.float(), v.float(), req)
-        launch = _hopper_fwd.attention_forward if backend.name == "gluon-hopper" else _fwd_kernels.attention_forward
-        return launch(q, k, v, req.softmax_scale, req.diagonal_offset, dispatch.features(req),
-                      out_dtype=torch.float32)
+        return backend.forward(q, k, v, req, out_dtype=torch.float32)
 
 
 def block_backward(dout, q, k, v, out, lse, dlse, block: Block):

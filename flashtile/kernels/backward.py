@@ -20,6 +20,7 @@ from ._common import (BIAS_BOOL, BIAS_FLOAT, LOG2E, BiasView, Config, CuSeqlens,
                       _attention_mask, _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile,
                       _mma, _query_block, _query_range, _score_mod, _score_unit, _seq_bounds, _head_views, _slice_view,
                       _store_tile, _streamed_block)
+from ..request import AttentionRequest
 from .features import Features
 
 # Delta and the log2 LSE are stored per (batch, head) padded to a multiple of this many rows (the largest query
@@ -305,21 +306,24 @@ def _bwd_dq_kernel(Q, K, V, dOut, dQ, rows, strides, seq, cu_seqlens, heads, ban
 _PREPROCESS_BLOCK_M = 128
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_offset, feats: Features,
-                       dq=None, dk=None, dv=None, bias_grad=False, deterministic=False):
-    """Launch the three backward kernels. Returns (dq, dk, dv, dbias, dsinks).
+def attention_backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, gluon=False, dq=None, dk=None,
+                       dv=None, bias_grad=False):
+    """Launch the backward of one request: the preprocess, then the Hopper Gluon kernel (gluon=True: the dispatch
+    chose it, flashtile/dispatch.py) or the portable dK/dV and dQ kernels. Returns (dq, dk, dv, dbias, dsinks).
 
     dlse (optional, lse's shape) is the gradient reaching the returned LSE. dq, dk, dv may be given: buffers (views
-    of one packed gradient, for the packed APIs) that the kernels write in full. bias_grad: also return the
-    gradient of feats.attn_bias (a float bias), summed over its broadcast dimensions; dsinks is returned when
-    feats.sinks is set. deterministic: bit-identical gradients from run to run (the portable kernels; the Hopper
-    kernel adds dQ with atomics). Inputs are assumed validated.
+    of one packed gradient, for the packed APIs; float32 ones for context parallelism) that the kernels write in
+    full. bias_grad: also return the gradient of req.attn_bias (a float bias), summed over its broadcast
+    dimensions; dsinks is returned when req.sinks is set. The portable kernels use no atomics: their gradients are
+    bit-identical run to run. Inputs are assumed validated.
     """
+    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
+    feats = Features(req)
     seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
     seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
-    batch = feats.cu_seqlens_q.numel() - 1 if feats.varlen else q.shape[0]
-    if feats.varlen:
-        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
+    batch = req.cu_seqlens_q.numel() - 1 if req.varlen else q.shape[0]
+    if req.varlen:
+        seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
     pad = triton.cdiv(max(seqlen_q, 1), ROW_PAD) * ROW_PAD
     rows = Rows(_common.empty((batch, num_heads, pad), torch.float32, q.device),
                 _common.empty((batch, num_heads, pad), torch.float32, q.device), pad)
@@ -328,31 +332,29 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
     dv = _common.empty(v.shape, v.dtype, v.device) if dv is None else dv
     spec = configs.launch_spec(q, (q, k, v, dout, dq, dk, dv))
     fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0])
-    gluon = hopper_bwd.supports(q, k, v, out, dout, feats, softmax_scale, deterministic)
     delta_scale = softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in the units of its scaled dS
-    _preprocess(out, dout, lse, dlse, rows, fargs.cu_seqlens.q, feats.varlen, seqlen_q, batch, delta_scale,
+    _preprocess(out, dout, lse, dlse, rows, fargs.cu_seqlens.q, req.varlen, seqlen_q, batch, delta_scale,
                 spec.block_d(head_dim_v))
     full_shape = (batch, num_heads, seqlen_q, seqlen_k)
     if gluon:
-        dbias_full = _gluon_dbias(feats, full_shape, q.device) if bias_grad else None
-        hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, rows.lse_log2, rows.delta, softmax_scale,
-                                      diagonal_offset, feats, dbias=dbias_full)
-        return (dq, dk, dv, _reduce_dbias(dbias_full, feats),
-                _sinks_grad(feats, rows.lse_log2, rows.delta, delta_scale))
+        dbias_full = _gluon_dbias(req, full_shape, q.device) if bias_grad else None
+        hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, rows.lse_log2, rows.delta, req, dbias=dbias_full)
+        return (dq, dk, dv, _reduce_dbias(dbias_full, req),
+                _sinks_grad(req, rows.lse_log2, rows.delta, delta_scale))
 
     # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
     # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
     dbias_full = None
     dbias = fargs.bias._replace(strides=(0, 0, 0, 0))  # a placeholder, never written without DBIAS
     if bias_grad:
-        dtype = feats.attn_bias.dtype if tuple(feats.attn_bias.shape) == full_shape else torch.float32
+        dtype = req.attn_bias.dtype if tuple(req.attn_bias.shape) == full_shape else torch.float32
         dbias_full = torch.zeros(full_shape, dtype=dtype, device=q.device)
         dbias = dbias._replace(ptr=dbias_full, strides=dbias_full.stride())
 
-    strides = Strides(*(_common.batch_strides(t, feats.varlen) for t in (q, k, v, dout, dq, dk, dv)))
+    strides = Strides(*(_common.batch_strides(t, req.varlen) for t in (q, k, v, dout, dq, dk, dv)))
     args = (rows, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens)
-    features = (feats.band, Scale(softmax_scale, softmax_scale * LOG2E.value, feats.softcap), fargs.alibi, fargs.bias)
-    dropout = Dropout(fargs.seed, fargs.dropout_threshold, 1.0 / (1.0 - feats.dropout_p))
+    features = (feats.band, Scale(softmax_scale, softmax_scale * LOG2E.value, req.softcap), fargs.alibi, fargs.bias)
+    dropout = Dropout(fargs.seed, fargs.dropout_threshold, 1.0 / (1.0 - req.dropout_p))
     flags = fargs.flags._replace(HAS_SINKS=False)  # the sinks' gradient is _sinks_grad's
 
     def config(cfg, even_n):
@@ -370,7 +372,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
 
     def launch_dq(cfg):
         blocks = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
-        even_n = not feats.banded and not feats.varlen and seqlen_k % cfg.block_n == 0
+        even_n = not req.banded and not req.varlen and seqlen_k % cfg.block_n == 0
         return _launch.launch(
             _bwd_dq_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads),
             (q, k, v, dout, dq, *args, Heads(num_heads, num_heads // num_kv_heads), *features,
@@ -379,13 +381,13 @@ def attention_backward(dout, q, k, v, out, lse, dlse, softmax_scale, diagonal_of
                                      CFG=config(cfg, even_n)),
             q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    dkdv_candidates, dq_candidates = configs.backward_candidates(max(head_dim, head_dim_v), feats.mask_right,
+    dkdv_candidates, dq_candidates = configs.backward_candidates(max(head_dim, head_dim_v), req.mask_right,
                                                                  q.dtype, spec)
-    key = (max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
+    key = (max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
            feats.variant() + (bias_grad, fargs.flags.BIAS_TMA))
     configs.launch_first_that_compiles(("bwd_dkdv",) + key, dkdv_candidates, launch_dkdv)
     configs.launch_first_that_compiles(("bwd_dq",) + key, dq_candidates, launch_dq)
-    return dq, dk, dv, _reduce_dbias(dbias_full, feats), _sinks_grad(feats, rows.lse_log2, rows.delta)
+    return dq, dk, dv, _reduce_dbias(dbias_full, req), _sinks_grad(req, rows.lse_log2, rows.delta)
 
 
 def _preprocess(out, dout, lse, dlse, rows, cu_seqlens_q, varlen, seqlen_q, batch, delta_scale, block_dv):
@@ -409,17 +411,17 @@ def _preprocess(out, dout, lse, dlse, rows, cu_seqlens_q, varlen, seqlen_q, batc
              BLOCK_DV=block_dv), out.device.index)
 
 
-def _gluon_dbias(feats, full_shape, device):
+def _gluon_dbias(req, full_shape, device):
     """The bias-gradient buffer of the Hopper Gluon backward (kernels/hopper_bwd.py: 16-bit, d 64/128; an attn_mask
     is read by TMA, not with dropout; varlen batches come without one), which reads delta and lse_log2 as the
     portable kernels do (Rows, varlen rows by position in the sequence). Its bias gradient is dS in the bias's
     dtype, whatever the bias's shape (hopper_bwd.attention_backward's DBIAS note), with rows padded to TMA's 16
     bytes; only a band leaves tiles unwritten."""
-    dtype = feats.attn_bias.dtype
+    dtype = req.attn_bias.dtype
     seqlen_k = full_shape[3]
     row = triton.cdiv(seqlen_k, 16 // dtype.itemsize) * (16 // dtype.itemsize)
     shape = full_shape[:3] + (row,)
-    if feats.banded:
+    if req.banded:
         dbias_full = torch.zeros(shape, dtype=dtype, device=device)
     else:
         dbias_full = _common.empty(shape, dtype, device)
@@ -455,14 +457,14 @@ def _dbias_sum_kernel(X, Out, seqlen_q, seqlen_k, n_out_h, n_sum_b, n_sum_h, str
 _DBIAS_SUM_BLOCK = (32, 128)
 
 
-def _reduce_dbias(dbias_full, feats):
+def _reduce_dbias(dbias_full, req):
     """The bias's gradient from dS over [B, H, Sq, Sk] (None without one): summed over the bias's broadcast
     dimensions in fp32, in the bias's dtype. A sum over batch and/or heads is one pass of _dbias_sum_kernel (torch's
     16-bit sum over a strided dim of 16, returning fp32 for the cast, took 5.0 ms for the Gluon backward's [1, 16,
     16k, 16k] bf16 on an H200: benchmarks/bwd_dbias.py); a bias broadcast along Sq or Sk is summed by torch."""
     if dbias_full is None:
         return None
-    bias = feats.attn_bias
+    bias = req.attn_bias
     dims = tuple(i for i in range(4) if bias.shape[i] == 1 and dbias_full.shape[i] != 1)
     if not dims:
         return dbias_full.to(bias.dtype).contiguous()  # (the Gluon kernel's rows may be padded: a view)
@@ -481,11 +483,11 @@ def _reduce_dbias(dbias_full, feats):
     return out
 
 
-def _sinks_grad(feats, lse_log2, delta, delta_scale=1.0):
+def _sinks_grad(req, lse_log2, delta, delta_scale=1.0):
     """The sinks' gradient (None without sinks): d loss / d sink_h = -sum_{b, i} P_sink(b, h, i) * delta(b, h, i),
     P_sink = exp(sink - lse) (docs/derivation.md#8); padded rows have lse = +inf, so they add 0. delta: as the
     preprocess stored it, times delta_scale."""
-    if feats.sinks is None:
+    if req.sinks is None:
         return None
-    p_sink = torch.exp2(feats.sinks.float()[None, :, None] * LOG2E.value - lse_log2)
+    p_sink = torch.exp2(req.sinks.float()[None, :, None] * LOG2E.value - lse_log2)
     return -(p_sink * delta).sum(dim=(0, 2)) / delta_scale

@@ -7,7 +7,6 @@ placeholder where a feature is off, since a kernel argument cannot be None and s
 import dataclasses
 import functools
 import weakref
-from typing import Optional
 
 import torch
 
@@ -33,73 +32,44 @@ class KernelArgs:
     dropout_threshold: int
 
 
-@dataclasses.dataclass(eq=False)
 class Features:
-    """The options of one attention call, as the kernels see them.
+    """The kernels' view of one AttentionRequest (flashtile/request.py): what a launch derives from it (the BIAS and
+    SOFTCAP constexprs, the feature arguments with placeholders, a bool mask's block lists). The request's own
+    fields are read from `req`."""
+    __slots__ = ("req", "_maps")
 
-    window_left / window_right: query i sees key j iff j >= i + offset - left and j <= i + offset + right; -1
-    means unbounded. Causal is window_right = 0 (the caller folds it in).
-    alibi_slopes: fp32 (H,) or (B, H). attn_bias: a float bias or a bool mask (True = attend) of 4 dims, each
-    either full or 1 (broadcast). sinks: fp32 (H,). seed: int64 (1,) tensor, drawn by the caller from torch's
-    generator. cu_seqlens_q / _k: int32 (B + 1,) for variable-length batches.
-    """
-    window_left: int = -1
-    window_right: int = -1
-    softcap: float = 0.0
-    alibi_slopes: Optional[torch.Tensor] = None
-    attn_bias: Optional[torch.Tensor] = None
-    sinks: Optional[torch.Tensor] = None
-    dropout_p: float = 0.0
-    seed: Optional[torch.Tensor] = None
-    cu_seqlens_q: Optional[torch.Tensor] = None
-    cu_seqlens_k: Optional[torch.Tensor] = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    _maps: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def mask_left(self):
-        return self.window_left >= 0
-
-    @property
-    def mask_right(self):
-        return self.window_right >= 0
+    def __init__(self, req):
+        self.req = req
+        self._maps = {}  # block lists of this call, by tiles (block_lists)
 
     @property
     def band(self):
-        return Band(self.window_left, self.window_right)
-
-    @property
-    def banded(self):
-        return self.mask_left or self.mask_right
-
-    @property
-    def varlen(self):
-        return self.cu_seqlens_q is not None
+        return Band(self.req.window_left, self.req.window_right)
 
     @property
     def bias_kind(self):
-        if self.attn_bias is None:
+        if self.req.attn_bias is None:
             return BIAS_NONE
-        return BIAS_BOOL if self.attn_bias.dtype == torch.bool else BIAS_FLOAT
+        return BIAS_BOOL if self.req.attn_bias.dtype == torch.bool else BIAS_FLOAT
 
     def softcap_mode(self, dtype):
         """SOFTCAP constexpr: 0 off; 2 the hardware tanh approximation for 16-bit inputs on a GPU; 1 the exact
         tanh (fp32, and the interpreter, which runs no inline assembly)."""
-        if self.softcap <= 0:
+        if self.req.softcap <= 0:
             return 0
         return 1 if dtype == torch.float32 or configs.INTERPRETING else 2
 
     def variant(self):
         """The constexpr flags, for the launch cache's key."""
-        return (self.mask_left, self.mask_right, self.softcap > 0, self.alibi_slopes is not None, self.bias_kind,
-                self.sinks is not None, self.dropout_p > 0, self.varlen)
+        req = self.req
+        return (req.mask_left, req.mask_right, req.softcap > 0, req.alibi_slopes is not None, self.bias_kind,
+                req.sinks is not None, req.dropout_p > 0, req.varlen)
 
     def _bias_tma_ok(self, use_tma, seqlen_q, seqlen_k):
         """Whether attn_mask tiles can be TMA loads: a Hopper launch, full (not broadcast) query and key dims with
         a unit key stride, and 16-byte aligned base and strides."""
-        bias = self.attn_bias
-        if not use_tma or bias is None or self.varlen or tuple(bias.shape[2:]) != (seqlen_q, seqlen_k):
+        bias = self.req.attn_bias
+        if not use_tma or bias is None or self.req.varlen or tuple(bias.shape[2:]) != (seqlen_q, seqlen_k):
             return False
         size = bias.element_size()
         strides = [st for st, n in zip(bias.stride()[:3], bias.shape[:3]) if n > 1]
@@ -111,14 +81,14 @@ class Features:
     def gluon_bias_ok(self, dtype, seqlen_q, seqlen_k):
         """Whether the Hopper Gluon kernels can read attn_mask: a bool mask or a float bias of the inputs' dtype
         whose tiles TMA can load (_bias_tma_ok: full along queries and keys, 16-byte aligned)."""
-        bias = self.attn_bias
+        bias = self.req.attn_bias
         return (bias is not None and bias.dtype in (torch.bool, dtype)
                 and self._bias_tma_ok(True, seqlen_q, seqlen_k))
 
     def alibi_args(self, placeholder):
         """(slopes, batch stride): the (H,) or (B, H) slopes and 0 or their batch stride; the placeholder (never
         read) and 0 without ALiBi."""
-        alibi = self.alibi_slopes
+        alibi = self.req.alibi_slopes
         if alibi is None:
             return placeholder, 0
         return alibi, alibi.stride(0) if alibi.dim() == 2 else 0
@@ -129,23 +99,24 @@ class Features:
         number of key rows (q's come from q)."""
         placeholder, seed_placeholder, cu_placeholder = _placeholders(q.device)
         bias, bias_strides = placeholder, (0, 0, 0, 0)
-        if self.attn_bias is not None:
-            bias = self.attn_bias.view(torch.uint8) if self.attn_bias.dtype == torch.bool else self.attn_bias
+        mask = self.req.attn_bias
+        if mask is not None:
+            bias = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
             bias_strides = tuple(st if n > 1 else 0 for st, n in zip(bias.stride(), bias.shape))
-        flags = Flags(MASK_LEFT=self.mask_left, MASK_RIGHT=self.mask_right, SOFTCAP=self.softcap_mode(q.dtype),
-                      HAS_ALIBI=self.alibi_slopes is not None, BIAS=self.bias_kind,
-                      BIAS_TMA=self._bias_tma_ok(use_tma, seqlen_q, seqlen_k), HAS_SINKS=self.sinks is not None,
-                      DROPOUT=self.dropout_p > 0, VARLEN=self.varlen)
-        if self.varlen:
-            cu = CuSeqlens(self.cu_seqlens_q, self.cu_seqlens_k, q.shape[0], total_k)
+        flags = Flags(MASK_LEFT=self.req.mask_left, MASK_RIGHT=self.req.mask_right, SOFTCAP=self.softcap_mode(q.dtype),
+                      HAS_ALIBI=self.req.alibi_slopes is not None, BIAS=self.bias_kind,
+                      BIAS_TMA=self._bias_tma_ok(use_tma, seqlen_q, seqlen_k), HAS_SINKS=self.req.sinks is not None,
+                      DROPOUT=self.req.dropout_p > 0, VARLEN=self.req.varlen)
+        if self.req.varlen:
+            cu = CuSeqlens(self.req.cu_seqlens_q, self.req.cu_seqlens_k, q.shape[0], total_k)
         else:
             cu = CuSeqlens(cu_placeholder, cu_placeholder)
         return KernelArgs(
             flags=flags, alibi=Alibi(*self.alibi_args(placeholder)), bias=Bias(bias, bias_strides), cu_seqlens=cu,
             no_blocks=Blocks(cu_placeholder, cu_placeholder, (0, 0), 0),
-            sinks=self.sinks if self.sinks is not None else placeholder,
-            seed=self.seed if self.dropout_p > 0 else seed_placeholder,
-            dropout_threshold=dropout_threshold(self.dropout_p))
+            sinks=self.req.sinks if self.req.sinks is not None else placeholder,
+            seed=self.req.seed if self.req.dropout_p > 0 else seed_placeholder,
+            dropout_threshold=dropout_threshold(self.req.dropout_p))
 
     def block_lists(self, block_m, block_n, transpose, seqlen_q, seqlen_k, mark_full=False):
         """For a bool attn_mask, which tiles to visit: per (batch|1, head|1, resident block), the number of
@@ -161,7 +132,7 @@ class Features:
             return None
         key = (block_m, block_n, transpose, mark_full)
         if key not in self._maps:
-            mask = self.attn_bias
+            mask = self.req.attn_bias
             shared = _mask_lists(mask)
             shared_key = key + (seqlen_q, seqlen_k, mask.storage_offset(), tuple(mask.shape), mask.stride())
             if shared is not None and shared_key in shared:

@@ -14,10 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _launch, configs, hopper_fwd
+from . import _common, _launch, configs
 from ._common import (BIAS_BOOL, BIAS_FLOAT, LN2, LOG2E, Config, Dropout, Heads, Scale, Seq, _attention_mask,
                       _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma,
                       _query_block, _score_mod, _score_unit, _head_views, _store_tile, _streamed_block)
+from ..request import AttentionRequest
 from .features import Features
 
 
@@ -173,50 +174,48 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, s
         tl.store(p_lse + o_m, lse, mask=o_m < seq.seqlen_q)
 
 
-def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, out_dtype=None):
-    """Launch the forward kernel. Returns (out, lse fp32 natural log); shapes in the module docstring. out_dtype:
-    out's dtype, default q's (float32 for context parallelism's block outputs, which are merged across ranks:
-    flashtile/distributed).
+def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
+    """Launch the forward kernel for one request (flashtile/request.py). Returns (out, lse fp32 natural log); shapes
+    in the module docstring. out_dtype: out's dtype, default q's (float32 for context parallelism's block outputs,
+    which are merged across ranks: flashtile/distributed).
 
-    Inputs are assumed validated (flashtile._validate) and `feats` resolved (flashtile.kernels.features);
-    softmax_scale must be > 0 (the public API turns a negative scale into a positive one on -q). Query i sees key
-    j iff j <= i + diagonal_offset + right and j >= i + diagonal_offset - left, where the window bounds
-    (feats.window_left / window_right; causal is right = 0) that are < 0 do not apply. Varlen computes each
-    sequence's offset as Sk - Sq itself.
+    Inputs are assumed validated (flashtile._validate) and the backend chosen (flashtile.dispatch).
+    req.softmax_scale must be > 0 (the public API turns a negative scale into a positive one on -q). Query i sees
+    key j iff j <= i + offset + right and j >= i + offset - left, where the window bounds (req.window_left /
+    window_right; causal is right = 0) that are < 0 do not apply. Varlen computes each sequence's offset as
+    Sk - Sq itself.
     """
+    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
     assert softmax_scale > 0, "the kernel takes the row max before scaling: the scale must be positive"
-    if hopper_fwd.supports(q, k, v, feats, softmax_scale):
-        # Hopper, 16-bit, d 64/128 (an attn_mask is read by TMA; varlen and dropout too): the warp-specialized
-        # Gluon kernel (kernels/hopper_fwd.py).
-        return hopper_fwd.attention_forward(q, k, v, softmax_scale, diagonal_offset, feats, out_dtype)
+    feats = Features(req)
     out_dtype = out_dtype or q.dtype
     seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
     seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
-    if feats.varlen:
-        batch = feats.cu_seqlens_q.numel() - 1
+    if req.varlen:
+        batch = req.cu_seqlens_q.numel() - 1
         out = _common.empty((q.shape[0], num_heads, head_dim_v), out_dtype, q.device)
         lse = _common.empty((num_heads, q.shape[0]), torch.float32, q.device)
-        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
+        seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
         lse_strides = (0, lse.stride(0))
     else:
         batch = q.shape[0]
         out = _common.empty((batch, seqlen_q, num_heads, head_dim_v), out_dtype, q.device)
         lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
         lse_strides = (lse.stride(0), lse.stride(1))
-    strides = Strides(*(_common.batch_strides(t, feats.varlen) for t in (q, k, v, out)), lse_strides)
+    strides = Strides(*(_common.batch_strides(t, req.varlen) for t in (q, k, v, out)), lse_strides)
     spec = configs.launch_spec(q, (q, k, v, out))
     fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0])
-    candidates = configs.forward_candidates(max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
-                                            fargs.flags.BIAS, feats.softcap > 0)
+    candidates = configs.forward_candidates(max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
+                                            fargs.flags.BIAS, req.softcap > 0)
     args = (q, k, v, out, lse, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens,
             Heads(num_heads, num_heads // num_kv_heads), feats.band,
-            Scale(softmax_scale, softmax_scale * LOG2E.value, feats.softcap), fargs.alibi, fargs.bias)
-    dropout = Dropout(fargs.seed, fargs.dropout_threshold, 1.0 - feats.dropout_p)
+            Scale(softmax_scale, softmax_scale * LOG2E.value, req.softcap), fargs.alibi, fargs.bias)
+    dropout = Dropout(fargs.seed, fargs.dropout_threshold, 1.0 - req.dropout_p)
 
     def launch(cfg):
         # The single-loop form, except for fp32 under tf32: there the operand rounding (_common._round_tf32) gave
         # wrong results inside it on Triton 3.6 while the two-stage form is right (tests/test_gpu.py).
-        even_n = (not feats.banded and not feats.varlen and seqlen_k % cfg.block_n == 0
+        even_n = (not req.banded and not req.varlen and seqlen_k % cfg.block_n == 0
                   and not (q.dtype == torch.float32 and spec.precision == "tf32"))
         blocks = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
         config = Config(head_dim, head_dim_v, cfg.block_m, cfg.block_n, spec.block_d(head_dim),
@@ -227,6 +226,6 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
             _common.constexpr_groups(FEAT=fargs.flags._replace(BLOCK_SKIP=blocks is not None), CFG=config),
             q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    configs.launch_first_that_compiles(("fwd", max(head_dim, head_dim_v), feats.mask_right, q.dtype, spec,
+    configs.launch_first_that_compiles(("fwd", max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
                                         feats.variant(), fargs.flags.BIAS), candidates, launch)
     return out, lse

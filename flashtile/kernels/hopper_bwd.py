@@ -37,16 +37,15 @@ Dropout (DROPOUT, not with an attn_mask) regenerates the forward's keep-mask per
 tensor cores (_gluon.dropout_tile_keep, keys as rows); at d128 the Philox states spill ~40 registers per step.
 """
 import collections
-import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from ..reference.dropout import dropout_threshold
+from ..request import AttentionRequest
 from . import _launch, configs, hopper_fwd
 from ._common import LOG2E
-from .._settings import SETTINGS
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
 from .features import BIAS_FLOAT, Features
 
@@ -60,16 +59,8 @@ BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 BLOCK_M = {64: 128, 128: 64}
 HEAD_DIMS = (64, 128)
 STAGES = 2
-# On by default (1.2-1.4x the portable backward on an H200, benchmarks/NOTES.md "Gluon backward");
-# SETTINGS.gluon_backward off (FLASHTILE_GLUON_BWD=0) turns it off.
-# Fewer keys than this (by head dim) take the portable backward: at 1k, d64 (B16 H32, H200) this kernel ran at
-# 0.92-0.95x the portable one (every program has only 8 query tiles to spread its prologue over).
-MIN_SEQLEN_K = {64: 2048, 128: 0}
-# Head dims at which a float attn_mask fits the ring (its tile rides in each of the STAGES slots): at d128 a
-# [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
-# 64 KB more than the 194 KB in use, so a float bias at d64 takes the portable kernels. A bool mask's tiles are
-# half the size: [128, 128] uint8 fits at d64 too (226 KB).
-FLOAT_BIAS_HEAD_DIMS = (128,)
+# Which calls this kernel takes (head dims, a float attn_mask's head dims, the shortest key lengths): the
+# GluonHopper allow-list in flashtile/dispatch.py, with its measurements.
 # kv heads launched together under a float attn_mask shared by the heads (_grouped_order): 4, where the forward
 # takes 8 (attention_backward says why).
 HEAD_GROUP = 4
@@ -720,10 +711,11 @@ if AVAILABLE:
         return r // size, g0 + r % size
 
     @gluon.jit
-    def _seq_span(cu_seqlens, i_b):
-        """(first row, length) of sequence i_b of a varlen batch: rows [cu[i_b], cu[i_b + 1])."""
+    def _seq_span(cu_seqlens, i_b, longest):
+        """(first row, length) of sequence i_b of a varlen batch: rows [cu[i_b], cu[i_b + 1]), the length capped at
+        the launch's longest (max_seqlen: the per-row buffers hold that many rows; rows past it are not computed)."""
         start = gl.load(cu_seqlens + i_b)
-        return start, gl.load(cu_seqlens + i_b + 1) - start
+        return start, gl.minimum(gl.load(cu_seqlens + i_b + 1) - start, longest)
 
     @gluon.jit
     def _query_tiles(cfg, i_n, start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right):
@@ -916,9 +908,11 @@ if AVAILABLE:
             # This sequence alone: its own lengths and bottom-right diagonal (kernels/_common._seq_bounds), every
             # tensor based at its first row, and descriptors of its own length, so that TMA zero-fills (loads) and
             # clips (dQ reductions) at the sequence's end, never touching a neighbour's rows.
-            q_start, seqlen_q = _seq_span(CuSeqQ, i_b)
-            k_start, seqlen_k = _seq_span(CuSeqK, i_b)
-            diag_offset = seqlen_k - seqlen_q
+            q_start, len_q = _seq_span(CuSeqQ, i_b, seqlen_q)
+            k_start, len_k = _seq_span(CuSeqK, i_b, seqlen_k)
+            diag_offset = (gl.load(CuSeqK + i_b + 1) - k_start) - (gl.load(CuSeqQ + i_b + 1) - q_start)
+            seqlen_q = len_q
+            seqlen_k = len_k
             if start_n >= seqlen_k:  # the grid covers the longest sequence; this key block is past this one's end
                 return
             Q += q_start.to(gl.int64) * strides.q_s
@@ -950,48 +944,6 @@ if AVAILABLE:
                             (_bwd_dq_partition, (prog, ))], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
-def features_supported(feats: Features) -> bool:
-    """The options this kernel implements: the forward's (kernels/hopper_fwd.features_supported), any sliding
-    window, softcap, ALiBi, sinks and dropout, an attn_mask (a float bias, with its gradient or not, or a bool mask;
-    supports checks its dtype and layout; not with dropout), and varlen batches (VARLEN, without an attn_mask)."""
-    if feats.attn_bias is not None:
-        if feats.dropout_p > 0 or feats.varlen:
-            return False
-        feats = dataclasses.replace(feats, attn_bias=None)  # the rest as the forward has it
-    if feats.varlen:
-        feats = dataclasses.replace(feats, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0)
-    return hopper_fwd.features_supported(feats)
-
-
-def bias_ok(q, k, feats: Features) -> bool:
-    """Whether this kernel reads the call's attn_mask (True without one): TMA can load its tiles
-    (Features.gluon_bias_ok), and a float bias has a head dim whose ring has room for it (BIAS_HEAD_DIMS)."""
-    bias = feats.attn_bias
-    if bias is None:
-        return True
-    if not feats.gluon_bias_ok(q.dtype, q.shape[1], k.shape[1]):
-        return False
-    return bias.dtype == torch.bool or q.shape[-1] in FLOAT_BIAS_HEAD_DIMS
-
-
-def supports(q, k, v, out, dout, feats: Features, softmax_scale, deterministic=False) -> bool:
-    """Whether this kernel computes the request: the forward's input conditions (kernels/hopper_fwd.inputs_ok),
-    features_supported, not deterministic, and a TMA-aligned dout of q's dtype. Any strides: attention_backward
-    copies inputs whose heads are not contiguous within a sequence row (_rows)."""
-    if not (SETTINGS.gluon_backward and not deterministic and hopper_fwd.inputs_ok(q, k, v, softmax_scale)):
-        return False
-    if not (features_supported(feats) and bias_ok(q, k, feats)):
-        return False
-    if feats.varlen:
-        # The mean key length stands for Sk (MIN_SEQLEN_K was measured at fixed length only).
-        seqlen_k = k.shape[0] / max(feats.cu_seqlens_k.numel() - 1, 1)
-    else:
-        seqlen_k = k.shape[1]
-    if seqlen_k < MIN_SEQLEN_K[q.shape[-1]]:
-        return False
-    return dout.dtype == q.dtype and configs._tma_ok((dout,))
-
-
 def _rows(t):
     """t, or a copy of it whose heads are contiguous within each sequence row ([B, S, H, D] or [total, H, D] in
     memory): the kernel's descriptors span a row's heads. SDPA's (B, H, S, D) tensors, seen as (B, S, H, D), are
@@ -1000,25 +952,27 @@ def _rows(t):
     return t if t.stride(-2) == t.shape[-1] and t.stride(-1) == 1 else t.contiguous()
 
 
-def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale, diagonal_offset, feats: Features,
-                       dbias=None):
-    """q, k, v, dout: [B, S, H, D], or [total, H, D] packed sequences with feats.varlen (diagonal_offset is then unused:
+def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, req: AttentionRequest, dbias=None):
+    """q, k, v, dout: [B, S, H, D], or [total, H, D] packed sequences with req.varlen (diagonal_offset is then unused:
     the kernel aligns each sequence to its own corner), any strides (_rows). dq, dk, dv: output buffers (their shapes,
     any strides); lse_log2, delta: [B, H, Sq_pad] (Sq_pad from max_seqlen_q for varlen) from the portable backward's
     preprocess (kernels/backward.py), the sinks and dLSE already folded in, delta times softmax_scale (the kernel's dS
-    carries the scale: _bwd_step); feats: the call's options (features_supported). dbias: None, or a [B, H, Sq, Sk]
+    carries the scale: _bwd_step); req: the call's request (flashtile/dispatch.py chose this kernel for it). dbias:
+    None, or a [B, H, Sq, Sk]
     buffer of the float bias's dtype (unit key stride, 16-byte aligned rows) that takes dS; the tiles outside a band are
     not written."""
+    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
+    feats = Features(req)
     q, k, v, dout = (_rows(t) for t in (q, k, v, dout))
-    varlen = feats.varlen
-    dropout = feats.dropout_p > 0  # the call's Philox key: feats.seed
+    varlen = req.varlen
+    dropout = req.dropout_p > 0  # the call's Philox key: req.seed
     num_heads, head_dim = q.shape[-2:]
     num_kv_heads = k.shape[-2]
     seqlen_q_pad = lse_log2.shape[-1]
     if varlen:
-        batch = feats.cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k  # the grid's; each program reads its own
-        cu_q, cu_k = feats.cu_seqlens_q, feats.cu_seqlens_k
+        batch = req.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k  # the grid's; each program reads its own
+        cu_q, cu_k = req.cu_seqlens_q, req.cu_seqlens_k
         # (batch, row) strides of the inputs, (batch, row, head) of the outputs: a packed tensor's batch stride is
         # 0 (the kernel bases each at its sequence's first row).
         strides = [(0, t.stride(0)) for t in (q, k, v, dout)] + [(0,) + t.stride()[:2] for t in (dk, dv)]
@@ -1033,15 +987,15 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
         dq_acc = torch.zeros((batch * num_heads * seqlen_q_pad * head_dim // 256, 256), dtype=torch.float32,
                              device=q.device)
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
-    qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, feats.softcap)
+    qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, req.softcap)
     alibi, stride_alibi_b = feats.alibi_args(delta)  # delta: a placeholder, never read without ALiBi
     block_m = BLOCK_M[head_dim]
     # attn_mask: its tile descriptor, and for a bool mask the lists of query tiles to visit per key block
     # (placeholders, never read, without).
     bias, bias_mul_b, bias_mul_h = delta, 0, 0
     counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = delta, delta, (0, 0), 0
-    if feats.attn_bias is not None:
-        bias, bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(feats.attn_bias, block_m, BLOCK_N)
+    if req.attn_bias is not None:
+        bias, bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(req.attn_bias, block_m, BLOCK_N)
         lists = feats.block_lists(block_m, BLOCK_N, True, seqlen_q, seqlen_k)
         if lists is not None:
             counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = lists
@@ -1060,14 +1014,14 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, softmax_scale
     if feats.bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen:
         head_group = min(HEAD_GROUP, num_kv_heads)
     _launch.launch(_bwd_kernel, grid, (
-        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k, feats.seed if dropout else delta,
+        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k, req.seed if dropout else delta,
         _Strides(*(st for t in strides for st in t), stride_alibi_b), seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset,
-        feats.window_left, feats.window_right,
-        _Scales(pre_scale, qk_scale, softmax_scale, dropout_threshold(feats.dropout_p), 1.0 / (1.0 - feats.dropout_p)),
+        req.window_left, req.window_right,
+        _Scales(pre_scale, qk_scale, softmax_scale, dropout_threshold(req.dropout_p), 1.0 / (1.0 - req.dropout_p)),
         _Heads(num_heads, num_kv_heads, head_group), bias, _Mul(bias_mul_b, bias_mul_h), dbias_desc, counts, indices,
         _Lists(stride_cnt_b, stride_cnt_h, n_cols)), dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=feats.mask_left,
-        MASK_RIGHT=feats.mask_right, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=req.mask_left,
+        MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=dbias is not None, VARLEN=varlen, DROPOUT=dropout),
         q.device.index, num_warps=4)
     if varlen:

@@ -59,10 +59,11 @@ import triton
 import triton.language as tl
 
 from ..reference.dropout import dropout_threshold
-from . import _common, _launch, configs
+from . import _common, _launch
 from ._common import LN2, LOG2E
 from .._settings import SETTINGS
 from ._gluon import AVAILABLE, CONSUMER_REGS, PRODUCER_REGS
+from ..request import AttentionRequest
 from .features import BIAS_BOOL, BIAS_FLOAT, Features
 
 if AVAILABLE:
@@ -1093,48 +1094,6 @@ if AVAILABLE:
                                 (_load_partition, (prog, ))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def inputs_ok(q, k, v, softmax_scale) -> bool:
-    """Whether the Hopper Gluon kernels (this forward, kernels/hopper_bwd.py) can take these tensors: a Hopper GPU
-    outside the interpreter, fp16/bf16, d = dv in HEAD_DIMS, TMA-compatible strides and a positive scale."""
-    if not (AVAILABLE and q.is_cuda and not configs.INTERPRETING):
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
-        return False
-    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-        return False
-    return configs._tma_ok((q, k, v)) and softmax_scale > 0
-
-
-def features_supported(feats: Features) -> bool:
-    """The options of a fixed-length call this kernel implements: causal and sliding-window masks, softcap, ALiBi,
-    sinks, dropout and attn_mask (a float bias or a bool mask, where TMA can read it: supports checks that).
-    (Varlen calls: varlen_supported.)"""
-    return not feats.varlen
-
-
-def varlen_supported(feats: Features) -> bool:
-    """Varlen calls this kernel implements: every option of features_supported except attn_mask (which varlen
-    does not take anywhere); its items come from the dynamic schedule."""
-    return feats.varlen and feats.attn_bias is None
-
-
-def supports(q, k, v, feats: Features, softmax_scale) -> bool:
-    """Whether this kernel computes the request (inputs_ok, features_supported or varlen_supported, and an
-    attn_mask that Features.gluon_bias_ok accepts). Anything else (and SETTINGS.gluon_forward off:
-    FLASHTILE_GLUON=0) takes the portable kernel."""
-    if not (SETTINGS.gluon_forward and inputs_ok(q, k, v, softmax_scale)):
-        return False
-    if feats.varlen:
-        # (No descriptor over an empty packed tensor: a call with no queries or no keys at all takes the portable
-        # kernel.)
-        return varlen_supported(feats) and q.shape[0] > 0 and k.shape[0] > 0
-    if not features_supported(feats):
-        return False
-    return feats.attn_bias is None or feats.gluon_bias_ok(q.dtype, q.shape[1], k.shape[1])
-
-
 def _smem_plan(head_dim, num_wg, qbuf, bias_bytes):
     """(QBUF, STAGE_O) for a launch with attn_mask tiles of bias_bytes per element: the configuration's query
     buffers and output staging buffer if the ring of BIAS_STAGES tiles fits beside them, else one query buffer,
@@ -1255,18 +1214,21 @@ def mod_scalars(softmax_scale, softcap, scaled_q=False):
     return softmax_scale * LOG2E.value, 1.0, 1.0 / softmax_scale
 
 
-def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, out_dtype=None):
-    """Same contract as kernels.forward.attention_forward for the cases `supports` accepts. An out_dtype other
-    than q's (float32) is stored from registers: the output staging buffer holds q's dtype."""
-    varlen = feats.varlen
+def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
+    """Same contract as kernels.forward.attention_forward, for the requests flashtile.dispatch gives this kernel
+    (GluonHopper's allow-list). An out_dtype other than q's (float32) is stored from registers: the output staging
+    buffer holds q's dtype."""
+    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
+    feats = Features(req)
+    varlen = req.varlen
     out_dtype = out_dtype or q.dtype
     if varlen:
         # Packed [total, H, D] sequences (kernel note at _varlen_item): 4-D views [1, total, H, D] for the
         # descriptors, lse [H, total_q]; each item adds its sequence's own Sk - Sq to the offsets below.
         total_q, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        batch = feats.cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = feats.max_seqlen_q, feats.max_seqlen_k
+        batch = req.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
         out = _common.empty((total_q, num_heads, head_dim), out_dtype, q.device)
         lse = _common.empty((num_heads, total_q), torch.float32, q.device)
         diagonal_offset = 0
@@ -1283,16 +1245,16 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
         lse_strides = (lse.stride(0), lse.stride(1))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
-    right_offset = diagonal_offset + (feats.window_right if feats.mask_right else 0)
+    right_offset = diagonal_offset + (req.window_right if req.mask_right else 0)
     alibi, stride_alibi_b = feats.alibi_args(lse)  # lse: a placeholder, never read without ALiBi
-    left_offset = diagonal_offset - feats.window_left if feats.mask_left else 0
+    left_offset = diagonal_offset - req.window_left if req.mask_left else 0
     bias_kind = feats.bias_kind
-    num_wg, qbuf, dynamic = CONFIGS[(head_dim, feats.banded)]
-    if num_wg == 3 and (feats.softcap > 0 or feats.alibi_slopes is not None or bias_kind or feats.dropout_p > 0):
+    num_wg, qbuf, dynamic = CONFIGS[(head_dim, req.banded)]
+    if num_wg == 3 and (req.softcap > 0 or req.alibi_slopes is not None or bias_kind or req.dropout_p > 0):
         # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
         # warpgroups of the causal configuration do not.
         num_wg, qbuf, dynamic = CONFIGS[(head_dim, True)]
-    if feats.softcap > 0:
+    if req.softcap > 0:
         # Two query buffers for a softcap on every configuration (d128's causal and banded one has one): the causal
         # softcap forward ran 6.5-7% faster with them at 16k and 4k (H200), outputs bit-identical, while the plain
         # causal, ALiBi, sinks and window forwards moved within +-1% and dropout's lost 1-2% (NOTES, "Two query
@@ -1304,20 +1266,20 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
     bias_desc, bias_mul_b, bias_mul_h, stage_o = None, 0, 0, True
     counts, indices, count_strides, idx_cols = lse, lse, (0, 0), 0
     if bias_kind:
-        bias_desc, bias_mul_b, bias_mul_h = bias_descriptor(feats.attn_bias, WG_M, BLOCK_N)
-        qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, feats.attn_bias.element_size())
+        bias_desc, bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, BLOCK_N)
+        qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, req.attn_bias.element_size())
         if bias_kind == BIAS_BOOL:
             dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
             # Without a band, the blocks the mask leaves entirely visible need no tile (mark_full); with one,
             # every listed block is masked anyway.
             counts, indices, count_strides, idx_cols = feats.block_lists(block_m, BLOCK_N, False, seqlen_q,
-                                                                         seqlen_k, mark_full=not feats.banded)
+                                                                         seqlen_k, mark_full=not req.banded)
     stage_o = stage_o and out_dtype == q.dtype
     n_m = triton.cdiv(seqlen_q, block_m)
     tile_map = lse  # a placeholder, never read without varlen
     if varlen:
         # Items: (tile of the map, head); the producer skips the map's rows past the last tile.
-        tile_map, n_m = varlen_tile_map(feats.cu_seqlens_q, feats.cu_seqlens_k, total_q, block_m, feats.mask_right)
+        tile_map, n_m = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, total_q, block_m, req.mask_right)
         dynamic = True
     n_tiles = n_m * batch * num_heads if not varlen else n_m * num_heads
     head_group = min(HEAD_GROUP, num_heads) if bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen else 1
@@ -1331,23 +1293,23 @@ def attention_forward(q, k, v, softmax_scale, diagonal_offset, feats: Features, 
     # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
     # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
     # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
-    lazy = (SETTINGS.lazy_max and not bias_kind and not feats.mask_left and feats.alibi_slopes is None
+    lazy = (SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
             and num_wg == 2)
-    seed = feats.seed if feats.dropout_p > 0 else lse  # the call's Philox key; lse: a placeholder, never read
-    qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, feats.softcap,
-                                                scaled_q=bias_kind == BIAS_FLOAT and not feats.softcap > 0)
+    seed = req.seed if req.dropout_p > 0 else lse  # the call's Philox key; lse: a placeholder, never read
+    qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, req.softcap,
+                                                scaled_q=bias_kind == BIAS_FLOAT and not req.softcap > 0)
     strides = _Strides(*out_strides, *lse_strides, stride_alibi_b)
     mask = _Mask(bias_mul_b, bias_mul_h, *count_strides, idx_cols)
     band = _Band(seqlen_k, right_offset, left_offset, diagonal_offset)
-    scales = _Scales(qk_scale, mod_unit, pre_scale, dropout_threshold(feats.dropout_p), 1.0 - feats.dropout_p)
+    scales = _Scales(qk_scale, mod_unit, pre_scale, dropout_threshold(req.dropout_p), 1.0 - req.dropout_p)
     heads = _Heads(num_heads, max(head_group, 1), num_heads // num_kv_heads)
     _launch.launch(_fwd_kernel, grid, (
         _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o4, WG_M), bias_desc,
-        out, lse, counter, tile_map, alibi, lse if feats.sinks is None else feats.sinks, seed, counts, indices,
+        out, lse, counter, tile_map, alibi, lse if req.sinks is None else req.sinks, seed, counts, indices,
         strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles), dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], MASK_RIGHT=feats.mask_right,
-        MASK_LEFT=feats.mask_left, SOFTCAP=feats.softcap > 0, HAS_ALIBI=feats.alibi_slopes is not None,
-        HAS_SINKS=feats.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=feats.dropout_p > 0),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], MASK_RIGHT=req.mask_right,
+        MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
+        HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
+        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0),
         q.device.index, num_warps=4)
     return out, lse
