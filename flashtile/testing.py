@@ -129,6 +129,18 @@ def reference_fwd_bwd(q, k, v, dout, softmax_scale, causal, diagonal_offset, dls
     return out.detach(), lse.detach(), dq, dk, dv, dbias, dsinks
 
 
+def attention_op(q, k, v, softmax_scale, causal, diagonal_offset, window_size=(-1, -1), **fields):
+    """The op every public API shares, called in the judge's terms (causal, diagonal_offset, window_size, as
+    reference_fwd_bwd takes them) so that tests can combine features no public signature offers together (an
+    attn_mask with a window, say). fields: AttentionRequest's other fields (softcap, alibi_slopes, attn_bias,
+    sinks, ...) and dropout_p / deterministic. -> (out, lse)."""
+    from .interface import _attention
+    left, right = window_size
+    out, lse, _ = _attention(q, k, v, softmax_scale, diagonal_offset=diagonal_offset, window_left=left,
+                             window_right=0 if causal else right, **fields)
+    return out, lse
+
+
 def judge_all(got, q, k, v, dout, softmax_scale, causal, diagonal_offset, dlse=None, **features):
     """{name: (error, bound)} for got = (out, lse, dq, dk, dv) or (out, lse, dq, dk, dv, dbias, dsinks) from
     flashtile, judged against float64 with plain PyTorch's error as the scale (entries of got that are None are

@@ -13,11 +13,11 @@ import torch
 
 import flashtile
 from flashtile._settings import SETTINGS
-from flashtile.interface import _attention
 from flashtile.kernels import hopper_bwd
 from flashtile.kernels.features import Features
 from flashtile.reference.dropout import dropout_mask
-from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
+from flashtile.testing import (attention_op, check_against_reference, check_varlen_against_reference, cu_seqlens,
+                               make_qkv)
 
 # Fixtures bwd_spy / poison: tests/conftest.py.
 DEVICE = "cuda"
@@ -201,8 +201,8 @@ def test_features_supported(kw, ok):
 def _run_masked(q, k, v, dout, mask, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
     """Forward + backward with attn_mask (through the op every API shares, so that a mask can meet a window):
     (out, lse, dq, dk, dv)."""
-    out, lse, _ = _attention(q, k, v, q.shape[-1] ** -0.5, causal, k.shape[1] - q.shape[1], window=window,
-                             softcap=softcap, alibi_slopes=slopes, attn_bias=mask)
+    out, lse = attention_op(q, k, v, q.shape[-1] ** -0.5, causal, k.shape[1] - q.shape[1], window_size=window,
+                            softcap=softcap, alibi_slopes=slopes, attn_bias=mask)
     grads = torch.autograd.grad((out * dout).sum(), [q, k, v])
     return (out.detach(), lse.detach(), *grads)
 
@@ -368,8 +368,8 @@ def test_mask_matches_portable_backward(monkeypatch, bwd_spy, kind):
 def _run_bias_grad(q, k, v, dout, bias, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
     """Forward + backward with a float bias that requires grad: (out, lse, dq, dk, dv, dbias, None), the form
     flashtile.testing judges."""
-    out, lse, _ = _attention(q, k, v, q.shape[-1] ** -0.5, causal, k.shape[1] - q.shape[1], window=window,
-                             softcap=softcap, alibi_slopes=slopes, attn_bias=bias)
+    out, lse = attention_op(q, k, v, q.shape[-1] ** -0.5, causal, k.shape[1] - q.shape[1], window_size=window,
+                            softcap=softcap, alibi_slopes=slopes, attn_bias=bias)
     grads = torch.autograd.grad((out * dout).sum(), [q, k, v, bias])
     return (out.detach(), lse.detach(), *grads, None)
 

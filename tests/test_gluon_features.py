@@ -9,7 +9,8 @@ import torch
 
 import flashtile
 from flashtile._settings import SETTINGS
-from flashtile.testing import check_against_reference, check_varlen_against_reference, cu_seqlens, make_qkv
+from flashtile.testing import (attention_op, check_against_reference, check_varlen_against_reference, cu_seqlens,
+                               make_qkv)
 
 # Fixtures spy / poison: tests/conftest.py.
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
@@ -198,12 +199,11 @@ def _attn_mask(kind, bh, sq, sk, dtype, seed):
 @pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype,mask,feats",
                          [pytest.param(*c, id=_bias_cid(*c)) for c in BIAS_CASES])
 def test_attn_mask_against_reference(poison, spy, b, sq, sk, h, hk, d, causal, dtype, mask, feats):
-    from flashtile.interface import _attention
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=sq + sk + d, grad=False)
     kw = _features(b, h, sq, **feats)
     bias, name = _attn_mask(*mask, sq, sk, dtype, seed=sq * d)
     window = kw.pop("window_size", (-1, -1))
-    out, lse, _ = _attention(q, k, v, d ** -0.5, causal, sk - sq, window=window, attn_bias=bias, **kw)
+    out, lse = attention_op(q, k, v, d ** -0.5, causal, sk - sq, window_size=window, attn_bias=bias, **kw)
     assert len(spy) == 1, "the call did not take the Gluon forward"
     assert out.isfinite().all()
     empty_row = 2 if name == "attn_bias" else 3
@@ -255,14 +255,13 @@ def test_attn_mask_reads_are_repeatable(spy, kind, softcap):
     # batch and heads stays in L2, so refills come back fast: a release that does not order the tile's read
     # before the refill (hopper_fwd._read_bias) gives rows of the next tile's values, differing run to run. Each
     # path once: the bias as the accumulator's start, the bias after a softcap, a bool mask.
-    from flashtile.interface import _attention
     b, s, h, d = 2, 2048, 16, 128
     q, k, v = make_qkv(b, s, s, h, h, d, torch.bfloat16, device=DEVICE, seed=11, grad=False)
     bias, _ = _attn_mask(kind, (1, 1), s, s, torch.bfloat16, seed=12)
-    first, _, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
+    first, _ = attention_op(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
     first = first.clone()
     for _ in range(10):
-        out, _, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
+        out, _ = attention_op(q, k, v, d ** -0.5, False, 0, attn_bias=bias, softcap=softcap)
         assert torch.equal(out, first)
     assert len(spy) == 11
 
@@ -271,17 +270,16 @@ def test_attn_mask_reads_are_repeatable(spy, kind, softcap):
 def test_expanded_attn_mask(poison, spy, kind):
     # Batch and head dims expanded from size 1 (stride 0: no TMA stride) are read as broadcast ones; a mask
     # expanded along the queries has no valid row stride for TMA and takes the portable kernel.
-    from flashtile.interface import _attention
     b, sq, sk, h, d = 2, 700, 912, 4, 128
     q, k, v = make_qkv(b, sq, sk, h, 2, d, torch.bfloat16, device=DEVICE, seed=9, grad=False)
     bias, name = _attn_mask(kind, (1, 1), sq, sk, torch.bfloat16, seed=10)
     full = bias.expand(b, h, sq, sk)
-    out, lse, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=full)
+    out, lse = attention_op(q, k, v, d ** -0.5, False, 0, attn_bias=full)
     assert len(spy) == 1
     check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, False, 0,
                             **{name: bias})
     rows = bias[:, :, :1].expand(b, h, sq, sk)  # every query sees the first query's keys
-    out, lse, _ = _attention(q, k, v, d ** -0.5, False, 0, attn_bias=rows)
+    out, lse = attention_op(q, k, v, d ** -0.5, False, 0, attn_bias=rows)
     assert len(spy) == 1, "a mask expanded along the queries must take the portable kernel"
     check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, False, 0,
                             **{name: rows})
