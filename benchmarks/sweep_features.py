@@ -20,7 +20,7 @@ import torch
 import triton
 
 import flashtile
-from flashtile.kernels import configs
+from flashtile._settings import override
 from flashtile.kernels.configs import TileConfig
 
 DEVICE = "cuda"
@@ -72,17 +72,16 @@ def main(argv=None):
 
     for name, fn in feats.items():
         for tiles in FWD_TILES:
-            configs.TILE_OVERRIDE = None if tiles is None else {"fwd": [tiles]}
-            record(name, "fwd", tiles, fn)
+            with override(tiles=None if tiles is None else {"fwd": [tiles]}):
+                record(name, "fwd", tiles, fn)
         if not args.bwd:
             continue
         out = fn()
         grad = torch.randn_like(out)
         for kind, table in (("bwd_dkdv", DKDV_TILES), ("bwd_dq", DQ_TILES)):
             for tiles in table:
-                configs.TILE_OVERRIDE = None if tiles is None else {kind: [tiles]}
-                record(name, kind, tiles, lambda: torch.autograd.grad(fn(), (q, k, v), grad))
-    configs.TILE_OVERRIDE = None
+                with override(tiles=None if tiles is None else {kind: [tiles]}):
+                    record(name, kind, tiles, lambda: torch.autograd.grad(fn(), (q, k, v), grad))
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), shape=dict(batch=1, heads=h, seqlen=s, head_dim=d))
     path = Path(args.out) / f"{meta['date']}-{meta['gpu'].split()[-1].lower()}-sweep-features{'-' + args.tag if args.tag else ''}.json"

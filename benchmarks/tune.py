@@ -20,6 +20,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flashtile  # noqa: E402
 from flashtile.kernels import configs  # noqa: E402
+from flashtile._settings import override  # noqa: E402
 from flashtile.kernels.configs import TileConfig as T  # noqa: E402
 
 HIDDEN = 2048  # model width: heads = HIDDEN // head_dim, as in the benchmark suite
@@ -27,8 +28,7 @@ TOKENS = 16384  # batch * seqlen
 
 SWEEP = {
     "fwd": [T(128, 64, 4, 2), T(128, 64, 4, 3), T(128, 64, 4, 4), T(128, 64, 8, 2), T(128, 64, 8, 3),
-            T(128, 128, 4, 2), T(128, 128, 8, 2), T(128, 128, 8, 3), T(128, 128, 4, 2, True),
-            T(128, 64, 4, 2, True), T(128, 64, 4, 3, True), T(64, 64, 4, 3), T(128, 32, 4, 3)],
+            T(128, 128, 4, 2), T(128, 128, 8, 2), T(128, 128, 8, 3), T(64, 64, 4, 3), T(128, 32, 4, 3)],
     "bwd_dkdv": [T(64, 64, 4, 2), T(64, 64, 4, 3), T(64, 64, 8, 2), T(32, 64, 4, 2), T(64, 128, 8, 2),
                  T(64, 128, 8, 1), T(32, 128, 4, 2), T(32, 128, 8, 2), T(128, 64, 8, 2), T(64, 128, 4, 2)],
     "bwd_dq": [T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 3), T(64, 64, 4, 2), T(128, 32, 8, 2),
@@ -49,40 +49,45 @@ def sweep_one(family, d, causal, seqlen, dtype):
     dout = torch.randn_like(q)
     rows = []
     for cfg in SWEEP[family]:
-        configs.TILE_OVERRIDE = {family: [cfg]}
         configs._CHOSEN.clear()
         row = {"family": family, "head_dim": d, "causal": causal, "seqlen": seqlen, "tile": cfg.__dict__}
         try:
-            if family == "fwd":
-                def fn():
-                    return flashtile.flash_attn_func(q, k, v, causal=causal)
-                fn()
-            else:
-                out = flashtile.flash_attn_func(q, k, v, causal=causal)
-
-                def fn():
-                    out.backward(dout, retain_graph=True)
-                fn()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median",
-                                         grad_to_none=None if family == "fwd" else [q, k, v])
+            with override(tiles={family: [cfg]}):
+                ms, kern = _time_one(family, q, k, v, dout, causal)
             row["ms"] = ms
             row["tflops"] = flops(b, h, seqlen, d, causal, family) / ms * 1e-9
-            kern = [h for key, h in configs.LAST_COMPILED.items() if key[0] == family and key[1] == d]
-            if kern and kern[-1] is not None:
-                row["n_regs"] = getattr(kern[-1], "n_regs", None)
-                row["n_spills"] = getattr(kern[-1], "n_spills", None)
+            if kern is not None:
+                row["n_regs"] = getattr(kern, "n_regs", None)
+                row["n_spills"] = getattr(kern, "n_spills", None)
         except Exception as err:  # a tile that does not fit is a result of the sweep, reported per row
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
         rows.append(row)
         t = cfg
-        desc = f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}{' ws' if t.warp_specialize else ''}"
+        desc = f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
         result = row.get("error") or f"{row['tflops']:7.1f} TFLOP/s  regs {row.get('n_regs')} spills {row.get('n_spills')}"
         print(f"{family:9s} d{d:<4d} {'causal' if causal else 'full  '} {desc:22s} {result}", file=sys.stderr,
               flush=True)
-    configs.TILE_OVERRIDE = None
     configs._CHOSEN.clear()
     return rows
+
+
+def _time_one(family, q, k, v, dout, causal):
+    """(median ms of forward or backward under the current tile override, the family's last compiled kernel or
+    None)."""
+    if family == "fwd":
+        def fn():
+            return flashtile.flash_attn_func(q, k, v, causal=causal)
+    else:
+        out = flashtile.flash_attn_func(q, k, v, causal=causal)
+
+        def fn():
+            out.backward(dout, retain_graph=True)
+    fn()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median",
+                                 grad_to_none=None if family == "fwd" else [q, k, v])
+    kernels = configs.compiled_kernels(family, q.shape[-1])
+    return ms, kernels[-1][2] if kernels else None
 
 
 def profile_one(d, causal, seqlen, dtype, iters=5):
@@ -139,8 +144,7 @@ def main(argv=None):
                 continue
             best = max(ok, key=lambda r: r["tflops"])
             first = ok[0]
-            fmt = lambda t: f"{t['block_m']}x{t['block_n']} w{t['num_warps']} s{t['num_stages']}" + (  # noqa: E731
-                " ws" if t["warp_specialize"] else "")
+            fmt = lambda t: f"{t['block_m']}x{t['block_n']} w{t['num_warps']} s{t['num_stages']}"  # noqa: E731
             print(f"| {args.family} | {d} | {causal} | {fmt(best['tile'])} | {best['tflops']:.1f} | "
                   f"{fmt(first['tile'])} | {first['tflops']:.1f} |")
     if args.out:

@@ -295,21 +295,11 @@ def parse_sweep_shapes(text):
 
 @contextlib.contextmanager
 def _decode_tiles(tile, page_slabs):
-    """The split kernel limited to one tile, and the paged addressing chosen (SETTINGS.decode_tiles / page_slabs,
-    and kernels/decode.py's own TILE_OVERRIDE / PAGE_SLABS where the kernel still reads those)."""
+    """The split kernel limited to one tile, and the paged addressing chosen (SETTINGS.decode_tiles / page_slabs)."""
     from flashtile import _settings
-    from flashtile.kernels import decode
 
-    legacy = {"TILE_OVERRIDE": [tile], "PAGE_SLABS": page_slabs}
-    saved = {name: getattr(decode, name) for name in legacy if hasattr(decode, name)}
-    for name in saved:
-        setattr(decode, name, legacy[name])
-    try:
-        with _settings.override(decode_tiles=[tile], page_slabs=page_slabs):
-            yield
-    finally:
-        for name, value in saved.items():
-            setattr(decode, name, value)
+    with _settings.override(decode_tiles=[tile], page_slabs=page_slabs):
+        yield
 
 
 def sweep(shapes, progress=log):

@@ -148,20 +148,11 @@ def _flashtile_prepare(q, k, v, causal, scale) -> Prepared:
 
 @contextlib.contextmanager
 def _gluon_forward_off():
-    """The Hopper Gluon forward switched off for the duration (SETTINGS.gluon_forward, and the kernel module's own
-    ENABLED switch where a kernel still reads that)."""
+    """The Hopper Gluon forward switched off for the duration (SETTINGS.gluon_forward)."""
     from flashtile import _settings
-    from flashtile.kernels import hopper_fwd
 
-    saved = getattr(hopper_fwd, "ENABLED", None)
-    if saved is not None:
-        hopper_fwd.ENABLED = False
-    try:
-        with _settings.override(gluon_forward=False):
-            yield
-    finally:
-        if saved is not None:
-            hopper_fwd.ENABLED = saved
+    with _settings.override(gluon_forward=False):
+        yield
 
 
 def _flashtile_portable_prepare(q, k, v, causal, scale) -> Prepared:

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # fp32 accumulators of 128 to 192 registers (O and S in the forward, dK and dV in the backward); a warp that only
 # issues TMA copies needs the minimum, 24. 232 is what remains under the 64K-register file with the default
 # partition at its own share (the compiled kernels start at 168 per thread and spill nothing at 232 in the
-# forward; see benchmarks/NOTES.md for the backward's spills at d128).
+# forward; docs/design-record.md, "Gluon backward", for the backward's spills at d128).
 # (constexprs: kernels read module-level values only as such)
 CONSUMER_REGS = tl.constexpr(232)
 PRODUCER_REGS = tl.constexpr(24)

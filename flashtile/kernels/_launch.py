@@ -4,7 +4,7 @@
 each argument's specialization (a tensor's dtype and 16-byte alignment; an integer's width, whether it is 1, whether
 it is divisible by 16; a tuple's fields one by one), the cache key string built from them, and the launch metadata.
 For the Gluon kernels (~45 arguments, TMA descriptors among them) that is ~0.1 ms of host time per launch on the GPU
-machines' hosts, as long as a 4k forward's kernel at batch 1 (benchmarks/NOTES.md, "host overhead").
+machines' hosts, as long as a 4k forward's kernel at batch 1 (docs/design-record.md, "Host overhead").
 
 `launch` computes a cheaper key that is at least as fine as Triton's (see _arg_key) and, once the JIT path has
 compiled and launched the kernel for that key, hands later calls' arguments straight to the compiled kernel's

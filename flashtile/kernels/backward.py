@@ -202,8 +202,8 @@ def _bwd_dkdv_kernel(Q, K, V, dOut, dK, dV, rows, strides, seq, cu_seqlens, head
                            scale, slope, bias_view, bias_view, block_list, seed, i_bh, dropout)
             # One loop over the query blocks that see the key block, the band's mask applied to each: measured 5%
             # faster at d128 causal on an H200 than a masked diagonal stage plus an unmasked loop (388 -> 409
-            # TFLOP/s, benchmarks/NOTES.md); the likely cause is code size: two copies of this 4-matmul body inside
-            # the head loop. The compare-select costs less.
+            # TFLOP/s, docs/design-record.md, "Backward: dK/dV as one masked loop"); the likely cause is code size: two
+            # copies of this 4-matmul body inside the head loop. The compare-select costs less.
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, prog, lo_h, hi_h, FEAT.MASK_LEFT or FEAT.MASK_RIGHT, FEAT,
                                          CFG)
 
@@ -461,7 +461,8 @@ def _reduce_dbias(dbias_full, req):
     """The bias's gradient from dS over [B, H, Sq, Sk] (None without one): summed over the bias's broadcast
     dimensions in fp32, in the bias's dtype. A sum over batch and/or heads is one pass of _dbias_sum_kernel (torch's
     16-bit sum over a strided dim of 16, returning fp32 for the cast, took 5.0 ms for the Gluon backward's [1, 16,
-    16k, 16k] bf16 on an H200: benchmarks/bwd_dbias.py); a bias broadcast along Sq or Sk is summed by torch."""
+    16k, 16k] bf16 on an H200: docs/design-record.md, "The bias gradient and its sum over broadcast dims"); a bias
+    broadcast along Sq or Sk is summed by torch."""
     if dbias_full is None:
         return None
     bias = req.attn_bias

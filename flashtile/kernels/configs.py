@@ -124,7 +124,8 @@ _H200_D128_FEATURE_TILES = {
     (2, False, False): TileConfig(128, 128, 8, 2),  # bool mask: 4.41 ms (4.85)
 }
 # Causal softcap measured 2.32 ms at 64x64 w4 s3 in the sweep but 2.68-2.72 when re-timed in a later run (the
-# table tiles: 2.60-2.72); not reproducible, so not in the table (benchmarks/NOTES.md, section 7).
+# table tiles: 2.60-2.72); not reproducible, so not in the table (docs/design-record.md, "Features on the portable
+# kernels").
 
 
 def forward_candidates(head_dim, causal, dtype, spec, bias_kind=0, softcap=False) -> list[TileConfig]:
@@ -148,7 +149,8 @@ def forward_candidates(head_dim, causal, dtype, spec, bias_kind=0, softcap=False
         elif head_dim <= 128:
             # Causal 128x128 w8 s3: 498-512 (128x64 w4 s2: 463-499 with 14 spills). Non-causal 128x64 w4 s2:
             # 518-546. (tl.range warp specialization reached 526-564 but returned a wrong LSE on Triton 3.6:
-            # benchmarks/NOTES.md; the kernels no longer have that path.)
+            # docs/design-record.md, "Warp specialization returned a wrong LSE"; the kernels no longer have that
+            # path.)
             first = [TileConfig(128, 128, 8, 3)] if causal else [TileConfig(128, 64, 4, 2)]
         else:
             first = [TileConfig(128, 64, 8, 2)]  # 512-530; 4 warps spill (105)

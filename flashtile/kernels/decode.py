@@ -58,9 +58,9 @@ FP8_E4M3_MAX = tl.constexpr(448.0)
 # batch 1 at Hk = 8, on a GPU with 132 SMs. With s splits of equal length, the launch takes
 # ceil(programs * s / slots) waves of 1/s the work each (slots: programs the GPU holds at once), so the time is
 # proportional to ceil(programs * s / slots) / s; the fewest splits within SPLIT_TOLERANCE of the best are chosen
-# (fewer, longer programs: PERF_NOTES.md's probe found programs beyond one wave cost 3-8%). E.g. 132 SMs, one
+# (fewer, longer programs: a probe found programs beyond one wave cost 3-8%). E.g. 132 SMs, one
 # program each: batch 8 -> 2 splits (128 programs), batch 1 -> 16 (128), batch 64 -> 1 (512). Not yet measured
-# for these kernels: benchmarks/bench_decode.py --sweep times the alternatives.
+# for these kernels: `python -m flashtile bench decode --sweep` times the alternatives.
 SPLIT_TOLERANCE = 0.05
 # Never fewer than this many key blocks per split: each split also loads q, writes a partial row and adds work to
 # the combine.
@@ -88,8 +88,8 @@ FP8_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0 ** 14)
 # Plans kept (one per distinct shape / dtype / flag combination); past this many the cache starts over.
 MAX_PLANS = 1024
 
-# SETTINGS.decode_tiles (tests, the sweep: benchmarks/bench_decode.py --sweep) replaces the candidate tiles below.
-# TileConfig.block_m is the most packed rows (query position x query head of the group) per tile; a launch uses
+# SETTINGS.decode_tiles (tests, the sweep: `python -m flashtile bench decode --sweep`) replaces the candidate tiles
+# below. TileConfig.block_m is the most packed rows (query position x query head of the group) per tile; a launch uses
 # the next power of two of Sq * G up to it, at least MIN_BLOCK_M. block_n is the key rows per step.
 # Interpreter: 32-key blocks put several blocks into each split at the test sizes.
 _INTERPRETER_TILES = [TileConfig(64, 32, 4, 1)]

@@ -948,7 +948,7 @@ def _rows(t):
     """t, or a copy of it whose heads are contiguous within each sequence row ([B, S, H, D] or [total, H, D] in
     memory): the kernel's descriptors span a row's heads. SDPA's (B, H, S, D) tensors, seen as (B, S, H, D), are
     copied (four q-sized copies, freed after the kernel): on an H100, fwd+bwd at d128 ran 1.12x faster than on the
-    portable kernels they took before at 16k, 1.03x at 4k B4 (benchmarks/NOTES.md, "SDPA's tensor layout")."""
+    portable kernels they took before at 16k, 1.03x at 4k B4 (docs/design-record.md, "SDPA's tensor layout")."""
     return t if t.stride(-2) == t.shape[-1] and t.stride(-1) == 1 else t.contiguous()
 
 

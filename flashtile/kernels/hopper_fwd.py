@@ -29,7 +29,7 @@ and layouts (``FwdConfig``), the shared memory with its mbarrier rings (``FwdSme
 the band, the scores' modifications, the outputs and what only the producer reads; a work item and a warpgroup's
 rows of it are aggregates too (``FwdItem``, ``FwdRows``).
 
-Facts about ptxas (Triton 3.6) that shape the code; benchmarks/NOTES.md ("Gluon forward: persistence and d64")
+Facts about ptxas (Triton 3.6) that shape the code; docs/design-record.md ("Gluon forward: persistence and d64")
 has the SASS. (1) ptxas hoists ``wgmma.wait_group`` above independent arithmetic of the same basic block: with
 the wait for ``P_{j-1} V_{j-1}`` simply written after the softmax, it landed before the exponentials and a
 warpgroup never overlapped its own ``P V``. The softmax is therefore written in two branches (masked and
@@ -94,7 +94,7 @@ SMEM_BYTES = 224 * 1024
 # LAZY_MAX (SETTINGS.lazy_max, on by default): without an attn_mask, a left window or ALiBi, on two warpgroups, blocks
 # after a work item's first take their exponentials against the rows' reference from earlier blocks, with no row
 # maximum and no rescale of O, unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards
-# (benchmarks/NOTES.md, "The forward without a row maximum"). 2^15: every P then fits fp16 (65504), and so does its
+# (docs/design-record.md, "The forward without a row maximum"). 2^15: every P then fits fp16 (65504), and so does its
 # sum.
 LAZY_LIMIT = tl.constexpr(32768.0)
 # An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
@@ -697,7 +697,7 @@ if AVAILABLE:
         The fence matters: the tile is read by the generic proxy and the slot refilled by TMA (the async proxy),
         and the warpgroup barrier before the arrive does not order the two. In a trial where the producer refilled
         sooner (the tile loaded before K and prefetched into L2), releasing without the fence read the next
-        tile's values into some rows in 6-10 of 12 runs on an H100 (benchmarks/NOTES.md, "The bias ring's
+        tile's values into some rows in 6-10 of 12 runs on an H100 (docs/design-record.md, "The bias ring's
         release")."""
         if cfg.BIAS != 0:
             slot = smem.b_bar.wait_full(i)
