@@ -115,8 +115,9 @@ def worker(variant, host_cpu):
         kvcache._remember = remember
     result = {}
     if host_cpu:
-        from benchmarks.bench_decode import host_overhead_cpu
-        # bench_decode's cases (batch 1, 4k keys, paged 16: 256 table entries), launches stubbed out.
+        from flashtile.bench.decode import host_overhead_cpu
+        # `python -m flashtile bench decode`'s host cases (batch 1, 4k keys, paged 16: 256 table entries),
+        # launches stubbed out.
         result.update({name + " host us": us for name, us in host_overhead_cpu(progress=lambda text: None).items()})
         if variant == "checks":
             from flashtile import _values
