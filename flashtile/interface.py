@@ -147,10 +147,12 @@ def _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softca
 
 
 def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks,
-           head_dim, deterministic=False):
-    """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed)."""
+           head_dim, deterministic=False, checked=False):
+    """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed; checked: the
+    caller checked unpacked q, k, v already)."""
     qq, kk, vv = _ops.unpack(q, k, v)
-    check_qkv(qq, kk, vv, layout="bshd")
+    if not checked:
+        check_qkv(qq, kk, vv, layout="bshd")
     scale, dropout_p, fields = _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softcap,
                                               alibi_slopes, sinks, head_dim, qq.shape[0], qq.shape[2], qq.shape[1],
                                               kk.shape[1])
@@ -184,7 +186,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     check_qkv(q, k, v, layout="bshd")  # before _flash, which would read k = None as packed inputs
     return _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                  sinks, q.shape[-1], deterministic)
+                  sinks, q.shape[-1], deterministic, checked=True)
 
 
 def _check_packed(name, t, count, rank):
