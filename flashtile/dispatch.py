@@ -65,7 +65,30 @@ def _seqlens(q, k, req):
 # Backends
 
 
-class GluonHopper:
+class _KernelBackend:
+    """A backend that runs Triton kernels: its launches come as plans (see "Plans" below); forward and backward
+    build one for the call and run it. Subclasses: plan_forward, and `gluon` for the backward's kernels."""
+    gluon = False
+
+    def plan_forward(self, q, k, v, req, out_dtype=None):
+        raise NotImplementedError
+
+    def forward(self, q, k, v, req, out_dtype=None):
+        return self.plan_forward(q, k, v, req, out_dtype)[1:]
+
+    def plan_backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+        """(the plan, what backward returns)."""
+        from .kernels import backward as bwd_kernels
+        plan, dq, dk, dv, dbias, dsinks = bwd_kernels.plan_backward(
+            dout, q, k, v, out, lse, dlse, req, gluon=self.gluon, grads=(None, None, None) if grads is None
+            else grads[1], bias_grad=bias_requires_grad)
+        return plan, _backward_result(grads, dq, dk, dv, dbias, dsinks)
+
+    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+        return self.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)[1]
+
+
+class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
     summary = "warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64 or 128"
 
@@ -130,21 +153,14 @@ class GluonHopper:
             return "the output gradient must have q's dtype and 16-byte aligned strides"
         return None
 
-    def forward(self, q, k, v, req, out_dtype=None):
-        return self.plan_forward(q, k, v, req, out_dtype)[1:]
+    gluon = True
 
     def plan_forward(self, q, k, v, req, out_dtype=None):
         from .kernels import hopper_fwd
         return hopper_fwd.plan_forward(q, k, v, req, out_dtype)
 
-    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return self.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)[1]
 
-    def plan_backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return _kernel_plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=True)
-
-
-class PortableTriton:
+class PortableTriton(_KernelBackend):
     name = "triton"
     summary = "portable Triton kernels: any CUDA GPU, every dtype and option; CPU tensors in Triton's interpreter"
 
@@ -161,18 +177,11 @@ class PortableTriton:
     def decline_backward(self, dout, q, k, v, req, target):
         return self._decline(target)
 
-    def forward(self, q, k, v, req, out_dtype=None):
-        return self.plan_forward(q, k, v, req, out_dtype)[1:]
+    gluon = False
 
     def plan_forward(self, q, k, v, req, out_dtype=None):
         from .kernels import forward as fwd_kernels
         return fwd_kernels.plan_forward(q, k, v, req, out_dtype)
-
-    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return self.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)[1]
-
-    def plan_backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return _kernel_plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=False)
 
 
 class Reference:
@@ -204,15 +213,6 @@ class Reference:
 
 
 BACKENDS = (GluonHopper(), PortableTriton(), Reference())
-
-
-def _kernel_plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon):
-    """(the backward's plan, its result as Backend.backward returns it) on the kernels (gluon: the Hopper kernel)."""
-    from .kernels import backward as bwd_kernels
-    plan, dq, dk, dv, dbias, dsinks = bwd_kernels.plan_backward(
-        dout, q, k, v, out, lse, dlse, req, gluon=gluon, grads=(None, None, None) if grads is None else grads[1],
-        bias_grad=bias_requires_grad)
-    return plan, _backward_result(grads, dq, dk, dv, dbias, dsinks)
 
 
 def _backward_result(grads, dq, dk, dv, dbias, dsinks):

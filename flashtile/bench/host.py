@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .decode import log
 from .runner import DEFAULT_OUT, git, result_path
 
 # (batch, seqlen, heads, head dim): the tiny shapes.
@@ -39,10 +40,6 @@ REPEATS = 5
 WARMUP = 50
 # The bar: flashtile's fwd+bwd host time at most this multiple of SDPA cuDNN's.
 BAR_VS_CUDNN = 1.0
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 def time_calls(fn, calls, repeats, sync=None):
