@@ -57,8 +57,12 @@ def _device_offsets(req, q, k):
     offsets clamped on the device (_values.clamp_offsets): the kernels then never index past the packed tensors."""
     if not req.varlen or not req.cu_seqlens_q.is_cuda or SETTINGS.check_values:
         return req
-    return dataclasses.replace(req, cu_seqlens_q=_values.clamp_offsets(req.cu_seqlens_q, q.shape[0]),
-                               cu_seqlens_k=_values.clamp_offsets(req.cu_seqlens_k, k.shape[0]))
+    cu_q = _values.clamp_offsets(req.cu_seqlens_q, q.shape[0])
+    same = req.cu_seqlens_k is req.cu_seqlens_q and k.shape[0] == q.shape[0]  # self-attention: one tensor
+    cu_k = cu_q if same else _values.clamp_offsets(req.cu_seqlens_k, k.shape[0])
+    if cu_q is req.cu_seqlens_q and cu_k is req.cu_seqlens_k:
+        return req
+    return dataclasses.replace(req, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 def forward(q, k, v, req: AttentionRequest):
@@ -231,6 +235,8 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, req, attn_bias, sinks):
+        qq, kk, _ = unpack(q, k, v)
+        req = _device_offsets(req, qq, kk)  # clamped once: the backward gets the same offsets
         out, lse = forward(q, k, v, req)
         _save(ctx, q, k, v, out, lse, req)
         return out, lse
