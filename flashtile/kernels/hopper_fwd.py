@@ -1257,8 +1257,8 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     if req.softcap > 0:
         # Two query buffers for a softcap on every configuration (d128's causal and banded one has one): the causal
         # softcap forward ran 6.5-7% faster with them at 16k and 4k (H200), outputs bit-identical, while the plain
-        # causal, ALiBi, sinks and window forwards moved within +-1% and dropout's lost 1-2% (NOTES, "Two query
-        # buffers for the causal softcap forward").
+        # causal, ALiBi, sinks and window forwards moved within +-1% and dropout's lost 1-2% (docs/design-record.md,
+        # "Two query buffers for the causal softcap forward").
         qbuf = 2
     block_m = WG_M * num_wg
     # attn_mask: its tiles' descriptor, room for them in shared memory, and for a bool mask the list of key blocks
@@ -1275,6 +1275,9 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
             counts, indices, count_strides, idx_cols = feats.block_lists(block_m, BLOCK_N, False, seqlen_q,
                                                                          seqlen_k, mark_full=not req.banded)
     stage_o = stage_o and out_dtype == q.dtype
+    # Outputs in another dtype (fp32 blocks for flashtile.distributed) are stored from registers; the descriptor
+    # slot then gets q's, never read (a 16-bit layout over an fp32 tensor is no valid TMA descriptor).
+    o_src = o4 if out_dtype == q.dtype else q4
     n_m = triton.cdiv(seqlen_q, block_m)
     tile_map = lse  # a placeholder, never read without varlen
     if varlen:
@@ -1304,7 +1307,7 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     scales = _Scales(qk_scale, mod_unit, pre_scale, dropout_threshold(req.dropout_p), 1.0 - req.dropout_p)
     heads = _Heads(num_heads, max(head_group, 1), num_heads // num_kv_heads)
     _launch.launch(_fwd_kernel, grid, (
-        _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o4, WG_M), bias_desc,
+        _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o_src, WG_M), bias_desc,
         out, lse, counter, tile_map, alibi, lse if req.sinks is None else req.sinks, seed, counts, indices,
         strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], MASK_RIGHT=req.mask_right,
