@@ -22,10 +22,14 @@ from typing import Optional
 
 import torch
 
+from ._lazy import lazy_module
 from ._settings import SETTINGS
-from .kernels import _gluon, configs
-from .kernels.features import Features
 from .request import AttentionRequest
+
+# The kernel modules import Triton: imported by the first call that reads them, not with flashtile (_lazy.py).
+_gluon = lazy_module(".kernels._gluon", globals())
+configs = lazy_module(".kernels.configs", globals())
+features = lazy_module(".kernels.features", globals())
 
 # Head dims the Gluon kernels are compiled for (q, k and v alike).
 GLUON_HEAD_DIMS = (64, 128)
@@ -93,7 +97,7 @@ class GluonHopper:
                 return "an empty packed batch (no queries or no keys at all)"
         elif req.attn_bias is not None:
             sq, sk = _seqlens(q, k, req)
-            if not Features(req).gluon_bias_ok(q.dtype, sq, sk):
+            if not features.Features(req).gluon_bias_ok(q.dtype, sq, sk):
                 return ("its attn_mask must be bool or of the inputs' dtype, full along queries and keys (not "
                         "broadcast), with a unit key stride and 16-byte aligned rows")
         return None
