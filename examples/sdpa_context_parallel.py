@@ -5,13 +5,13 @@
 
 context_parallel shards the sequence over the GPUs and runs a ring: each block of keys and values visits every GPU,
 each visit is one call of torch's flash attention op (flashtile here), and the partial results are merged through
-their log-sum-exps; the backward hands each block the merged output and LSE. This script checks, as torch's own
-test (test/distributed/tensor/test_attention.py, test_ring_attention_sdpa) does, that the output and the gradients
-of q, k, v match attention on one GPU within torch's tolerances for its flash backend in bf16 (atol 1e-3 x world
-size for the output, 8e-3 x world size for the gradients, rtol 1e-3 x world size but at least one bf16 rounding,
-2^-7), and runs the same comparison with
-torch's own flash kernel for scale. It prints each case's largest difference over its tolerance (<= 1 passes) for
-both, the number of flashtile calls, and "context_parallel matches one GPU" when every flashtile case passes.
+their log-sum-exps; the backward hands each block the merged output and LSE. This script checks, as torch's own test
+(test/distributed/tensor/test_attention.py, test_ring_attention_sdpa) does, that the output and the gradients of q, k,
+v match attention on one GPU within torch's tolerances for its flash backend in bf16 (atol 1e-3 x world size for the
+output, 8e-3 x world size for the gradients, rtol 1e-3 x world size but at least one bf16 rounding, 2^-7), and runs
+the same comparison with torch's own flash kernel for scale. It prints each case's largest difference over its
+tolerance (<= 1 passes) for both, the number of flashtile calls, and "context_parallel matches one GPU" when every
+flashtile case passes.
 """
 import os
 
