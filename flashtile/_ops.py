@@ -227,7 +227,15 @@ def _op_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
     return attn_bwd(dout, q, k, v, out, lse, dlse, bias_requires_grad, *req.flatten())
 
 
-class _AttnFunction(torch.autograd.Function):
+class _ReverseOnly(torch.autograd.Function):
+    """Reverse mode only: forward-mode AD (jvp) raises _FORWARD_AD."""
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_FORWARD_AD)
+
+
+class _AttnFunction(_ReverseOnly):
     """attn_fwd with its autograd, without the dispatcher: what eager calls run (see eager). The op's schema
     handling in torch's register_autograd and the dispatcher cost ~0.2 ms of host time per call on the GPU machines'
     hosts, as long as a small call's kernel (docs/design-record.md, "host overhead"). attn_bias and sinks are passed
@@ -245,12 +253,8 @@ class _AttnFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         return _function_backward(ctx, dout, dlse, backward)
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_FORWARD_AD)
 
-
-class _TransformAttn(torch.autograd.Function):
+class _TransformAttn(_ReverseOnly):
     """The attention under torch.func transforms (the op's own autograd, from register_autograd, is not
     functorch-compatible). Forward and backward call the ops, so that vmap batches them with torch's per-sample
     fallback (generate_vmap_rule); grad, vjp and jacrev differentiate once; jvp raises."""
@@ -268,10 +272,6 @@ class _TransformAttn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return _function_backward(ctx, dout, dlse, _op_backward)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_FORWARD_AD)
 
 
 def eager(*tensors):

@@ -69,7 +69,23 @@ def _seqlens(q, k, req):
 # Backends
 
 
-class GluonHopper:
+class _KernelBackend:
+    """What the two kernel backends share: the forward is a kernel module's attention_forward, the backward
+    _kernel_backward with or without the Gluon kernel."""
+    GLUON = False
+
+    @staticmethod
+    def _forward_module():
+        raise NotImplementedError
+
+    def forward(self, q, k, v, req, out_dtype=None):
+        return self._forward_module().attention_forward(q, k, v, req, out_dtype)
+
+    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=self.GLUON)
+
+
+class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
     summary = "warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64 or 128"
 
@@ -134,15 +150,15 @@ class GluonHopper:
             return "the output gradient must have q's dtype and 16-byte aligned strides"
         return None
 
-    def forward(self, q, k, v, req, out_dtype=None):
+    GLUON = True
+
+    @staticmethod
+    def _forward_module():
         from .kernels import hopper_fwd
-        return hopper_fwd.attention_forward(q, k, v, req, out_dtype)
-
-    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=True)
+        return hopper_fwd
 
 
-class PortableTriton:
+class PortableTriton(_KernelBackend):
     name = "triton"
     summary = "portable Triton kernels: any CUDA GPU, every dtype and option; CPU tensors in Triton's interpreter"
 
@@ -159,12 +175,10 @@ class PortableTriton:
     def decline_backward(self, dout, q, k, v, req, target):
         return self._decline(target)
 
-    def forward(self, q, k, v, req, out_dtype=None):
+    @staticmethod
+    def _forward_module():
         from .kernels import forward as fwd_kernels
-        return fwd_kernels.attention_forward(q, k, v, req, out_dtype)
-
-    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=False)
+        return fwd_kernels
 
 
 class Reference:
