@@ -14,6 +14,10 @@ Cases (small shapes: the sanitizer slows kernels 10-100x):
   mask, varlen with zero-length sequences.
 - decode-*: flash_attn_with_kvcache: contiguous and paged caches, split-KV with the combine, append with rotary,
   leftpad, cache_batch_idx, an fp8 cache.
+- attn-portable-*-notma: the portable cases with plain loads and stores in place of TMA (SETTINGS.tma off).
+- control-tma-store / control-plain-store (Hopper): a tile written by a TMA store or by plain stores, then read
+  back; every byte read was written, so initcheck reports on the first and not the second mean it does not see
+  TMA's writes (reads of TMA-written outputs, and of device-made TMA descriptors, are then not the kernels' fault).
 - bad-*: bad index values on CUDA tensors with the full check off (the default): varlen offsets that decrease, go
   negative or end past the rows; cache lengths past the capacity or negative; leftpad negative; cache_batch_idx
   and block_table entries out of range. The kernels must clamp: no access outside the tensors, and (checked by the
@@ -108,8 +112,48 @@ def _attention_cases(gluon):
         _fwd_bwd(lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True))
 
     kind = "gluon" if gluon else "portable"
-    return {f"attn-{kind}-plain": plain, f"attn-{kind}-causal-window-softcap-alibi": causal_features,
-            f"attn-{kind}-sinks-dropout": sinks_dropout, f"attn-{kind}-masks": masks, f"attn-{kind}-varlen": varlen}
+    table = {f"attn-{kind}-plain": plain, f"attn-{kind}-causal-window-softcap-alibi": causal_features,
+             f"attn-{kind}-sinks-dropout": sinks_dropout, f"attn-{kind}-masks": masks, f"attn-{kind}-varlen": varlen}
+    if not gluon:
+        # The portable kernels with plain loads and stores instead of TMA (run_case sets SETTINGS.tma from the
+        # name): what initcheck reports there, it reports about the kernels' own accesses.
+        table.update({f"{name}-notma": fn for name, fn in table.items()})
+    return table
+
+
+def _control_cases():
+    """initcheck's view of TMA: one Triton kernel writes a tile through a tensor descriptor (a TMA store on
+    Hopper) or through plain stores, a second reads it with plain loads. Every byte read was written, so any
+    report on control-tma-store and none on control-plain-store says the tool does not see TMA's writes."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def write(Src, Dst, TMA: tl.constexpr, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tile = tl.load(Src + o[:, None] * BLOCK + o[None, :])
+        if TMA:
+            desc = tl.make_tensor_descriptor(Dst, [BLOCK, BLOCK], [BLOCK, 1], [BLOCK, BLOCK])
+            desc.store([0, 0], tile)
+        else:
+            tl.store(Dst + o[:, None] * BLOCK + o[None, :], tile)
+
+    @triton.jit
+    def read(Src, Out, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(Out + o, tl.sum(tl.load(Src + o[:, None] * BLOCK + o[None, :]).to(tl.float32), 1))
+
+    def run(tma):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=DEVICE))
+        src = torch.randn(64, 64, device=DEVICE, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        out = torch.empty(64, device=DEVICE)
+        write[(1,)](src, dst, TMA=tma, BLOCK=64)
+        read[(1,)](dst, out, BLOCK=64)
+        torch.testing.assert_close(out, src.float().sum(1), rtol=1e-2, atol=1e-2)
+
+    return {"control-tma-store": lambda: run(True), "control-plain-store": lambda: run(False)}
 
 
 def _cache(batch=3, capacity=256, page=None, dtype=None, seed=1):
@@ -255,6 +299,7 @@ def cases():
     table.update({name: (fn, True) for name, fn in _attention_cases(gluon=True).items()})
     table.update({name: (fn, False) for name, fn in _decode_cases().items()})
     table.update({name: (fn, False) for name, fn in _bad_cases().items()})
+    table.update({name: (fn, True) for name, fn in _control_cases().items()})
     return table
 
 
@@ -264,6 +309,8 @@ def run_case(name):
     fn, hopper = cases()[name]
     SETTINGS.gluon_forward = SETTINGS.gluon_backward = "-gluon-" in name
     SETTINGS.check_values = False
+    if name.endswith("-notma"):
+        SETTINGS.tma = False
     if hopper and (DEVICE != "cuda" or torch.cuda.get_device_capability()[0] != 9):
         print(f"SKIP {name}: needs a Hopper GPU", flush=True)
         return
@@ -277,8 +324,21 @@ def run_case(name):
 
 
 def _errors(log_text):
+    """The error count of a sanitizer log: memcheck and initcheck's ERROR SUMMARY, racecheck's RACECHECK SUMMARY
+    (errors and warnings both count as hazards). None when the log has no summary (a run that died)."""
     found = re.findall(r"ERROR SUMMARY: (\d+) error", log_text)
-    return int(found[-1]) if found else None
+    if found:
+        return int(found[-1])
+    found = re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", log_text)
+    return sum(map(int, found[-1])) if found else None
+
+
+def _sites(log_text, top=5):
+    """Where a log's reports point: [(count, "kernel+offset in file:line")], most frequent first (the first five)."""
+    counts = {}
+    for site in re.findall(r"=========\s+at (\S+ in \S+)", log_text):
+        counts[site] = counts.get(site, 0) + 1
+    return sorted(((n, site) for site, n in counts.items()), reverse=True)[:top]
 
 
 def main(argv=None):
@@ -328,9 +388,11 @@ def main(argv=None):
             code, tail = proc.returncode, (proc.stdout + proc.stderr)[-400:].strip()
         except subprocess.TimeoutExpired:
             code, tail = "timeout", ""
-        errors = _errors(log.read_text()) if tool != "none" and log.exists() else None
+        text = log.read_text() if tool != "none" and log.exists() else ""
+        errors, sites = (_errors(text), _sites(text)) if text else (None, [])
         print(f"{tool:<10} {name:<45} exit {code} errors {errors}", file=sys.stderr)
-        return dict(tool=tool, case=name, exit=code, errors=errors, seconds=round(time.time() - start, 1), note=tail)
+        return dict(tool=tool, case=name, exit=code, errors=errors, sites=sites, seconds=round(time.time() - start, 1),
+                    note=tail)
 
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
@@ -338,7 +400,8 @@ def main(argv=None):
         summary["runs"] += list(pool.map(launch, enumerate(("none", n) for n in names)))
         summary["runs"] += list(pool.map(launch, enumerate((t, n) for t in args.tools.split(",") for n in names)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"{r['tool']:<10} {r['case']:<45} exit {r['exit']!s:<8} errors {r['errors']}" for r in summary["runs"]]
+    lines = [f"{r['tool']:<10} {r['case']:<45} exit {r['exit']!s:<8} errors {r['errors']}"
+             + "".join(f"\n    {n:>6} at {site}" for n, site in r.get("sites", [])) for r in summary["runs"]]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     bad = [r for r in summary["runs"] if r["tool"] != "none" and (r["errors"] or r["exit"] not in (0,))]

@@ -15,8 +15,6 @@ import sys
 
 import torch
 
-from .kernels import configs
-
 # (where, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, dtype): GPU cases cover the Gluon and the
 # portable kernels' head dims and odd sizes; CPU cases are small enough for Triton's interpreter.
 _CASES = [
@@ -40,6 +38,7 @@ _DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def check():
     import flashtile
+    from flashtile.kernels import configs
     from flashtile.testing import judge_all, make_qkv
 
     on_gpu = torch.cuda.is_available() and not configs.INTERPRETING
@@ -152,11 +151,16 @@ def _check_verb(argv):
             return 0
         print(f"error: check takes no arguments, got {' '.join(argv)}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available() and not configs.INTERPRETING:
-        # Without a GPU the kernels run only in Triton's interpreter, which must be chosen before triton is first
-        # imported -- too late for this process. Start again with it.
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "flashtile", "check"], env)
+    if not torch.cuda.is_available():
+        # Without a GPU the kernels run only in Triton's interpreter, chosen by TRITON_INTERPRET=1 before they are
+        # defined. `import flashtile` imports neither them nor triton, so it is chosen here; when triton is already
+        # imported (by a caller), this process may have defined compiled kernels: start again with it.
+        if "triton" not in sys.modules:
+            os.environ["TRITON_INTERPRET"] = "1"
+        from .kernels import configs
+        if not configs.INTERPRETING:
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            os.execve(sys.executable, [sys.executable, "-m", "flashtile", "check"], env)
     return check()
 
 

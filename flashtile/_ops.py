@@ -57,8 +57,12 @@ def _device_offsets(req, q, k):
     offsets clamped on the device (_values.clamp_offsets): the kernels then never index past the packed tensors."""
     if not req.varlen or not req.cu_seqlens_q.is_cuda or SETTINGS.check_values:
         return req
-    return dataclasses.replace(req, cu_seqlens_q=_values.clamp_offsets(req.cu_seqlens_q, q.shape[0]),
-                               cu_seqlens_k=_values.clamp_offsets(req.cu_seqlens_k, k.shape[0]))
+    cu_q = _values.clamp_offsets(req.cu_seqlens_q, q.shape[0])
+    same = req.cu_seqlens_k is req.cu_seqlens_q and k.shape[0] == q.shape[0]  # self-attention: one tensor
+    cu_k = cu_q if same else _values.clamp_offsets(req.cu_seqlens_k, k.shape[0])
+    if cu_q is req.cu_seqlens_q and cu_k is req.cu_seqlens_k:
+        return req
+    return dataclasses.replace(req, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 def forward(q, k, v, req: AttentionRequest):
@@ -232,7 +236,15 @@ def _op_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
     return attn_bwd(dout, q, k, v, out, lse, dlse, bias_requires_grad, *req.flatten())
 
 
-class _AttnFunction(torch.autograd.Function):
+class _ReverseOnly(torch.autograd.Function):
+    """Reverse mode only: forward-mode AD (jvp) raises _FORWARD_AD."""
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_FORWARD_AD)
+
+
+class _AttnFunction(_ReverseOnly):
     """attn_fwd with its autograd, without the dispatcher: what eager calls run (see eager). The op's schema
     handling in torch's register_autograd and the dispatcher cost ~0.2 ms of host time per call on the GPU machines'
     hosts, as long as a small call's kernel (docs/design-record.md, "host overhead"). attn_bias and sinks are passed
@@ -240,6 +252,8 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, req, attn_bias, sinks):
+        qq, kk, _ = unpack(q, k, v)
+        req = _device_offsets(req, qq, kk)  # clamped once: the backward gets the same offsets
         out, lse = forward(q, k, v, req)
         _save(ctx, q, k, v, out, lse, req)
         return out, lse
@@ -248,12 +262,8 @@ class _AttnFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         return _function_backward(ctx, dout, dlse, backward)
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_FORWARD_AD)
 
-
-class _TransformAttn(torch.autograd.Function):
+class _TransformAttn(_ReverseOnly):
     """The attention under torch.func transforms (the op's own autograd, from register_autograd, is not
     functorch-compatible). Forward and backward call the ops, so that vmap batches them with torch's per-sample
     fallback (generate_vmap_rule); grad, vjp and jacrev differentiate once; jvp raises."""
@@ -271,10 +281,6 @@ class _TransformAttn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return _function_backward(ctx, dout, dlse, _op_backward)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_FORWARD_AD)
 
 
 def eager(*tensors):

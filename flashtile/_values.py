@@ -88,8 +88,13 @@ def varlen_lengths(cu_seqlens_q, cu_seqlens_k, rows_q, rows_k, max_seqlen_q, max
 def clamp_offsets(cu_seqlens, rows):
     """Offsets that are safe to index with, made on the device without reading them (no sync): clamped into
     [0, rows] and made non-decreasing. Valid offsets come back equal; bad ones then address only rows of the packed
-    tensor (docs/safety.md: a bad value spoils its own sequence's rows at worst)."""
-    return torch.cummax(cu_seqlens.clamp(0, rows), dim=0).values
+    tensor (docs/safety.md: a bad value spoils its own sequence's rows at worst). A tensor this function made for the
+    same rows comes back as it is (the backward reuses the forward's)."""
+    if getattr(cu_seqlens, "_flashtile_safe_rows", None) == rows:
+        return cu_seqlens
+    safe = torch.cummax(cu_seqlens.clamp(0, rows), dim=0).values
+    safe._flashtile_safe_rows = rows
+    return safe
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -22,10 +22,14 @@ from typing import Optional
 
 import torch
 
+from ._lazy import lazy_module
 from ._settings import SETTINGS
-from .kernels import _gluon, configs
-from .kernels.features import Features
 from .request import AttentionRequest
+
+# The kernel modules import Triton: imported by the first call that reads them, not with flashtile (_lazy.py).
+_gluon = lazy_module(".kernels._gluon", globals())
+configs = lazy_module(".kernels.configs", globals())
+features = lazy_module(".kernels.features", globals())
 
 # Head dims the Gluon kernels are compiled for (q, k and v alike).
 GLUON_HEAD_DIMS = (64, 128)
@@ -66,12 +70,18 @@ def _seqlens(q, k, req):
 
 
 class _KernelBackend:
-    """A backend that runs Triton kernels: its launches come as plans (see "Plans" below); forward and backward
-    build one for the call and run it. Subclasses: plan_forward, and `gluon` for the backward's kernels."""
-    gluon = False
+    """What the two kernel backends share: their launches come as plans (see "Plans" below), the forward's from a
+    kernel module's plan_forward, the backward's from kernels/backward.plan_backward with or without the Gluon
+    kernel; forward and backward build one for the call and run it."""
+    GLUON = False
+
+    @staticmethod
+    def _forward_module():
+        raise NotImplementedError
 
     def plan_forward(self, q, k, v, req, out_dtype=None):
-        raise NotImplementedError
+        """(the plan, out, lse)."""
+        return self._forward_module().plan_forward(q, k, v, req, out_dtype)
 
     def forward(self, q, k, v, req, out_dtype=None):
         return self.plan_forward(q, k, v, req, out_dtype)[1:]
@@ -80,7 +90,7 @@ class _KernelBackend:
         """(the plan, what backward returns)."""
         from .kernels import backward as bwd_kernels
         plan, dq, dk, dv, dbias, dsinks = bwd_kernels.plan_backward(
-            dout, q, k, v, out, lse, dlse, req, gluon=self.gluon, grads=(None, None, None) if grads is None
+            dout, q, k, v, out, lse, dlse, req, gluon=self.GLUON, grads=(None, None, None) if grads is None
             else grads[1], bias_grad=bias_requires_grad)
         return plan, _backward_result(grads, dq, dk, dv, dbias, dsinks)
 
@@ -116,7 +126,7 @@ class GluonHopper(_KernelBackend):
                 return "an empty packed batch (no queries or no keys at all)"
         elif req.attn_bias is not None:
             sq, sk = _seqlens(q, k, req)
-            if not Features(req).gluon_bias_ok(q.dtype, sq, sk):
+            if not features.Features(req).gluon_bias_ok(q.dtype, sq, sk):
                 return ("its attn_mask must be bool or of the inputs' dtype, full along queries and keys (not "
                         "broadcast), with a unit key stride and 16-byte aligned rows")
         return None
@@ -153,11 +163,12 @@ class GluonHopper(_KernelBackend):
             return "the output gradient must have q's dtype and 16-byte aligned strides"
         return None
 
-    gluon = True
+    GLUON = True
 
-    def plan_forward(self, q, k, v, req, out_dtype=None):
+    @staticmethod
+    def _forward_module():
         from .kernels import hopper_fwd
-        return hopper_fwd.plan_forward(q, k, v, req, out_dtype)
+        return hopper_fwd
 
 
 class PortableTriton(_KernelBackend):
@@ -177,11 +188,10 @@ class PortableTriton(_KernelBackend):
     def decline_backward(self, dout, q, k, v, req, target):
         return self._decline(target)
 
-    gluon = False
-
-    def plan_forward(self, q, k, v, req, out_dtype=None):
+    @staticmethod
+    def _forward_module():
         from .kernels import forward as fwd_kernels
-        return fwd_kernels.plan_forward(q, k, v, req, out_dtype)
+        return fwd_kernels
 
 
 class Reference:

@@ -9,14 +9,17 @@ TRITON_INTERPRET=1, else the pure-PyTorch reference (flashtile.reference.kvcache
 import torch
 
 from . import _values
+from ._lazy import lazy_module
 from ._ops import eager
 from ._settings import SETTINGS
 from .dispatch import _warn_cpu_fallback, uses_kernels as _use_kernels
 from ._validate import (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_tensor, check_alibi,
                         check_softcap, check_window, resolve_scale)
-from .kernels import decode as _decode
 from .request import KVCacheRequest
 from .reference import kvcache as _reference
+
+# The decode kernels import Triton: imported by the first call that reads them, not with flashtile (_lazy.py).
+_decode = lazy_module(".kernels.decode", globals())
 
 # An fp8 cache holds float8 e4m3 values with one descale factor per (batch, kv head), as FlashAttention-3's.
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)

@@ -229,3 +229,31 @@ def test_packed_qkv(poison, spy, bwd_spy, causal):
     assert (out.double() - ref).abs().max().item() < 2e-2
     for got, want in zip(dqkv.unbind(2), ref_grads):
         assert (got.double() - want).abs().max().item() < 4e-2 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("causal,varlen", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_float32_outputs(spy, causal, varlen, d):
+    # flashtile.distributed asks the forward for float32 block outputs (merged in fp32 across ranks); the Gluon
+    # forward stores them from registers. Against the same call's 16-bit output: within one 16-bit rounding.
+    from flashtile import dispatch
+    from flashtile.request import AttentionRequest
+    q, k, v = make_qkv(2, 700, 900, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d + causal, grad=False)
+    fields = dict(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
+    if varlen:
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu_q = torch.tensor([0, 700, 1400], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 900, 1800], dtype=torch.int32, device=DEVICE)
+        fields.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=700, max_seqlen_k=900, diagonal_offset=0)
+    else:
+        fields.update(diagonal_offset=200)
+    req = AttentionRequest(**fields)
+    backend = dispatch.choose_forward(q, k, v, req)
+    assert backend.name == "gluon-hopper", backend.name
+    out16, lse16 = backend.forward(q, k, v, req)
+    out32, lse32 = backend.forward(q, k, v, req, out_dtype=torch.float32)
+    assert out32.dtype == torch.float32 and out32.isfinite().all()
+    ulp = out16.float().abs() * 2.0 ** -7 + 1e-6
+    assert ((out32 - out16.float()).abs() <= ulp).all()
+    torch.testing.assert_close(lse32, lse16, rtol=0, atol=0)
+    assert len(spy) == 2

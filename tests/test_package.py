@@ -73,3 +73,73 @@ def test_unpacked_wheel_runs_bench_help_elsewhere(wheel, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "usage: python -m flashtile bench" in out.stdout
+
+
+# A fresh process: `import flashtile` (and the modules a user imports beside it) loads neither Triton nor a kernel
+# module (issue 28: they cost 0.4-0.6 s on top of `import torch`; docs/design-record.md, "Import: the kernels on first
+# use"); the first calls then import them, are judged against the reference, and leave the modules in place of their
+# stand-ins (flashtile/_lazy.py). argv[1]: the backend the forward must take; argv[2]: the device.
+_FIRST_CALLS = r"""
+import sys
+import types
+
+import torch
+
+import flashtile
+import flashtile.integrations.sdpa
+import flashtile.integrations.transformers
+import flashtile.testing
+from flashtile.reference.kvcache import kvcache_attention
+
+def kernel_modules():
+    return sorted(m for m in sys.modules if m.split(".")[0] == "triton" or m.startswith("flashtile.kernels"))
+
+assert not kernel_modules(), f"{len(kernel_modules())} modules, e.g. {kernel_modules()[:3]}"
+device = sys.argv[2]
+q, k, v = flashtile.testing.make_qkv(1, 33, 17, 4, 2, 32, torch.float32, device=device, seed=0)
+dout = torch.randn(q.shape, generator=torch.Generator(device).manual_seed(1), device=device)
+assert flashtile.explain(q, k, v, causal=True).forward_backend == sys.argv[1]
+out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+dq, dk, dv = torch.autograd.grad((out * dout).sum(), (q, k, v))
+flashtile.testing.check_against_reference((out.detach(), lse.detach(), dq, dk, dv), q.detach(), k.detach(),
+                                          v.detach(), dout, 32 ** -0.5, True, 17 - 33)
+
+gen = torch.Generator(device).manual_seed(2)
+q1, k_cache, v_cache = (torch.randn(shape, generator=gen, device=device)
+                        for shape in ((2, 1, 4, 32), (2, 24, 2, 32), (2, 24, 2, 32)))
+seqlens = torch.tensor([5, 20], dtype=torch.int32, device=device)
+for _ in range(2):  # the second call takes the repeated-call path (the kernels' plans)
+    out = flashtile.flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=seqlens)
+ref, _ = kvcache_attention(q1.double(), k_cache.double(), v_cache.double(), seqlens)
+assert (out.double() - ref).abs().max() < 1e-5
+# The stand-ins gave way to the modules they stood for.
+assert type(flashtile.kvcache._decode) is types.ModuleType and type(flashtile.dispatch.configs) is types.ModuleType
+assert "triton" in sys.modules and "flashtile.kernels.decode" in sys.modules
+"""
+
+
+@pytest.mark.parametrize("interpret, device, backend", [
+    (False, "cpu", "reference"), (True, "cpu", "triton"),
+    pytest.param(False, "cuda", "triton", marks=pytest.mark.gpu)], ids=["reference", "interpreter", "gpu"])
+def test_import_loads_no_kernels_and_first_calls_work(interpret, device, backend):
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run([sys.executable, "-c", _FIRST_CALLS, backend, device], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_lazy_module_binds_the_module_in_its_place(monkeypatch):
+    from flashtile import _lazy, request
+
+    namespace = {"__package__": "flashtile"}
+    namespace["req"] = namespace["alias"] = stand_in = _lazy.lazy_module(".request", namespace)
+    assert repr(stand_in) == "<module 'flashtile.request' (imported on first use)>"
+    assert stand_in.AttentionRequest is request.AttentionRequest
+    assert namespace["req"] is request and namespace["alias"] is request
+    monkeypatch.setattr(stand_in, "MARK", 1, raising=False)  # set through the stand-in: on the module
+    assert request.MARK == 1
+    monkeypatch.undo()
+    assert not hasattr(request, "MARK")

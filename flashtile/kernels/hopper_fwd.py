@@ -1250,8 +1250,8 @@ class GluonFwdPlan:
     fixed: the configuration, the grid, the scalar groups, the constexprs, descriptor templates and the compiled
     kernel (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), makes this call's
     descriptors and feature tensors, and launches."""
-    __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "tail", "dynamic",
-                 "block_m", "varlen", "lists")
+    __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "dynamic", "block_m",
+                 "varlen", "lists", "o_from_q")
 
     def run(self, q, k, v, req):
         """(out, lse) of a call with this plan's key."""
@@ -1275,7 +1275,7 @@ class GluonFwdPlan:
         # The dynamic schedule's item counter (items after each program's first); unused otherwise.
         counter = torch.zeros(1, dtype=torch.int32, device=self.device) if self.dynamic else lse
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
-                    _copy_descriptor(o_desc, out), bias_desc, out, lse, counter, tile_map,
+                    _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     lse if req.alibi_slopes is None else req.alibi_slopes, lse if req.sinks is None else req.sinks,
                     req.seed if req.dropout_p > 0 else lse, counts, indices, *self.groups)
         return out, lse
@@ -1309,10 +1309,13 @@ def _fwd_plan(q, k, v, req, out_dtype):
         q4, k4, v4, o4 = q, k, v, out
         out_strides = out.stride()[:3]
         lse_strides = (num_heads * seqlen_q, seqlen_q)
+    # Outputs in another dtype (fp32 blocks for flashtile.distributed) are stored from registers; the descriptor
+    # slot then gets q's, never read (a 16-bit layout over an fp32 tensor is no valid TMA descriptor).
+    plan.o_from_q = out_dtype != q.dtype
     # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
     # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
     plan.descs = tuple(_descriptor(_meta(t), rows) for t, rows in ((q4, WG_M), (k4, BLOCK_N), (v4, BLOCK_N),
-                                                                    (o4, WG_M)))
+                                                                    (q4 if plan.o_from_q else o4, WG_M)))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (req.window_right if req.mask_right else 0)
@@ -1327,8 +1330,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     if req.softcap > 0:
         # Two query buffers for a softcap on every configuration (d128's causal and banded one has one): the causal
         # softcap forward ran 6.5-7% faster with them at 16k and 4k (H200), outputs bit-identical, while the plain
-        # causal, ALiBi, sinks and window forwards moved within +-1% and dropout's lost 1-2% (NOTES, "Two query
-        # buffers for the causal softcap forward").
+        # causal, ALiBi, sinks and window forwards moved within +-1% and dropout's lost 1-2% (docs/design-record.md,
+        # "Two query buffers for the causal softcap forward").
         qbuf = 2
     block_m = plan.block_m = WG_M * num_wg
     # attn_mask: room for its tiles in shared memory, and for a bool mask the lists of key blocks each query tile
