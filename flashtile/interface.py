@@ -175,7 +175,8 @@ def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     if not checked:
         check_qkv(qq, kk, vv, layout="bshd")
     key = None
-    if alibi_slopes is None and sinks is None:
+    # (Not while torch.compile traces: a key of symbolic lengths would specialize them.)
+    if alibi_slopes is None and sinks is None and not torch.compiler.is_compiling():
         key = _options_key(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, head_dim,
                            qq.shape[1], kk.shape[1])
         req = _REQUESTS.get(key) if key is not None else None
