@@ -107,6 +107,8 @@ class GluonHopper(_KernelBackend):
             return ("needs 16-byte aligned data pointers and strides (TMA descriptors); call .contiguous() on "
                     "q, k, v")
         if req.varlen:
+            if req.paged:
+                return "paged keys/values run on the portable kernels"
             if req.attn_bias is not None:
                 return "an attn_mask with a varlen batch is not implemented here"
             if q.shape[0] == 0 or k.shape[0] == 0:
