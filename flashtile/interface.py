@@ -426,10 +426,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def explain(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
             dropout_p=0.0, softmax_scale=None, deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None, target=None):
+            max_seqlen_q=None, max_seqlen_k=None, block_table=None, seqused_k=None, target=None):
     """Which backend would run flash_attn_func(q, k, v, ...) (or flash_attn_varlen_func, when cu_seqlens_q/_k are
-    given), forward and backward, and why each backend before it declines. Nothing runs; the arguments are
-    validated as the call would validate them (and raise the same errors).
+    given; paged with block_table and seqused_k), forward and backward, and why each backend before it declines.
+    Nothing runs; the arguments are validated as the call would validate them (and raise the same errors).
 
     target: a flashtile.dispatch.Target to ask about another machine (e.g. Target("cuda", 90, False), an H100)
     instead of the tensors' own device. Returns a flashtile.dispatch.Explanation; print it for a report:
@@ -439,13 +439,16 @@ def explain(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_s
         backward: triton
           not gluon-hopper: deterministic=True (or torch.use_deterministic_algorithms): ...
     """
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    check_qkv(q, k, v, layout="thd" if varlen else "bshd")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None
+    if block_table is None:
+        check_qkv(q, k, v, layout="thd" if varlen else "bshd")
     if varlen:
         cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
         batch, heads = cu_q.numel() - 1, q.shape[1]
         seqlens = (max_seqlen_q, max_seqlen_k)
         extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        if block_table is not None:
+            extra["block_table"], extra["seqused_k"] = check_paged(q, k, v, block_table, seqused_k, batch)
     else:
         batch, heads = q.shape[0], q.shape[2]
         seqlens = (q.shape[1], k.shape[1])

@@ -16,8 +16,9 @@ import triton.language as tl
 
 from . import _common, _launch, configs
 from ._common import (BIAS_BOOL, BIAS_FLOAT, LN2, LOG2E, Config, Dropout, Heads, Scale, Seq, _attention_mask,
-                      _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma,
-                      _query_block, _score_mod, _score_unit, _head_views, _store_tile, _streamed_block)
+                      _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_paged_tile,
+                      _load_tile, _mma, _paged_seq, _query_block, _score_mod, _score_unit, _head_views, _store_tile,
+                      _streamed_block, _tile_pages)
 from ..request import AttentionRequest
 from .features import Features
 
@@ -46,6 +47,8 @@ class Program(NamedTuple):
     seed: object  # dropout's Philox key (0 without dropout)
     i_bh: int  # batch * heads + head: dropout's counter
     dropout: object  # _common.Dropout
+    paged: object  # _common.Paged (PAGED)
+    table_row: object  # the sequence's block-table row (PAGED; 0 otherwise)
 
 
 @triton.jit
@@ -65,7 +68,13 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
     for it in tl.range(lo, hi, 1 if FEAT.BLOCK_SKIP else CFG.BLOCK_N):
         start_n = _streamed_block(prog.block_list, it, CFG.BLOCK_N, FEAT.BLOCK_SKIP)
         r_n = (start_n + tl.arange(0, CFG.BLOCK_N))[None, :]
-        b_k = _load_tile(prog.k_view, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
+        if FEAT.PAGED:  # one table read serves the K and the V tile
+            page, page_ok = _tile_pages(prog.table_row, start_n, seq.seqlen_k, prog.paged.num_pages, CFG.BLOCK_N,
+                                        FEAT.PAGE_SIZE)
+            b_k = _load_paged_tile(prog.k_view, page, page_ok, prog.paged.page_stride_k, start_n, CFG.HEAD_DIM,
+                                   CFG.BLOCK_N, CFG.BLOCK_D, FEAT.PAGE_SIZE)
+        else:
+            b_k = _load_tile(prog.k_view, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
         b_s = _mma(b_q, tl.trans(b_k), None, CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
         bias = 0.0
         if FEAT.BIAS:
@@ -91,7 +100,11 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
             keep = _dropout_keep(prog.seed, prog.i_bh, start_m, start_n, prog.dropout.threshold, CFG.BLOCK_M,
                                  CFG.BLOCK_N, False)
             b_p = tl.where(keep, b_p, 0.0)
-        b_v = _load_tile(prog.v_view, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
+        if FEAT.PAGED:
+            b_v = _load_paged_tile(prog.v_view, page, page_ok, prog.paged.page_stride_v, start_n, CFG.HEAD_DIM_V,
+                                   CFG.BLOCK_N, CFG.BLOCK_DV, FEAT.PAGE_SIZE)
+        else:
+            b_v = _load_tile(prog.v_view, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
         acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_DV]
         m_i = m_new
     return acc, l_i, m_i
@@ -124,10 +137,15 @@ def _attn_fwd_epilogue(acc, l_i, m_i, Sinks, i_h, dropout, FEAT: tl.constexpr):
 
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, scale, alibi, bias, blocks, Sinks,
-                     dropout, FEAT: tl.constexpr, CFG: tl.constexpr):
+                     dropout, paged, FEAT: tl.constexpr, CFG: tl.constexpr):
     """One program per (query block, batch * head). Argument groups: Strides above; the others are _common's
-    (CuSeqlens, Seq, Heads, Band, Scale, Alibi, Bias, Blocks, Dropout; constexprs Flags and Config)."""
+    (CuSeqlens, Seq, Heads, Band, Scale, Alibi, Bias, Blocks, Dropout, Paged; constexprs Flags and Config)."""
     i_m, i_bh, i_b, i_h, i_hk, starts, seq = _query_block(heads, cu_seqlens, seq, FEAT, CFG.BLOCK_M)
+    table_row = 0
+    if FEAT.PAGED:  # keys are the sequence's first cache slots, read through its block-table row
+        seq = _paged_seq(paged, i_b, seq)
+        starts = (starts[0], 0)
+        table_row = paged.table + i_b.to(tl.int64) * paged.table_stride
     start_m = i_m * CFG.BLOCK_M
     if start_m < seq.seqlen_q:  # a varlen grid covers the longest sequence; shorter ones have nothing here
         q_view, o_view = _head_views(Q, Out, strides.q, strides.out, i_b, starts[0], i_h, seq.seqlen_q, CFG.BLOCK_M,
@@ -149,7 +167,7 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, s
         else:
             block_list = blocks.indices
         prog = Program(b_q, start_m, k_view, v_view, seq, band, scale, slope, bias_view, block_list, seed, i_bh,
-                       dropout)
+                       dropout, paged, table_row)
         if FEAT.BLOCK_SKIP:
             # One masked loop over the listed key blocks (a bool attn_mask comes without a band).
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, prog, 0, n_listed, True, FEAT, CFG)
@@ -202,9 +220,14 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
         out = _common.empty((batch, seqlen_q, num_heads, head_dim_v), out_dtype, q.device)
         lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
         lse_strides = (lse.stride(0), lse.stride(1))
-    strides = Strides(*(_common.batch_strides(t, req.varlen) for t in (q, k, v, out)), lse_strides)
-    spec = configs.launch_spec(q, (q, k, v, out))
-    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0])
+    if req.paged:  # the views start at page 0 (batch stride 0, as varlen's); the page strides travel in Paged
+        kv_strides = [(0,) + tuple(t.stride()[1:3]) for t in (k, v)]
+    else:
+        kv_strides = [_common.batch_strides(t, req.varlen) for t in (k, v)]
+    strides = Strides(_common.batch_strides(q, req.varlen), *kv_strides, _common.batch_strides(out, req.varlen),
+                      lse_strides)
+    spec = configs.launch_spec(q, (q, k, v, out), tma=not req.paged)  # paged K/V: pointer loads
+    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0], kv=(k, v))
     candidates = configs.forward_candidates(max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
                                             fargs.flags.BIAS, req.softcap > 0)
     args = (q, k, v, out, lse, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens,
@@ -222,7 +245,7 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
                         spec.block_d(head_dim_v), even_n, spec.use_tma, spec.precision, spec.dot_upcast)
         return _launch.launch(
             _attn_fwd_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads),
-            args + (blocks or fargs.no_blocks, fargs.sinks, dropout),
+            args + (blocks or fargs.no_blocks, fargs.sinks, dropout, fargs.paged),
             _common.constexpr_groups(FEAT=fargs.flags._replace(BLOCK_SKIP=blocks is not None), CFG=config),
             q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
