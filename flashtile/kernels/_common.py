@@ -258,11 +258,11 @@ def _paged_seq(paged, i_b, seq):
 @triton.jit
 def _tile_pages(table_row, start, rows, num_pages, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """(page, ok) of the rows [start, start + BLOCK_R) of a paged sequence of `rows` keys (start a multiple of
-    BLOCK_R, below rows): one table entry when the tile lies in one page (PAGE_SIZE a multiple of BLOCK_R), else one
-    per row (rows past the sequence read entry 0, masked). ok: the entry is a page of the pool; a bad entry is never
-    dereferenced (docs/safety.md)."""
+    BLOCK_R): one table entry when the tile lies in one page (PAGE_SIZE a multiple of BLOCK_R), else one per row.
+    Rows at or past `rows` read no entry (page 0; their keys are masked by the loads). ok: the entry is a page of
+    the pool; a bad entry is never dereferenced (docs/safety.md)."""
     if PAGE_SIZE % BLOCK_R == 0:
-        page = tl.load(table_row + start // PAGE_SIZE)
+        page = tl.load(table_row + start // PAGE_SIZE, mask=start < rows, other=0)
     else:
         o_r = start + tl.arange(0, BLOCK_R)
         page = tl.load(table_row + o_r // PAGE_SIZE, mask=o_r < rows, other=0)

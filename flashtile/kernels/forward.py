@@ -63,14 +63,18 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
     o_m = start_m + tl.arange(0, CFG.BLOCK_M)
     r_m = o_m[:, None]
     unit = _score_unit(scale, FEAT)  # log2 units per unit of score
+    if FEAT.PAGED:
+        # A block's table entries are loaded one iteration ahead and carried through the loop: loaded where they
+        # are used, they make the K/V loads indirect, and Triton's pipeliner then gives those one shared-memory
+        # buffer and no overlap (docs/kvcache.md, "Paged caches"). One table read serves the K and the V tile.
+        page, page_ok = _tile_pages(prog.table_row, lo, seq.seqlen_k, prog.paged.num_pages, CFG.BLOCK_N,
+                                    FEAT.PAGE_SIZE)
     # BLOCK_SKIP: [lo, hi) indexes the list of key blocks a bool attn_mask lets this query block see
     # (Features.block_lists); fully masked tiles are not in it.
     for it in tl.range(lo, hi, 1 if FEAT.BLOCK_SKIP else CFG.BLOCK_N):
         start_n = _streamed_block(prog.block_list, it, CFG.BLOCK_N, FEAT.BLOCK_SKIP)
         r_n = (start_n + tl.arange(0, CFG.BLOCK_N))[None, :]
-        if FEAT.PAGED:  # one table read serves the K and the V tile
-            page, page_ok = _tile_pages(prog.table_row, start_n, seq.seqlen_k, prog.paged.num_pages, CFG.BLOCK_N,
-                                        FEAT.PAGE_SIZE)
+        if FEAT.PAGED:
             b_k = _load_paged_tile(prog.k_view, page, page_ok, prog.paged.page_stride_k, start_n, CFG.HEAD_DIM,
                                    CFG.BLOCK_N, CFG.BLOCK_D, FEAT.PAGE_SIZE)
         else:
@@ -103,6 +107,8 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
         if FEAT.PAGED:
             b_v = _load_paged_tile(prog.v_view, page, page_ok, prog.paged.page_stride_v, start_n, CFG.HEAD_DIM_V,
                                    CFG.BLOCK_N, CFG.BLOCK_DV, FEAT.PAGE_SIZE)
+            page, page_ok = _tile_pages(prog.table_row, start_n + CFG.BLOCK_N, seq.seqlen_k, prog.paged.num_pages,
+                                        CFG.BLOCK_N, FEAT.PAGE_SIZE)
         else:
             b_v = _load_tile(prog.v_view, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
         acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_DV]
