@@ -75,24 +75,19 @@ def varlen_lengths(cu_seqlens_q, cu_seqlens_k, rows_q, rows_k, max_seqlen_q, max
                                          ("k", cu_seqlens_k, rows_k, max_seqlen_k, "keys k and values v")):
         name = f"cu_seqlens_{which}"
         lengths = _check_offsets(name, cu.tolist(), rows, what)
-        top = max(lengths)
-        if top > given:
-            i = lengths.index(top)
-            raise ValueError(f"max_seqlen_{which}={given} but sequence {i} has {top} rows ({name}[{i + 1}] - "
-                             f"{name}[{i}]); max_seqlen_{which} must be at least the longest sequence (rows past "
-                             f"it would not be computed): pass {top}, e.g. int(({name}[1:] - {name}[:-1]).max()).")
-        longest.append(top)
+        longest.append(_check_longest(which, lengths, given, lambda i, n=name: f"{n}[{i + 1}] - {n}[{i}]",
+                                      f", e.g. int(({name}[1:] - {name}[:-1]).max())"))
     return tuple(longest)
 
 
-def _check_longest(which, lengths, given, source):
-    """max_seqlen_{which} against the lengths (source: how length i is named) -> the longest length."""
+def _check_longest(which, lengths, given, source, hint=""):
+    """max_seqlen_{which} against the lengths (source(i): how length i is named) -> the longest length."""
     top = max(lengths)
     if top > given:
         i = lengths.index(top)
         raise ValueError(f"max_seqlen_{which}={given} but sequence {i} has {top} rows ({source(i)}); "
                          f"max_seqlen_{which} must be at least the longest sequence (rows past it would not be "
-                         f"computed): pass {top}.")
+                         f"computed): pass {top}{hint}.")
     return top
 
 
