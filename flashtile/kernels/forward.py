@@ -235,7 +235,7 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     spec = configs.launch_spec(q, (q, k, v, out), tma=not req.paged)  # paged K/V: pointer loads
     fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0], kv=(k, v))
     candidates = configs.forward_candidates(max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
-                                            fargs.flags.BIAS, req.softcap > 0)
+                                            fargs.flags.BIAS, req.softcap > 0, req.paged)
     args = (q, k, v, out, lse, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens,
             Heads(num_heads, num_heads // num_kv_heads), feats.band,
             Scale(softmax_scale, softmax_scale * LOG2E.value, req.softcap), fargs.alibi, fargs.bias)
