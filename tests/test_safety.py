@@ -125,7 +125,7 @@ def test_catalog_size():
 # ---------------------------------------------------------------------------------------------------------------
 # Property tests
 
-hypothesis = pytest.importorskip("hypothesis")
+import hypothesis  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
