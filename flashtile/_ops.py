@@ -60,6 +60,8 @@ def _device_offsets(req, q, k):
     cu_q = _values.clamp_offsets(req.cu_seqlens_q, q.shape[0])
     same = req.cu_seqlens_k is req.cu_seqlens_q and k.shape[0] == q.shape[0]  # self-attention: one tensor
     cu_k = cu_q if same else _values.clamp_offsets(req.cu_seqlens_k, k.shape[0])
+    if req.paged:  # a paged batch's key counts index no rows of k (the kernel clamps them to the pages)
+        cu_k = req.cu_seqlens_k
     if cu_q is req.cu_seqlens_q and cu_k is req.cu_seqlens_k:
         return req
     return dataclasses.replace(req, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -99,8 +101,12 @@ def _attn_fwd_op(q, k, v, *fields, **named):
         # The public functions checked the offsets where they could read them; an op reached otherwise (a compiled
         # graph, whose public function saw fake tensors) checks the real ones here.
         qq, kk, _ = unpack(q, k, v)
-        _values.varlen_lengths(req.cu_seqlens_q, req.cu_seqlens_k, qq.shape[0], kk.shape[0], req.max_seqlen_q,
-                               req.max_seqlen_k)
+        if req.paged:
+            _values.paged_lengths(req.cu_seqlens_q, req.cu_seqlens_k, req.seqused_k, req.block_table, qq.shape[0],
+                                  kk.shape[0], kk.shape[1], req.max_seqlen_q, req.max_seqlen_k)
+        else:
+            _values.varlen_lengths(req.cu_seqlens_q, req.cu_seqlens_k, qq.shape[0], kk.shape[0], req.max_seqlen_q,
+                                   req.max_seqlen_k)
     return forward(q, k, v, req)
 
 

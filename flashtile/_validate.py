@@ -198,3 +198,40 @@ def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q):
         if m < 0:
             raise ValueError(f"{name} must be >= 0 (the longest sequence's length), got {m}.")
     return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+
+
+PAGED_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_index(name, t, q, shape, what):
+    _check_tensor(name, t)
+    if t.dtype not in PAGED_INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; it must be torch.int32 (or int64): convert it with "
+                        f".to(torch.int32).")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device).")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be {what}.")
+    return t.contiguous()
+
+
+def check_paged(q, k_cache, v_cache, block_table, seqused_k, batch):
+    """A paged varlen call's caches and index tensors (values: flashtile._values.paged_lengths) -> contiguous
+    (block_table, seqused_k or None). k_cache, v_cache: (num_pages, page_size, nheads_k, headdim[_v])."""
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"with block_table, {name} must be a 4-D paged cache (num_blocks, page_block_size, "
+                             f"nheads_k, headdim), got shape {tuple(t.shape)}.")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k has shape {tuple(k_cache.shape)} but v has {tuple(v_cache.shape)}; the paged caches "
+                         f"must agree in (num_blocks, page_block_size, nheads_k).")
+    check_qkv(q, k_cache[0], v_cache[0], layout="thd")  # dtypes, devices, heads, head dims, unit strides
+    pages = block_table.shape[-1] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else 0
+    block_table = _check_index("block_table", block_table, q, (batch, pages) if pages else (batch, 1),
+                               f"(batch, max_num_blocks_per_seq) = ({batch}, n >= 1): row b lists the pages of "
+                               f"sequence b in order")
+    if seqused_k is not None:
+        seqused_k = _check_index("seqused_k", seqused_k, q, (batch,), f"(batch,) = ({batch},): the number of keys "
+                                 f"of each sequence")
+    return block_table, seqused_k

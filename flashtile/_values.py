@@ -42,7 +42,7 @@ def readable(t):
 
 
 def _check_offsets(name, bounds, rows, what):
-    """bounds: cu_seqlens as a list -> the sequence lengths."""
+    """bounds: cu_seqlens as a list -> the sequence lengths. rows None: the last offset is not checked."""
     for i, b in enumerate(bounds):
         if b < 0:
             raise ValueError(f"{name}[{i}] = {b} is negative; {name} holds the offsets 0, len_0, len_0 + len_1, "
@@ -56,7 +56,7 @@ def _check_offsets(name, bounds, rows, what):
             raise ValueError(f"{name} decreases at entry {i + 1}: {name}[{i}] = {bounds[i]} > {name}[{i + 1}] = "
                              f"{bounds[i + 1]}; offsets are cumulative lengths and never decrease (a sequence of "
                              f"length 0 repeats the previous offset).")
-    if bounds[-1] != rows:
+    if rows is not None and bounds[-1] != rows:
         raise ValueError(f"{name} ends at {bounds[-1]} but the packed {what} has {rows} rows; the last offset must "
                          f"be the number of rows (the sum of the lengths): pass offsets for exactly these rows.")
     return lengths
@@ -75,14 +75,53 @@ def varlen_lengths(cu_seqlens_q, cu_seqlens_k, rows_q, rows_k, max_seqlen_q, max
                                          ("k", cu_seqlens_k, rows_k, max_seqlen_k, "keys k and values v")):
         name = f"cu_seqlens_{which}"
         lengths = _check_offsets(name, cu.tolist(), rows, what)
-        top = max(lengths)
-        if top > given:
-            i = lengths.index(top)
-            raise ValueError(f"max_seqlen_{which}={given} but sequence {i} has {top} rows ({name}[{i + 1}] - "
-                             f"{name}[{i}]); max_seqlen_{which} must be at least the longest sequence (rows past "
-                             f"it would not be computed): pass {top}, e.g. int(({name}[1:] - {name}[:-1]).max()).")
-        longest.append(top)
+        longest.append(_check_longest(which, lengths, given, lambda i, n=name: f"{n}[{i + 1}] - {n}[{i}]",
+                                      f", e.g. int(({name}[1:] - {name}[:-1]).max())"))
     return tuple(longest)
+
+
+def _check_longest(which, lengths, given, source, hint=""):
+    """max_seqlen_{which} against the lengths (source(i): how length i is named) -> the longest length."""
+    top = max(lengths)
+    if top > given:
+        i = lengths.index(top)
+        raise ValueError(f"max_seqlen_{which}={given} but sequence {i} has {top} rows ({source(i)}); "
+                         f"max_seqlen_{which} must be at least the longest sequence (rows past it would not be "
+                         f"computed): pass {top}{hint}.")
+    return top
+
+
+def paged_lengths(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, rows_q, num_pages, page_size, max_seqlen_q,
+                  max_seqlen_k):
+    """Check a paged varlen call's index values (flash_attn_varlen_func with block_table) -> (longest query
+    sequence, longest key sequence), or None when they are not readable here (see readable).
+
+    cu_seqlens_q as in varlen_lengths. Sequence b's keys are its first n_b cache slots, n_b = seqused_k[b] or, without
+    seqused_k, cu_seqlens_k[b + 1] - cu_seqlens_k[b] (offsets from 0, never decreasing; not tied to any rows);
+    0 <= n_b <= capacity = max_num_blocks_per_seq * page_size, n_b <= max_seqlen_k, and block_table[b, j] in
+    [0, num_pages) for the pages j < ceil(n_b / page_size) it reads (entries past them are never read)."""
+    index = [cu_seqlens_q, block_table, cu_seqlens_k if seqused_k is None else seqused_k]
+    if not all(readable(t) for t in index):
+        return None
+    lengths_q = _check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), rows_q, "queries q")
+    longest_q = _check_longest("q", lengths_q, max_seqlen_q,
+                               lambda i: f"cu_seqlens_q[{i + 1}] - cu_seqlens_q[{i}]")
+    capacity = block_table.shape[1] * page_size
+    if seqused_k is None:
+        lengths = _check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), None, "keys")
+        source = lambda i: f"cu_seqlens_k[{i + 1}] - cu_seqlens_k[{i}]"  # noqa: E731
+    else:
+        lengths = seqused_k.tolist()
+        source = lambda i: f"seqused_k[{i}]"  # noqa: E731
+    if min(lengths) < 0 or max(lengths) > capacity:
+        b, n = next((b, n) for b, n in enumerate(lengths) if not 0 <= n <= capacity)
+        raise ValueError(f"sequence {b} has {n} keys ({source(b)}), outside [0, {capacity}]: block_table has "
+                         f"{block_table.shape[1]} pages of {page_size} rows per sequence; pass key counts within "
+                         f"them (or a wider block_table).")
+    longest_k = _check_longest("k", lengths, max_seqlen_k, source)
+    layout = CacheLayout(capacity, num_pages, page_size, 0, 0, 0)
+    _check_block_table(block_table, lengths, None, layout)
+    return longest_q, longest_k
 
 
 def clamp_offsets(cu_seqlens, rows):

@@ -120,6 +120,8 @@ class GluonHopper(_KernelBackend):
             return ("needs 16-byte aligned data pointers and strides (TMA descriptors); call .contiguous() on "
                     "q, k, v")
         if req.varlen:
+            if req.paged:
+                return "paged keys/values run on the portable kernels"
             if req.attn_bias is not None:
                 return "an attn_mask with a varlen batch is not implemented here"
             if q.shape[0] == 0 or k.shape[0] == 0:
@@ -338,14 +340,15 @@ def _tensor_key(t):
 
 
 def _settings_key(q):
-    """The settings a plan depends on: the Gluon switches, the lazy maximum, forced TMA, tile overrides, and torch's
-    tf32 flag for fp32 inputs."""
+    """The settings a plan depends on: the Gluon switches, the lazy maximum, forced TMA, tile overrides, torch's
+    tf32 flag for fp32 inputs, and whether Triton interprets (tests switch it; a process never does)."""
     tiles = SETTINGS.tiles
     if tiles is not None:
         tiles = (tuple((kind, tuple(v)) for kind, v in sorted(tiles.items())) if isinstance(tiles, dict)
                  else tuple(tiles))
     tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return SETTINGS.gluon_forward, SETTINGS.gluon_backward, SETTINGS.lazy_max, SETTINGS.tma, tiles, tf32
+    return (SETTINGS.gluon_forward, SETTINGS.gluon_backward, SETTINGS.lazy_max, SETTINGS.tma, tiles, tf32,
+            configs.INTERPRETING)
 
 
 def plan_key(q, tensors, req, extra=None):
@@ -353,8 +356,7 @@ def plan_key(q, tensors, req, extra=None):
     else the call's launches depend on (the backward's bias_requires_grad)."""
     return (len(tensors), q.get_device(), *map(_tensor_key, tensors), req.softmax_scale, req.diagonal_offset,
             req.window_left, req.window_right, req.softcap, req.dropout_p, req.max_seqlen_q, req.max_seqlen_k,
-            req.deterministic, _tensor_key(req.alibi_slopes), _tensor_key(req.attn_bias), _tensor_key(req.sinks),
-            _tensor_key(req.seed), _tensor_key(req.cu_seqlens_q), _tensor_key(req.cu_seqlens_k), extra,
+            req.deterministic, *(_tensor_key(getattr(req, name)) for name in req._tensor_fields), extra,
             _settings_key(q))
 
 

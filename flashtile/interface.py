@@ -12,8 +12,8 @@ from . import _ops, _values, dispatch
 from . import reference
 from .reference.dropout import dropout_mask
 from .request import AttentionRequest, unbounded_window
-from ._validate import (check_alibi, check_attn_mask, check_dropout, check_qkv, check_sinks, check_softcap,
-                        check_varlen, check_window, resolve_scale)
+from ._validate import (_check_tensor, check_alibi, check_attn_mask, check_dropout, check_paged, check_qkv,
+                        check_sinks, check_softcap, check_varlen, check_window, resolve_scale)
 
 _ARGS_DOC = """
         dropout_p: float in [0, 1), default 0.0. Dropout on the attention probabilities (Philox in the kernel,
@@ -271,17 +271,29 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, return_attn_probs, sinks, head_dim, deterministic):
+            window_size, softcap, alibi_slopes, return_attn_probs, sinks, head_dim, deterministic, block_table=None,
+            seqused_k=None):
     qq, kk, vv = _ops.unpack(q, k, v)
-    check_qkv(qq, kk, vv, layout="thd")
+    paged = block_table is not None
+    if not paged:
+        check_qkv(qq, kk, vv, layout="thd")
     cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, qq)
     batch = cu_q.numel() - 1
+    if paged:
+        block_table, seqused_k = check_paged(qq, kk, vv, block_table, seqused_k, batch)
     # Offsets visible on the host are checked here (docs/safety.md), and the launch then covers the longest
     # sequence itself rather than a larger max_seqlen.
-    longest_q, longest_k = (_values.varlen_lengths(cu_q, cu_k, qq.shape[0], kk.shape[0], max_seqlen_q, max_seqlen_k)
-                            or (max_seqlen_q, max_seqlen_k))
+    if paged:
+        longest = _values.paged_lengths(cu_q, cu_k, seqused_k, block_table, qq.shape[0], kk.shape[0], kk.shape[1],
+                                        max_seqlen_q, max_seqlen_k)
+    else:
+        longest = _values.varlen_lengths(cu_q, cu_k, qq.shape[0], kk.shape[0], max_seqlen_q, max_seqlen_k)
+    longest_q, longest_k = longest or (max_seqlen_q, max_seqlen_k)
     scale, dropout_p, fields = _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softcap,
                                               alibi_slopes, sinks, head_dim, batch, qq.shape[1], longest_q, longest_k)
+    if paged:
+        _check_paged_options(dropout_p, q, k, v, fields["sinks"])
+        fields.update(block_table=block_table, seqused_k=seqused_k)
     out, lse, req = _attention(q, k, v, scale, dropout_p=dropout_p, deterministic=deterministic, cu_seqlens_q=cu_q,
                                cu_seqlens_k=cu_k, max_seqlen_q=longest_q, max_seqlen_k=longest_k, **fields)
     if return_attn_probs:
@@ -303,10 +315,23 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     return out
 
 
+def _check_paged_options(dropout_p, q, k, v, sinks):
+    """A paged call is inference: no dropout, nothing that asks for a gradient."""
+    if dropout_p > 0:
+        raise ValueError(f"dropout_p={dropout_p} with block_table: paged keys/values are for inference; pass "
+                         f"dropout_p=0.0.")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        raise NotImplementedError("backward through a paged cache (flash_attn_varlen_func with block_table) is not "
+                                  "supported: run it under torch.no_grad() / torch.inference_mode(), or detach "
+                                  "q, k, v (and sinks); for training, gather the pages into contiguous k, v and "
+                                  "call flash_attn_varlen_func without block_table.")
+
+
 @_with_docs("(total_q, nheads, headdim_v)", "(nheads, total_q)")
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
+                           seqused_k=None):
     """Attention over a batch of sequences of different lengths, concatenated (no padding), flash-attn compatible.
 
     Arguments:
@@ -317,19 +342,34 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             value is fine). Masks (causal, window, ALiBi) align to each sequence's own bottom-right corner;
             alibi_slopes may be (batch, nheads).
 {args}
-        block_table: not supported (paged keys/values are flash_attn_with_kvcache's).
+        block_table: int32 (batch, max_num_blocks_per_seq), default None. Paged keys/values (chunked prefill, mixed
+            prefill/decode batches of a serving engine): k and v are then caches (num_blocks, page_block_size,
+            nheads_k, headdim[_v]) of any page size, and key j of sequence b is row j % page_block_size of page
+            block_table[b, j // page_block_size]; sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (or
+            seqused_k[b]), its first cache slots, and its queries align bottom-right on them (causal: the new
+            queries see the cached prefix and themselves). Entries past a sequence's pages are never read (-1
+            padding is fine); pages may be shared. Forward only (inference): with requires_grad inputs under
+            grad mode it raises NotImplementedError, and dropout_p must be 0. Runs the portable Triton kernel on
+            CUDA (pointer loads).
+        seqused_k: int32 (batch,), keyword-only, default None; with block_table only. Sequence b's number of keys,
+            overriding cu_seqlens_k (whose values are then not used), as in flash-attn.
 
 {returns}
 
 {checks}
 {varlen_checks}
     """
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged keys/values) is not supported by flash_attn_varlen_func; use "
-                                  "flashtile.flash_attn_with_kvcache for paged caches, or gather the pages first.")
-    check_qkv(q, k, v, layout="thd")  # before _varlen, which would read k = None as packed inputs
+    if seqused_k is not None and block_table is None:
+        raise ValueError("seqused_k is supported together with block_table (paged keys/values); for contiguous k, v "
+                         "pass cu_seqlens_k with the lengths to use (and only those rows), or add block_table.")
+    if block_table is None:
+        check_qkv(q, k, v, layout="thd")  # before _varlen, which would read k = None as packed inputs
+    else:
+        _check_tensor("k", k)
+        _check_tensor("v", v)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, q.shape[-1], deterministic)
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, q.shape[-1], deterministic,
+                   block_table, seqused_k)
 
 
 @_with_docs("(total, nheads, headdim)", "(nheads, total)")
@@ -422,10 +462,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def explain(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
             dropout_p=0.0, softmax_scale=None, deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None, target=None):
+            max_seqlen_q=None, max_seqlen_k=None, block_table=None, seqused_k=None, target=None):
     """Which backend would run flash_attn_func(q, k, v, ...) (or flash_attn_varlen_func, when cu_seqlens_q/_k are
-    given), forward and backward, and why each backend before it declines. Nothing runs; the arguments are
-    validated as the call would validate them (and raise the same errors).
+    given; paged with block_table and seqused_k), forward and backward, and why each backend before it declines.
+    Nothing runs; the arguments are validated as the call would validate them (and raise the same errors).
 
     target: a flashtile.dispatch.Target to ask about another machine (e.g. Target("cuda", 90, False), an H100)
     instead of the tensors' own device. Returns a flashtile.dispatch.Explanation; print it for a report:
@@ -435,13 +475,16 @@ def explain(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_s
         backward: triton
           not gluon-hopper: deterministic=True (or torch.use_deterministic_algorithms): ...
     """
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    check_qkv(q, k, v, layout="thd" if varlen else "bshd")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None
+    if block_table is None:
+        check_qkv(q, k, v, layout="thd" if varlen else "bshd")
     if varlen:
         cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
         batch, heads = cu_q.numel() - 1, q.shape[1]
         seqlens = (max_seqlen_q, max_seqlen_k)
         extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        if block_table is not None:
+            extra["block_table"], extra["seqused_k"] = check_paged(q, k, v, block_table, seqused_k, batch)
     else:
         batch, heads = q.shape[0], q.shape[2]
         seqlens = (q.shape[1], k.shape[1])

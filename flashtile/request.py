@@ -90,6 +90,9 @@ class AttentionRequest(_Fields):
     sinks: fp32 (H,) learnable sink logits. dropout_p, seed: dropout probability and the call's Philox key (int64
         (1,) tensor, drawn from torch's generator; None without dropout).
     cu_seqlens_q / _k, max_seqlen_q / _k: a variable-length batch (int32 (B + 1,) offsets; None otherwise).
+    block_table: a paged varlen batch's pages (int32 (B, max_pages); k, v are then (num_pages, page_size, Hk, D)
+        caches): key j of sequence b is row j % page_size of page block_table[b, j // page_size]. seqused_k: int32
+        (B,) key counts of a paged batch (None: cu_seqlens_k's lengths). Forward only.
     deterministic: the backward must give bit-identical gradients run to run.
     """
     softmax_scale: float
@@ -106,6 +109,8 @@ class AttentionRequest(_Fields):
     cu_seqlens_k: Optional[torch.Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    block_table: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
     deterministic: bool = False
 
     # Inputs of the forward op that can take a gradient besides q, k, v (the op's backward returns them in this
@@ -132,6 +137,10 @@ class AttentionRequest(_Fields):
     def varlen(self):
         return self.cu_seqlens_q is not None
 
+    @property
+    def paged(self):
+        return self.block_table is not None
+
     def describe(self):
         """The options that are on, for messages and `explain`: "causal, softcap=30.0, varlen (batch 3)"."""
         parts = []
@@ -152,6 +161,8 @@ class AttentionRequest(_Fields):
             parts.append(f"dropout_p={self.dropout_p:g}")
         if self.varlen:
             parts.append(f"varlen (batch {self.cu_seqlens_q.numel() - 1})")
+        if self.paged:
+            parts.append(f"paged ({self.block_table.shape[1]} pages per sequence)")
         if self.deterministic:
             parts.append("deterministic")
         return ", ".join(parts) or "plain"

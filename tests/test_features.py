@@ -549,7 +549,7 @@ def test_varlen_errors():
         flashtile.flash_attn_varlen_func(q[None], k, v, cu, cu, 6, 6)
     with pytest.raises(TypeError, match="max_seqlen_q"):
         flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 6.0, 6)
-    with pytest.raises(NotImplementedError, match="kvcache"):
+    with pytest.raises(ValueError, match="4-D paged cache"):  # block_table takes paged caches (test_paged_prefill)
         flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="qkv"):
         flashtile.flash_attn_qkvpacked_func(torch.zeros(1, 4, 2, 2, 16, device=DEVICE))

@@ -125,7 +125,7 @@ def test_catalog_size():
 # ---------------------------------------------------------------------------------------------------------------
 # Property tests
 
-hypothesis = pytest.importorskip("hypothesis")
+import hypothesis  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -321,6 +321,19 @@ def test_property_bad_values_raise(layout, which, entry, amount):
 
 # ---------------------------------------------------------------------------------------------------------------
 # What is read where
+
+
+def test_clamp_offsets():
+    # The device-side clamp of unchecked varlen offsets (CUDA tensors by default): into [0, rows], non-decreasing,
+    # valid offsets unchanged; its own result comes back as it is for the same rows (the backward reuses the
+    # forward's), and is clamped again for other rows.
+    bad = torch.tensor([0, 7, 3, -2, 40], dtype=torch.int32)
+    safe = _values.clamp_offsets(bad, 20)
+    assert safe.tolist() == [0, 7, 7, 7, 20]
+    assert _values.clamp_offsets(safe, 20) is safe
+    assert _values.clamp_offsets(safe, 10).tolist() == [0, 7, 7, 7, 10]
+    good = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    assert torch.equal(_values.clamp_offsets(good, 9), good)
 
 
 def test_readable():

@@ -7,7 +7,8 @@ bf16, head dim 128, 16 heads, seqlen 16k, batch 1 by default. For each feature: 
 plain time - 1. A cost is measured in pairs: the row and its plain kernel are timed alternately, ROUNDS times each,
 and the cost compares their medians, since the GPU's clock drifts as it warms (the first timing of a process can
 read ~10% faster than the same kernel a minute later), and a plain time taken once at the start would charge that
-drift to every row after it. Sliding windows are reported as speedups over full attention. Varlen runs random
+drift to every row after it. Paged prefill (forward only) is paired with the same keys contiguous on the same
+(portable) kernel and compared with the contiguous call on the default one. Sliding windows are reported as speedups over full attention. Varlen runs random
 lengths summing to the seqlen and is compared by TFLOP/s (its work is sum(len^2), not seqlen^2) with the plain
 kernel at the full length and at the mean length, also with both replayed from CUDA graphs (their calls are short
 enough for do_bench to measure the host). A float bias is also timed on torch SDPA's cuDNN backend, against its
@@ -174,13 +175,18 @@ def _mask_rows(table, q, k, v, causal):
         qt, kt, vt, attn_mask=causal_mask), (q, k, v), causal, _flops(1, h, s, s, d, True))
 
 
+def _random_lens(s):
+    """16 random lengths summing to s (the same every run)."""
+    gen = torch.Generator().manual_seed(1)
+    cuts = sorted(torch.randperm(s - 1, generator=gen)[:15].add(1).tolist())
+    return [e - a for a, e in zip([0] + cuts, cuts + [s])]
+
+
 def _varlen_rows(table, q, k, v, causal):
     """16 random lengths summing to S, causal, against the plain causal kernel at S and a batch at the mean length;
     both also replayed from CUDA graphs."""
     _, s, h, d = q.shape
-    gen = torch.Generator().manual_seed(1)
-    cuts = sorted(torch.randperm(s - 1, generator=gen)[:15].add(1).tolist())
-    lens = [e - a for a, e in zip([0] + cuts, cuts + [s])]
+    lens = _random_lens(s)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
     qv, kv, vv = (t.detach()[0].requires_grad_() for t in (q, k, v))
     work = sum(_flops(1, h, n, n, d, True) for n in lens)
@@ -214,6 +220,54 @@ def _varlen_rows(table, q, k, v, causal):
           f"(fwd+bwd {row.get('graph_fwd_bwd_tflops_vs_plain_mean_len', float('nan')):.2f}x)", flush=True)
 
 
+def _paged_cache(k, v, lens, page):
+    """(k_cache, v_cache, block_table) holding packed k, v [total, H, D] in shuffled pages of `page` rows."""
+    gen = torch.Generator().manual_seed(2)
+    per_seq = [-(-n // page) for n in lens]
+    order = torch.randperm(sum(per_seq), generator=gen)
+    caches = [t.new_zeros((sum(per_seq), page) + tuple(t.shape[1:])) for t in (k, v)]
+    block_table = torch.zeros((len(lens), max(per_seq)), dtype=torch.int32)
+    start = first = 0
+    for b, (n, pages) in enumerate(zip(lens, per_seq)):
+        ids = order[first:first + pages]
+        block_table[b, :pages] = ids.to(torch.int32)
+        for cache, t in zip(caches, (k, v)):
+            rows = t.new_zeros((pages * page,) + tuple(t.shape[1:]))
+            rows[:n] = t[start:start + n]
+            cache[ids.to(t.device)] = rows.view((pages, page) + tuple(t.shape[1:]))
+        start, first = start + n, first + pages
+    return caches[0], caches[1], block_table.to(k.device)
+
+
+def _paged_rows(table, q, k, v):
+    """Paged prefill (flash_attn_varlen_func with block_table, forward only): the varlen rows' 16 causal sequences
+    with their keys in shuffled pages of 16 and 256 rows, each paired with the same keys contiguous on the portable
+    kernel (the paged call's own kernel: the cost is the paging alone) and compared by TFLOP/s with the contiguous
+    call on the default kernel (Gluon on Hopper)."""
+    from .._settings import override
+    _, s, h, d = q.shape
+    lens = _random_lens(s)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    used = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    qv, kv, vv = (t.detach()[0] for t in (q, k, v))
+    work = sum(_flops(1, h, n, n, d, True) for n in lens)
+
+    def contiguous():
+        return flashtile.flash_attn_varlen_func(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True)
+
+    def portable():
+        with override(gluon_forward=False):
+            return contiguous()
+    default = table.measure("varlen causal fwd", contiguous, (), flops=work, bwd=False)
+    base = table.measure("varlen causal fwd, portable kernel", portable, (), flops=work, bwd=False)
+    for page in (16, 256):
+        k_cache, v_cache, block_table = _paged_cache(kv, vv, lens, page)
+        row = table.measure(f"paged {page} causal fwd", lambda k_cache=k_cache, v_cache=v_cache, bt=block_table: (
+            flashtile.flash_attn_varlen_func(qv, k_cache, v_cache, cu, cu, max(lens), max(lens), causal=True,
+                                             block_table=bt, seqused_k=used)), (), base, work, bwd=False)
+        row["tflops_vs_varlen_default"] = row["fwd_tflops"] / default["fwd_tflops"]
+
+
 def run(seqlen, heads, head_dim, out_dir, backward=True):
     """Every row at batch 1, [1, seqlen, heads, head_dim] bf16; writes the JSON to out_dir and returns the rows."""
     import triton
@@ -228,6 +282,7 @@ def run(seqlen, heads, head_dim, out_dir, backward=True):
     _score_rows(table, q, k, v, full, causal)
     _mask_rows(table, q, k, v, causal)
     _varlen_rows(table, q, k, v, causal)
+    _paged_rows(table, q, k, v)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", batch=b, heads=h, head_dim=d, seqlen=s,
@@ -286,6 +341,8 @@ def main(argv=None, prog=None):
                      f"{row['tflops_vs_plain_mean_len']:.2f}x plain causal at the mean length")
             if "graph_tflops_vs_plain_mean_len" in row:
                 extra += f" ({row['graph_tflops_vs_plain_mean_len']:.2f}x both in CUDA graphs)"
+        if "tflops_vs_varlen_default" in row:
+            extra = f"  TFLOP/s {row['tflops_vs_varlen_default']:.2f}x contiguous varlen on the default kernel"
         print(_fmt(row) + extra)
     return 0
 

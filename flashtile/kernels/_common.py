@@ -80,6 +80,8 @@ class Flags(NamedTuple):
     DROPOUT: bool = False
     VARLEN: bool = False  # packed sequences delimited by cu_seqlens
     DBIAS: bool = False  # the dQ kernel also writes dS, the gradient of a float bias
+    PAGED: bool = False  # keys and values read through a block table (Paged; the forward only)
+    PAGE_SIZE: int = 0  # rows per page (PAGED)
 
 
 class Config(NamedTuple):
@@ -105,6 +107,20 @@ class CuSeqlens(NamedTuple):
     k: object
     total_q: int = 0
     total_k: int = 0
+
+
+class Paged(NamedTuple):
+    """PAGED (flash_attn_varlen_func with block_table): k, v are [num_pages, PAGE_SIZE, Hk, D] caches and key j of
+    sequence b is row j % PAGE_SIZE of page table[b, j // PAGE_SIZE]; sequence b has used[b] keys, clamped into
+    [0, limit] (limit: the table's capacity, max_pages * PAGE_SIZE, or max_seqlen_k if smaller). Placeholders
+    (never read) otherwise."""
+    table: object  # int32/int64 [B, max_pages]
+    table_stride: int
+    num_pages: int  # table entries outside [0, num_pages) are not read: their keys and values read as 0
+    limit: int
+    used: object  # int32/int64 (B,) key counts
+    page_stride_k: int  # k's stride between pages
+    page_stride_v: int
 
 
 def constexpr_groups(**groups):
@@ -259,6 +275,52 @@ def _load_tile(view, start, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK
                   + o_d[None, :])
         tile = tl.load(p_tile, mask=((start + o_r)[:, None] < view.rows) & (o_d[None, :] < HEAD_DIM), other=0.0)
     return tile
+
+
+@triton.jit
+def _paged_seq(paged, i_b, seq):
+    """Seq of batch entry i_b of a paged batch: its key count clamped into [0, paged.limit], its own diagonal."""
+    seqlen_k = tl.minimum(tl.maximum(tl.load(paged.used + i_b), 0), paged.limit).to(tl.int32)
+    return Seq(seq.seqlen_q, seqlen_k, seqlen_k - seq.seqlen_q)
+
+
+@triton.jit
+def _tile_pages(table_row, start, rows, num_pages, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(page, ok) of the rows [start, start + BLOCK_R) of a paged sequence of `rows` keys (start a multiple of
+    BLOCK_R): one table entry when the tile lies in one page (PAGE_SIZE a multiple of BLOCK_R), else one per row.
+    Rows at or past `rows` read no entry (page 0; their keys are masked by the loads). ok: the entry is a page of
+    the pool; a bad entry is never dereferenced (docs/safety.md)."""
+    if PAGE_SIZE % BLOCK_R == 0:
+        page = tl.load(table_row + start // PAGE_SIZE, mask=start < rows, other=0)
+    else:
+        o_r = start + tl.arange(0, BLOCK_R)
+        page = tl.load(table_row + o_r // PAGE_SIZE, mask=o_r < rows, other=0)
+    return page.to(tl.int64), (page >= 0) & (page < num_pages)
+
+
+@triton.jit
+def _load_paged_tile(view, page, ok, page_stride, start, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Rows [start, start + BLOCK_R) of a paged View (its handle: page 0 of the head, its stride: a row's) at the
+    pages of _tile_pages; rows >= view.rows, columns >= HEAD_DIM and rows of a bad page read as 0. Row r is row
+    r % PAGE_SIZE of its page; when pages and tiles nest that offset is loop-invariant (docs/design-record.md,
+    "Paged caches: the per-row address arithmetic")."""
+    o_r = tl.arange(0, BLOCK_R)
+    o_d = tl.arange(0, BLOCK_D)
+    if PAGE_SIZE % BLOCK_R == 0:  # one page: a scalar base; a bad page reads no row
+        base = view.handle + page * page_stride + tl.cast(start % PAGE_SIZE, tl.int64) * view.stride
+        p_tile = base + o_r[:, None] * view.stride + o_d[None, :]
+        mask = ((start + o_r)[:, None] < tl.where(ok, view.rows, 0)) & (o_d[None, :] < HEAD_DIM)
+    else:
+        mask = ((start + o_r)[:, None] < view.rows) & (o_d[None, :] < HEAD_DIM)
+        if BLOCK_R % PAGE_SIZE == 0:  # whole pages: start is a multiple of PAGE_SIZE
+            in_page = o_r % PAGE_SIZE
+        else:
+            in_page = (start + o_r) % PAGE_SIZE
+        p_tile = (view.handle + (page * page_stride + tl.cast(in_page, tl.int64) * view.stride)[:, None]
+                  + o_d[None, :])
+        mask = mask & ok[:, None]
+    return tl.load(p_tile, mask=mask, other=0.0)
 
 
 @triton.jit

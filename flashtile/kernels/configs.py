@@ -128,13 +128,21 @@ _H200_D128_FEATURE_TILES = {
 # kernels").
 
 
-def forward_candidates(head_dim, causal, dtype, spec, bias_kind=0, softcap=False) -> list[TileConfig]:
+# Paged K/V (pointer loads, no TMA) at sm90, 16-bit, 64 < d <= 128. Offline sm90 compiles (Triton 3.6, pages of 16
+# and 256): the table's non-causal 128x64 w4 s2 spills 166-195 registers with pointer loads (the contiguous kernel's
+# TMA loads do not), 128x64 w8 s2 none, 128x128 w8 s3 0-11. Chosen by spills, not yet timed.
+_SM90_PAGED_TILES = [TileConfig(128, 64, 8, 2), TileConfig(128, 128, 8, 3)]
+
+
+def forward_candidates(head_dim, causal, dtype, spec, bias_kind=0, softcap=False, paged=False) -> list[TileConfig]:
     """Tiles to try, best first. bias_kind (features.BIAS_*: 0 none, 1 float, 2 bool) and softcap select the
-    feature variants measured separately."""
+    feature variants measured separately; paged: keys and values read through a block table."""
     if tile_override("fwd") is not None:
         return tile_override("fwd")
     if spec.arch == 0:
         return _INTERPRETER_TILES
+    if paged and spec.arch == 9 and dtype != torch.float32 and 64 < head_dim <= 128:
+        return _SM90_PAGED_TILES + _SAFE_TILES
     feature_tiles = _H200_D128_FEATURE_TILES.get((bias_kind, softcap, causal))
     if spec.arch == 9 and dtype != torch.float32 and 64 < head_dim <= 128 and feature_tiles is not None:
         return [feature_tiles] + _SAFE_TILES

@@ -7,11 +7,12 @@ placeholder where a feature is off, since a kernel argument cannot be None and s
 import dataclasses
 import functools
 import weakref
+from typing import Optional
 
 import torch
 
 from . import _common, configs
-from ._common import Alibi, Band, Bias, Blocks, CuSeqlens, Flags
+from ._common import Alibi, Band, Bias, Blocks, CuSeqlens, Flags, Paged
 from ..reference.dropout import dropout_threshold  # the bits _common._dropout_keep compares
 
 
@@ -30,6 +31,7 @@ class KernelArgs:
     sinks: torch.Tensor
     seed: torch.Tensor
     dropout_threshold: int
+    paged: Optional[Paged]
 
 
 class Features:
@@ -63,7 +65,7 @@ class Features:
         """The constexpr flags, for the launch cache's key."""
         req = self.req
         return (req.mask_left, req.mask_right, req.softcap > 0, req.alibi_slopes is not None, self.bias_kind,
-                req.sinks is not None, req.dropout_p > 0, req.varlen)
+                req.sinks is not None, req.dropout_p > 0, req.varlen, req.paged)
 
     def _bias_tma_ok(self, use_tma, seqlen_q, seqlen_k):
         """Whether attn_mask tiles can be TMA loads: a Hopper launch, full (not broadcast) query and key dims with
@@ -93,10 +95,23 @@ class Features:
             return placeholder, 0
         return alibi, alibi.stride(0) if alibi.dim() == 2 else 0
 
-    def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0, total_k=0):
+    def paged_args(self, k, v, seqlen_k):
+        """_common.Paged of a paged request (k, v its caches; seqlen_k the launch's max_seqlen_k), else None (a
+        constexpr: the other launches' kernels take no parameter for it, so their code is unchanged). Without
+        seqused_k the key counts are cu_seqlens_k's lengths (computed on the device)."""
+        req = self.req
+        if not req.paged:
+            return None
+        used = req.seqused_k
+        if used is None:
+            used = req.cu_seqlens_k[1:] - req.cu_seqlens_k[:-1]
+        limit = min(req.block_table.shape[1] * k.shape[1], seqlen_k)
+        return Paged(req.block_table, req.block_table.stride(0), k.shape[0], limit, used, k.stride(0), v.stride(0))
+
+    def kernel_args(self, q, use_tma=False, seqlen_q=0, seqlen_k=0, total_k=0, kv=None):
         """KernelArgs of a launch on q's device and dtype; use_tma: the launch reads its tiles by TMA (an attn_mask
         then does too where _bias_tma_ok); seqlen_q / seqlen_k: the launch's lengths; total_k: a varlen batch's
-        number of key rows (q's come from q)."""
+        number of key rows (q's come from q); kv: (k, v), which a paged request's launch needs."""
         placeholder, seed_placeholder, cu_placeholder = _placeholders(q.device)
         bias, bias_strides = placeholder, (0, 0, 0, 0)
         mask = self.req.attn_bias
@@ -106,7 +121,8 @@ class Features:
         flags = Flags(MASK_LEFT=self.req.mask_left, MASK_RIGHT=self.req.mask_right, SOFTCAP=self.softcap_mode(q.dtype),
                       HAS_ALIBI=self.req.alibi_slopes is not None, BIAS=self.bias_kind,
                       BIAS_TMA=self._bias_tma_ok(use_tma, seqlen_q, seqlen_k), HAS_SINKS=self.req.sinks is not None,
-                      DROPOUT=self.req.dropout_p > 0, VARLEN=self.req.varlen)
+                      DROPOUT=self.req.dropout_p > 0, VARLEN=self.req.varlen, PAGED=self.req.paged,
+                      PAGE_SIZE=kv[0].shape[1] if self.req.paged else 0)
         if self.req.varlen:
             cu = CuSeqlens(self.req.cu_seqlens_q, self.req.cu_seqlens_k, q.shape[0], total_k)
         else:
@@ -116,7 +132,8 @@ class Features:
             no_blocks=Blocks(cu_placeholder, cu_placeholder, (0, 0), 0),
             sinks=self.req.sinks if self.req.sinks is not None else placeholder,
             seed=self.req.seed if self.req.dropout_p > 0 else seed_placeholder,
-            dropout_threshold=dropout_threshold(self.req.dropout_p))
+            dropout_threshold=dropout_threshold(self.req.dropout_p),
+            paged=self.paged_args(*(kv or (None, None)), seqlen_k))
 
     def block_lists(self, block_m, block_n, transpose, seqlen_q, seqlen_k, mark_full=False):
         """For a bool attn_mask, which tiles to visit: per (batch|1, head|1, resident block), the number of

@@ -16,8 +16,9 @@ import triton.language as tl
 
 from . import _common, _launch, configs
 from ._common import (BIAS_BOOL, BIAS_FLOAT, LN2, LOG2E, Config, Dropout, Heads, Scale, Seq, _attention_mask,
-                      _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_tile, _mma,
-                      _query_block, _score_mod, _score_unit, _head_views, _store_tile, _streamed_block)
+                      _block_list, _dropout_keep, _head_features, _key_range, _load_bias, _load_paged_tile,
+                      _load_tile, _mma, _paged_seq, _query_block, _score_mod, _score_unit, _head_views, _store_tile,
+                      _streamed_block, _tile_pages)
 from ..request import AttentionRequest
 from . import features
 from .features import Features
@@ -47,6 +48,8 @@ class Program(NamedTuple):
     seed: object  # dropout's Philox key (0 without dropout)
     i_bh: int  # batch * heads + head: dropout's counter
     dropout: object  # _common.Dropout
+    paged: object  # _common.Paged (PAGED)
+    table_row: object  # the sequence's block-table row (PAGED; 0 otherwise)
 
 
 @triton.jit
@@ -61,12 +64,22 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
     o_m = start_m + tl.arange(0, CFG.BLOCK_M)
     r_m = o_m[:, None]
     unit = _score_unit(scale, FEAT)  # log2 units per unit of score
+    if FEAT.PAGED:
+        # A block's table entries are loaded one iteration ahead and carried through the loop: loaded where they
+        # are used, they make the K/V loads indirect, and Triton's pipeliner then gives those one shared-memory
+        # buffer and no overlap (docs/kvcache.md, "Paged caches"). One table read serves the K and the V tile.
+        page, page_ok = _tile_pages(prog.table_row, lo, seq.seqlen_k, prog.paged.num_pages, CFG.BLOCK_N,
+                                    FEAT.PAGE_SIZE)
     # BLOCK_SKIP: [lo, hi) indexes the list of key blocks a bool attn_mask lets this query block see
     # (Features.block_lists); fully masked tiles are not in it.
     for it in tl.range(lo, hi, 1 if FEAT.BLOCK_SKIP else CFG.BLOCK_N):
         start_n = _streamed_block(prog.block_list, it, CFG.BLOCK_N, FEAT.BLOCK_SKIP)
         r_n = (start_n + tl.arange(0, CFG.BLOCK_N))[None, :]
-        b_k = _load_tile(prog.k_view, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
+        if FEAT.PAGED:
+            b_k = _load_paged_tile(prog.k_view, page, page_ok, prog.paged.page_stride_k, start_n, CFG.HEAD_DIM,
+                                   CFG.BLOCK_N, CFG.BLOCK_D, FEAT.PAGE_SIZE)
+        else:
+            b_k = _load_tile(prog.k_view, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
         b_s = _mma(b_q, tl.trans(b_k), None, CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
         bias = 0.0
         if FEAT.BIAS:
@@ -92,7 +105,13 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
             keep = _dropout_keep(prog.seed, prog.i_bh, start_m, start_n, prog.dropout.threshold, CFG.BLOCK_M,
                                  CFG.BLOCK_N, False)
             b_p = tl.where(keep, b_p, 0.0)
-        b_v = _load_tile(prog.v_view, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
+        if FEAT.PAGED:
+            b_v = _load_paged_tile(prog.v_view, page, page_ok, prog.paged.page_stride_v, start_n, CFG.HEAD_DIM_V,
+                                   CFG.BLOCK_N, CFG.BLOCK_DV, FEAT.PAGE_SIZE)
+            page, page_ok = _tile_pages(prog.table_row, start_n + CFG.BLOCK_N, seq.seqlen_k, prog.paged.num_pages,
+                                        CFG.BLOCK_N, FEAT.PAGE_SIZE)
+        else:
+            b_v = _load_tile(prog.v_view, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
         acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_DV]
         m_i = m_new
     return acc, l_i, m_i
@@ -125,10 +144,15 @@ def _attn_fwd_epilogue(acc, l_i, m_i, Sinks, i_h, dropout, FEAT: tl.constexpr):
 
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, scale, alibi, bias, blocks, Sinks,
-                     dropout, FEAT: tl.constexpr, CFG: tl.constexpr):
+                     dropout, paged, FEAT: tl.constexpr, CFG: tl.constexpr):
     """One program per (query block, batch * head). Argument groups: Strides above; the others are _common's
-    (CuSeqlens, Seq, Heads, Band, Scale, Alibi, Bias, Blocks, Dropout; constexprs Flags and Config)."""
+    (CuSeqlens, Seq, Heads, Band, Scale, Alibi, Bias, Blocks, Dropout, Paged; constexprs Flags and Config)."""
     i_m, i_bh, i_b, i_h, i_hk, starts, seq = _query_block(heads, cu_seqlens, seq, FEAT, CFG.BLOCK_M)
+    table_row = 0
+    if FEAT.PAGED:  # keys are the sequence's first cache slots, read through its block-table row
+        seq = _paged_seq(paged, i_b, seq)
+        starts = (starts[0], 0)
+        table_row = paged.table + i_b.to(tl.int64) * paged.table_stride
     start_m = i_m * CFG.BLOCK_M
     if start_m < seq.seqlen_q:  # a varlen grid covers the longest sequence; shorter ones have nothing here
         q_view, o_view = _head_views(Q, Out, strides.q, strides.out, i_b, starts[0], i_h, seq.seqlen_q, CFG.BLOCK_M,
@@ -150,7 +174,7 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, s
         else:
             block_list = blocks.indices
         prog = Program(b_q, start_m, k_view, v_view, seq, band, scale, slope, bias_view, block_list, seed, i_bh,
-                       dropout)
+                       dropout, paged, table_row)
         if FEAT.BLOCK_SKIP:
             # One masked loop over the listed key blocks (a bool attn_mask comes without a band).
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, prog, 0, n_listed, True, FEAT, CFG)
@@ -208,14 +232,14 @@ class FwdPlan:
         fargs, blocks = self.fargs, None
         if fargs is None:  # the request has tensors of its own (offsets, slopes, mask, sinks, seed)
             feats = Features(req)
-            fargs = feats.kernel_args(q, self.use_tma, *self.feature_lengths)
+            fargs = feats.kernel_args(q, self.use_tma, *self.feature_lengths, kv=(k, v))
             blocks = feats.block_lists(*self.tiles, False, *self.feature_lengths[:2])
         if self.use_tma:
             configs._set_tma_allocator(self.device)
         strides, seq, heads, band, scale = self.groups
         return self.launch(stream, q, k, v, out, lse, strides, seq, fargs.cu_seqlens, heads, band, scale, fargs.alibi,
                            fargs.bias, blocks or fargs.no_blocks, fargs.sinks,
-                           Dropout(fargs.seed, *self.dropout_scalars)), out, lse
+                           Dropout(fargs.seed, *self.dropout_scalars), fargs.paged), out, lse
 
 
 def _fwd_plan(cfg, spec, q, k, v, req, out_dtype):
@@ -238,9 +262,13 @@ def _fwd_plan(cfg, spec, q, k, v, req, out_dtype):
     # out is allocated contiguous: its strides follow from its shape.
     out_strides = _common.contiguous_strides(plan.out_shape)
     out_strides = (0,) + out_strides[:2] if req.varlen else out_strides[:3]
-    strides = Strides(*(_common.batch_strides(t, req.varlen) for t in (q, k, v)), out_strides, lse_strides)
+    if req.paged:  # the views start at page 0 (batch stride 0, as varlen's); the page strides travel in Paged
+        kv_strides = [(0,) + tuple(t.stride()[1:3]) for t in (k, v)]
+    else:
+        kv_strides = [_common.batch_strides(t, req.varlen) for t in (k, v)]
+    strides = Strides(_common.batch_strides(q, req.varlen), *kv_strides, out_strides, lse_strides)
     plan.feature_lengths = (seqlen_q, seqlen_k, k.shape[0])
-    fargs = feats.kernel_args(q, spec.use_tma, *plan.feature_lengths)
+    fargs = feats.kernel_args(q, spec.use_tma, *plan.feature_lengths, kv=(k, v))
     plan.fargs = None if req.tensors() else fargs
     plan.dropout_scalars = (fargs.dropout_threshold, 1.0 - req.dropout_p)
     plan.groups = (strides, Seq(seqlen_q, seqlen_k, req.diagonal_offset), Heads(num_heads, num_heads // num_kv_heads),
@@ -266,9 +294,11 @@ def plan_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     head_dim = max(q.shape[-1], v.shape[-1])
     out_shape = (q.shape[0], q.shape[1], v.shape[-1]) if req.varlen else q.shape[:3] + v.shape[-1:]
     # The output, allocated contiguous by the plan, joins the TMA check as a tensor without storage.
-    spec = configs.launch_spec(q, (q, k, v, torch.empty(out_shape, dtype=out_dtype, device="meta")))
+    spec = configs.launch_spec(q, (q, k, v, torch.empty(out_shape, dtype=out_dtype, device="meta")),
+                               tma=not req.paged)  # paged K/V: pointer loads
     bias_kind = Features(req).bias_kind
-    candidates = configs.forward_candidates(head_dim, req.mask_right, q.dtype, spec, bias_kind, req.softcap > 0)
+    candidates = configs.forward_candidates(head_dim, req.mask_right, q.dtype, spec, bias_kind, req.softcap > 0,
+                                            req.paged)
     stream = _launch.stream_for(q.get_device())
     result = {}
 

@@ -4,9 +4,12 @@ What runs for CPU tensors when Triton's interpreter is off (flashtile.dispatch).
 time, each aligned to its own bottom-right corner; dropout regenerates the kernels' Philox mask
 (reference.dropout), so the fallback drops the same elements the kernels do.
 """
+import dataclasses
+
 import torch
 
 from .dropout import dropout_mask
+from .kvcache import gather_pages
 from .naive import attention_backward, naive_attention
 
 
@@ -34,7 +37,11 @@ def _sequences(req):
 
 
 def forward(q, k, v, req):
-    """(out in q's dtype, lse fp32) of the request; differentiable by autograd (not used: backward below)."""
+    """(out in q's dtype, lse fp32) of the request; differentiable by autograd (not used: backward below). A paged
+    request's pages are gathered into contiguous keys first (reference.kvcache.gather_pages)."""
+    if req.paged:
+        k, v, cu_k = gather_pages(k, v, req.block_table, req.cu_seqlens_k, req.seqused_k)
+        req = dataclasses.replace(req, cu_seqlens_k=cu_k, block_table=None, seqused_k=None)
     kw = dict(softmax_scale=req.softmax_scale, window_size=(req.window_left, req.window_right), softcap=req.softcap,
               sinks=req.sinks, dropout_p=req.dropout_p, **_mask_kwargs(req))
     seed = _seed(req)

@@ -41,6 +41,26 @@ def apply_rotary(x, cos, sin, positions, interleaved=True):
     return torch.cat((rot, rest), dim=-1)
 
 
+def gather_pages(k_cache, v_cache, block_table, cu_seqlens_k, seqused_k=None):
+    """The keys and values of a paged varlen batch (flash_attn_varlen_func with block_table), packed contiguously:
+    sequence b's keys are its first n_b cache slots, n_b = seqused_k[b] or cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+    slot j is row j % page_size of page block_table[b, j // page_size]. Returns (k [total_k, Hk, D], v
+    [total_k, Hk, Dv], cu_seqlens_k int32 (B + 1,) of the packed keys). Index values must be valid (checked by
+    flashtile._values.paged_lengths)."""
+    page = k_cache.shape[1]
+    if seqused_k is None:
+        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    else:
+        lengths = seqused_k.tolist()
+    table = block_table.tolist()
+    rows = [table[b][j // page] * page + j % page for b, n in enumerate(lengths) for j in range(n)]
+    rows = torch.tensor(rows, dtype=torch.int64, device=k_cache.device)
+    k = k_cache.flatten(0, 1)[rows]
+    v = v_cache.flatten(0, 1)[rows]
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32).to(k_cache.device)
+    return k, v, cu
+
+
 def _lengths(cache_seqlens, batch, capacity):
     """cache_seqlens (int, (B,) tensor or None = the whole cache) as a list of Python ints."""
     if cache_seqlens is None:
