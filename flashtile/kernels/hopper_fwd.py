@@ -473,7 +473,13 @@ if AVAILABLE:
             if cfg.DYNAMIC:
                 # Items after the first one per program come from a global counter, in list order. Taken here,
                 # after this item's loads are issued, its latency hides behind the wait for a free query buffer.
-                tile = gl.num_programs(0) + gl.atomic_add(prog.producer.Counter, 1)
+                taken = gl.atomic_add(prog.producer.Counter, 1)
+                tile = gl.num_programs(0) + taken
+                if taken == work.n_tiles - 1:
+                    # The launch's last take: every program enters the loop once (the grid has at most n_tiles
+                    # programs) and takes once more per item after its first, so the takes number n_tiles and no
+                    # program takes again after this one. Zero again for the next launch (_schedule_counter).
+                    gl.atomic_xchg(prog.producer.Counter, 0)
             else:
                 tile += gl.num_programs(0)
         if cfg.DYNAMIC:
@@ -1245,6 +1251,23 @@ def _copy_descriptor(template, base):
     return desc
 
 
+# The dynamic schedule's item counters, one per (device, stream): zero before a launch, and the launch's last take
+# sets its counter back to zero (_load_partition), so that no call pays for a zero-fill kernel (it was a second
+# launch before each forward: at 1k tokens the GPU waited on the host between the two). Launches on one stream run
+# in order; two streams get two counters.
+_COUNTERS = {}
+
+
+def _schedule_counter(device, stream):
+    """The zeroed item counter of launches on device's stream (stream: _launch.stream_for's, None: torch's
+    current stream there)."""
+    key = (device, stream if stream is not None else torch.cuda.current_stream(device).cuda_stream)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 class GluonFwdPlan:
     """The launch of attention_forward for one plan key (flashtile/dispatch.py), everything but the call's tensors
     fixed: the configuration, the grid, the scalar groups, the constexprs, descriptor templates and the compiled
@@ -1272,8 +1295,7 @@ class GluonFwdPlan:
         if self.varlen:
             tile_map = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, q.shape[0], self.block_m,
                                        req.mask_right)[0]
-        # The dynamic schedule's item counter (items after each program's first); unused otherwise.
-        counter = torch.zeros(1, dtype=torch.int32, device=self.device) if self.dynamic else lse
+        counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     lse if req.alibi_slopes is None else req.alibi_slopes, lse if req.sinks is None else req.sinks,
