@@ -205,8 +205,9 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
 
 
-def test_short_d64_takes_the_portable_backward(call_counter):
-    calls = call_counter(hopper_bwd, "attention_backward")
+def test_short_d64_takes_the_portable_backward(monkeypatch, call_counter):
+    monkeypatch.setattr(SETTINGS, "fast_launch", False)  # no plans: each call reaches the backend's choice
+    calls = call_counter(hopper_bwd, "gluon_plan")
     from flashtile.dispatch import GLUON_BWD_MIN_SEQLEN_K
     for sk, expected in ((GLUON_BWD_MIN_SEQLEN_K[64] - 1, 0), (GLUON_BWD_MIN_SEQLEN_K[64], 1)):
         q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)
