@@ -139,19 +139,28 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, dlse, bias_requires_grad, *fields, *
 
 
 def _save(ctx, q, k, v, out, lse, req):
-    """What the backward needs: the tensors (saved for autograd's version checks) and the request's scalars."""
-    tensor_names = [name for name, _ in req.tensors()]
-    ctx.save_for_backward(q, k, v, out, lse, *(getattr(req, name) for name in tensor_names))
+    """What the backward needs: the tensors (saved for autograd's version checks) and the request's scalars. A
+    request without tensors of its own (the common call) is kept as it is: nothing in it to save or unwrap."""
+    # Unused outputs get None rather than a materialised zero tensor (the LSE usually is unused).
+    ctx.set_materialize_grads(False)
+    tensors = req.tensors()
+    if not tensors:
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.req = req
+        return
+    ctx.req = None
+    tensor_names = [name for name, _ in tensors]
+    ctx.save_for_backward(q, k, v, out, lse, *(t for _, t in tensors))
     ctx.tensor_names = tensor_names
     ctx.scalars = {name: value for name, value in zip(_FIELDS, req.flatten()) if name not in tensor_names
                    and not isinstance(value, torch.Tensor)}
-    # Unused outputs get None rather than a materialised zero tensor (the LSE usually is unused).
-    ctx.set_materialize_grads(False)
 
 
 def _saved(ctx):
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    req = AttentionRequest(**ctx.scalars, **dict(zip(ctx.tensor_names, tensors)))
+    req = ctx.req
+    if req is None:
+        req = AttentionRequest(**ctx.scalars, **dict(zip(ctx.tensor_names, tensors)))
     return q, k, v, out, lse, req
 
 

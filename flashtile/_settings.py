@@ -15,7 +15,9 @@ call. Nothing else in the package reads `os.environ` for behaviour.
 | tiles          | (tests, tile sweep)        | None, a TileConfig list for every kernel, or {kind: list}          |
 | decode_tiles   | (tests)                    | None or a TileConfig list for the decode kernel                    |
 | page_slabs     | (tests)                    | False: paged decode reads one page per key row, never a slab       |
-| fast_launch    | (tests, comparisons)       | False: every launch goes through Triton's JITFunction.run          |
+| fast_launch    | (tests, comparisons)       | False: every launch goes through Triton's JITFunction.run, and     |
+|                |                            | every attention call chooses its backend and builds its launches   |
+|                |                            | anew (no plans: flashtile/dispatch.py, "Plans")                    |
 | eager_direct   | (tests, comparisons)       | False: eager calls go through the dispatcher like traced ones      |
 """
 import contextlib

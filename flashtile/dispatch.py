@@ -70,19 +70,32 @@ def _seqlens(q, k, req):
 
 
 class _KernelBackend:
-    """What the two kernel backends share: the forward is a kernel module's attention_forward, the backward
-    _kernel_backward with or without the Gluon kernel."""
+    """What the two kernel backends share: their launches come as plans (see "Plans" below), the forward's from a
+    kernel module's plan_forward, the backward's from kernels/backward.plan_backward with or without the Gluon
+    kernel; forward and backward build one for the call and run it."""
     GLUON = False
 
     @staticmethod
     def _forward_module():
         raise NotImplementedError
 
+    def plan_forward(self, q, k, v, req, out_dtype=None):
+        """(the plan, out, lse)."""
+        return self._forward_module().plan_forward(q, k, v, req, out_dtype)
+
     def forward(self, q, k, v, req, out_dtype=None):
-        return self._forward_module().attention_forward(q, k, v, req, out_dtype)
+        return self.plan_forward(q, k, v, req, out_dtype)[1:]
+
+    def plan_backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
+        """(the plan, what backward returns)."""
+        from .kernels import backward as bwd_kernels
+        plan, dq, dk, dv, dbias, dsinks = bwd_kernels.plan_backward(
+            dout, q, k, v, out, lse, dlse, req, gluon=self.GLUON, grads=(None, None, None) if grads is None
+            else grads[1], bias_grad=bias_requires_grad)
+        return plan, _backward_result(grads, dq, dk, dv, dbias, dsinks)
 
     def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon=self.GLUON)
+        return self.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)[1]
 
 
 class GluonHopper(_KernelBackend):
@@ -214,13 +227,8 @@ class Reference:
 BACKENDS = (GluonHopper(), PortableTriton(), Reference())
 
 
-def _kernel_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, gluon):
-    from .kernels import backward as bwd_kernels
-    dq = dk = dv = None
-    if grads is not None:
-        dq, dk, dv = grads[1]
-    dq, dk, dv, dbias, dsinks = bwd_kernels.attention_backward(
-        dout, q, k, v, out, lse, dlse, req, gluon=gluon, dq=dq, dk=dk, dv=dv, bias_grad=bias_requires_grad)
+def _backward_result(grads, dq, dk, dv, dbias, dsinks):
+    # ([dq, dk, dv] or the packed gradients, dbias, dsinks)
     return (grads[0] if grads is not None else [dq, dk, dv]), dbias, dsinks
 
 
@@ -246,8 +254,19 @@ def choose_backward(dout, q, k, v, req, target=None):
 
 
 def forward(q, k, v, req):
-    """(out, lse) of unpacked q, k, v on the chosen backend."""
-    return choose_forward(q, k, v, req).forward(q, k, v, req)
+    """(out, lse) of unpacked q, k, v on the chosen backend: the plan of an earlier call with the same plan key when
+    there is one (see "Plans" below)."""
+    key = plan_key(q, (q, k, v), req) if SETTINGS.fast_launch else None
+    if key is not None:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan.run(q, k, v, req)
+    backend = choose_forward(q, k, v, req)
+    if key is None or not hasattr(backend, "plan_forward"):
+        return backend.forward(q, k, v, req)
+    plan, out, lse = backend.plan_forward(q, k, v, req)
+    _store_plan(key, plan)
+    return out, lse
 
 
 def _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in):
@@ -272,8 +291,73 @@ def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
     elif v is None:
         k, v = k.unbind(-3)
     grads = _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in)
+    key = None
+    if SETTINGS.fast_launch:
+        key = plan_key(q, (dout, q, k, v, out, lse, dlse) + (grads[1] if grads is not None else ()), req,
+                       bias_requires_grad)
+    if key is not None:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return _backward_result(grads, *plan.run(dout, q, k, v, out, lse, dlse, req,
+                                                     (None, None, None) if grads is None else grads[1]))
     backend = choose_backward(dout, q, k, v, req)
-    return backend.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+    if key is None or not hasattr(backend, "plan_backward"):
+        return backend.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+    plan, result = backend.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+    _store_plan(key, plan)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plans
+#
+# What a kernel launch depends on besides the call's tensors -- the backend's decision, the tiles that compiled,
+# the grid, the scalar arguments, the constexprs, the compiled kernels -- follows from the tensors' shapes, strides,
+# dtypes, 16-byte alignment and device, the request's scalars, which of its optional tensors are set, and SETTINGS.
+# The kernels build it once per such plan key (kernels/forward.FwdPlan, backward.BwdPlan, hopper_fwd.GluonFwdPlan,
+# hopper_bwd.GluonBwdPlan; decode's plans are the model) and keep it here: a later call with the key allocates its
+# outputs and hands its tensors to the compiled kernels, with no choice, no tile search, no argument
+# specialization (docs/design-record.md, "Host overhead"). Everything that reads tensor values or changes per
+# call (a bool mask's block lists, varlen offsets, the dropout seed, descriptors over the call's tensors) stays in
+# the plan's run. A plan keeps no tensor of a call. SETTINGS.fast_launch off: no plans (each call chooses and
+# builds anew, as every call did before plans).
+
+# Plans kept; past this many the cache starts over.
+MAX_PLANS = 1024
+_PLANS: dict = {}
+
+
+def _store_plan(key, plan):
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def _tensor_key(t):
+    # What a plan reads of a tensor: dtype, shape, strides, whether its address is 16-byte aligned (Triton
+    # specializes pointers on it; TMA needs it).
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0)
+
+
+def _settings_key(q):
+    """The settings a plan depends on: the Gluon switches, the lazy maximum, forced TMA, tile overrides, torch's
+    tf32 flag for fp32 inputs, and whether Triton interprets (tests switch it; a process never does)."""
+    tiles = SETTINGS.tiles
+    if tiles is not None:
+        tiles = (tuple((kind, tuple(v)) for kind, v in sorted(tiles.items())) if isinstance(tiles, dict)
+                 else tuple(tiles))
+    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return (SETTINGS.gluon_forward, SETTINGS.gluon_backward, SETTINGS.lazy_max, SETTINGS.tma, tiles, tf32,
+            configs.INTERPRETING)
+
+
+def plan_key(q, tensors, req, extra=None):
+    """The plan key of a call with these tensors (None for absent ones) and request, on q's device; extra: what
+    else the call's launches depend on (the backward's bias_requires_grad)."""
+    return (len(tensors), q.get_device(), *map(_tensor_key, tensors), req.softmax_scale, req.diagonal_offset,
+            req.window_left, req.window_right, req.softcap, req.dropout_p, req.max_seqlen_q, req.max_seqlen_k,
+            req.deterministic, *(_tensor_key(getattr(req, name)) for name in req._tensor_fields), extra,
+            _settings_key(q))
 
 
 # ---------------------------------------------------------------------------------------------------------------

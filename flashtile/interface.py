@@ -146,17 +146,53 @@ def _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softca
     return resolve_scale(softmax_scale, head_dim), dropout_p, fields
 
 
+# Repeated calls. A request without tensors of its own (no ALiBi, sinks or dropout) follows from the Python-number
+# options, the head dim and the sequence lengths alone, and a frozen request can serve every call with the same
+# ones: _options_key -> the AttentionRequest an earlier call validated and built. Past MAX_REQUESTS keys the cache
+# starts over.
+MAX_REQUESTS = 1024
+_REQUESTS: dict = {}
+_PLAIN_TYPES = (bool, int, float, type(None))
+
+
+def _options_key(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, *sizes):
+    """Everything _flash_options and _attention read besides the tensors, with each value's type (True, 1 and 1.0
+    take different checks), or None where the request cannot be shared: dropout (a seed per call), or an option
+    of another type (it gets the full checks every time)."""
+    options = (dropout_p, softmax_scale, causal, softcap, deterministic)
+    if (any(type(x) not in _PLAIN_TYPES for x in options) or type(window_size) not in (tuple, list)
+            or len(window_size) != 2 or any(type(x) not in _PLAIN_TYPES for x in window_size) or dropout_p != 0):
+        return None
+    return (tuple((type(x), x) for x in options), type(window_size), tuple((type(x), x) for x in window_size),
+            torch.are_deterministic_algorithms_enabled(), sizes)
+
+
 def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks,
-           head_dim, deterministic=False):
-    """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed)."""
+           head_dim, deterministic=False, checked=False):
+    """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed; checked: the
+    caller checked unpacked q, k, v already)."""
     qq, kk, vv = _ops.unpack(q, k, v)
-    check_qkv(qq, kk, vv, layout="bshd")
+    if not checked:
+        check_qkv(qq, kk, vv, layout="bshd")
+    key = None
+    # (Not while torch.compile traces: a key of symbolic lengths would specialize them.)
+    if alibi_slopes is None and sinks is None and not torch.compiler.is_compiling():
+        key = _options_key(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, head_dim,
+                           qq.shape[1], kk.shape[1])
+        req = _REQUESTS.get(key) if key is not None else None
+        if req is not None:
+            out, lse = _ops.attention(q, k, v, req)
+            return (out, lse, None) if return_attn_probs else out
     scale, dropout_p, fields = _flash_options(qq, kk, dropout_p, softmax_scale, causal, window_size, softcap,
                                               alibi_slopes, sinks, head_dim, qq.shape[0], qq.shape[2], qq.shape[1],
                                               kk.shape[1])
     diagonal_offset = kk.shape[1] - qq.shape[1]  # bottom-right alignment
     out, lse, req = _attention(q, k, v, scale, dropout_p=dropout_p, deterministic=deterministic,
                                diagonal_offset=diagonal_offset, **fields)
+    if key is not None and scale > 0:  # (a scale <= 0 is applied to q by _positive_scale, per call)
+        if len(_REQUESTS) >= MAX_REQUESTS:
+            _REQUESTS.clear()
+        _REQUESTS[key] = req
     if return_attn_probs:
         s_dmask = None
         if dropout_p > 0:
@@ -184,7 +220,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     check_qkv(q, k, v, layout="bshd")  # before _flash, which would read k = None as packed inputs
     return _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                  sinks, q.shape[-1], deterministic)
+                  sinks, q.shape[-1], deterministic, checked=True)
 
 
 def _check_packed(name, t, count, rank):

@@ -26,6 +26,7 @@ class _Fields:
     """Mixin: the op-schema view of a frozen request dataclass."""
 
     _field_names = ()  # set by _finalize once the dataclass exists (torch.compile cannot trace dataclasses.fields)
+    _tensor_fields = ()
 
     @classmethod
     def field_names(cls):
@@ -61,12 +62,16 @@ class _Fields:
 
     def tensors(self):
         """(name, tensor) of the tensor fields that are set."""
-        return [(name, getattr(self, name)) for name in self._field_names
+        return [(name, getattr(self, name)) for name in self._tensor_fields
                 if isinstance(getattr(self, name), torch.Tensor)]
 
 
 def _finalize(cls):
     cls._field_names = tuple(f.name for f in dataclasses.fields(cls))
+    hints = typing.get_type_hints(cls)
+    # The fields that may hold a tensor (tensors() looks at these only).
+    cls._tensor_fields = tuple(name for name in cls._field_names
+                               if hints[name] in (torch.Tensor, Optional[torch.Tensor]))
     return cls
 
 

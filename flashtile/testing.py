@@ -3,6 +3,8 @@
 Against the naive reference in float64, the error must be at most K times the error of plain PyTorch computing the
 same thing in the input dtype, plus the error of merely rounding the oracle to that dtype.
 """
+import contextlib
+import inspect
 import itertools
 
 import torch
@@ -235,3 +237,46 @@ def check_varlen_against_reference(got, q, k, v, dout, cu_q, cu_k, causal, alibi
             plain_dsinks = plain_dsinks + reference_fwd_bwd(*args, **seq_features)[6]
     if dsinks is not None:
         assert_close("dsinks", dsinks, ref_dsinks, plain_dsinks, features["sinks"].dtype)
+
+
+@contextlib.contextmanager
+def fast_launch_on_cpu(execute=True):
+    """Within the block, launches of CPU tensors take the path CUDA tensors take (kernels/_launch.py): a stand-in
+    stream from fast_stream, the compile cache, and bound launches calling a compiled kernel's launcher. A JIT
+    launch hands back a stand-in compiled kernel whose launcher runs the kernel in Triton's interpreter
+    (execute=True: tests of the fast path's arguments, needs TRITON_INTERPRET=1) or does nothing (execute=False:
+    the host time of the Python around the launches, `python -m flashtile bench host --cpu`). The compile cache and
+    dispatch's plans made inside are dropped at the end; those from before are kept aside. (The decode kernels
+    keep their own reference to fast_stream and stay on the JIT path.)"""
+    from . import dispatch
+    from ._settings import SETTINGS
+    from .kernels import _launch
+
+    class Compiled:  # what _launch needs of a compiled kernel: run, function, packed_metadata
+        function = packed_metadata = None
+
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def run(self, grid_0, grid_1, grid_2, stream, function, metadata, hook_0, hook_1, hook_2, *params):
+            if execute:
+                self.kernel[(grid_0, grid_1, grid_2)](*params)
+
+    def jit_launch(kernel, grid, args, constexprs, options, key=None):
+        if execute:
+            kernel[grid](*args, **constexprs, **options)
+        key = _launch._key(kernel, args, constexprs, options) if key is None else key
+        defaults = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+        tail = tuple(constexprs[name] if name in constexprs else defaults[name].default
+                     for name in kernel.arg_names[len(args):])
+        entry = _launch._COMPILED[key] = (Compiled(kernel), tail)
+        return entry[0], entry
+
+    saved = (_launch.fast_stream, _launch._jit_launch, _launch._COMPILED, dispatch._PLANS)
+    _launch.fast_stream = lambda device_index: 0 if SETTINGS.fast_launch else None
+    _launch._jit_launch = jit_launch
+    _launch._COMPILED, dispatch._PLANS = {}, {}
+    try:
+        yield
+    finally:
+        _launch.fast_stream, _launch._jit_launch, _launch._COMPILED, dispatch._PLANS = saved

@@ -43,22 +43,26 @@ def call_counter(monkeypatch):
 
 
 @pytest.fixture
-def spy(call_counter):
-    """The calls that reach the Hopper Gluon forward (kernels/hopper_fwd.py)."""
+def spy(monkeypatch, call_counter):
+    """The calls that reach the Hopper Gluon forward (kernels/hopper_fwd.py). Plans off (SETTINGS.fast_launch):
+    every call builds its launch, so each one is counted."""
+    from flashtile._settings import SETTINGS
     from flashtile.kernels import hopper_fwd
-    return call_counter(hopper_fwd, "attention_forward")
+    monkeypatch.setattr(SETTINGS, "fast_launch", False)
+    return call_counter(hopper_fwd, "plan_forward")
 
 
 @pytest.fixture
 def bwd_spy(monkeypatch, call_counter):
     """The calls that reach the Hopper Gluon backward, with it on (FLASHTILE_GLUON_BWD=0 turns it off) at every
-    size (short d64 calls normally take the portable kernels)."""
+    size (short d64 calls normally take the portable kernels). Plans off, as for spy."""
     from flashtile._settings import SETTINGS
     from flashtile.kernels import hopper_bwd
     monkeypatch.setattr(SETTINGS, "gluon_backward", True)
+    monkeypatch.setattr(SETTINGS, "fast_launch", False)
     from flashtile import dispatch
     monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", {64: 0, 128: 0})
-    return call_counter(hopper_bwd, "attention_backward")
+    return call_counter(hopper_bwd, "gluon_plan")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -154,6 +154,23 @@ def test_repeatable(spy):
     assert len(spy) == 6
 
 
+def test_schedule_counter_returns_to_zero(spy):
+    """The dynamic schedule's counter is zeroed once and set back to zero by each launch's last take: calls of
+    different sizes in a row (fewer and more items than SMs, varlen) stay right, and the counters read 0 after."""
+    from flashtile.kernels import hopper_fwd
+    for sq, b, h in ((300, 1, 2), (2500, 2, 16), (1000, 1, 4), (2500, 2, 16)):
+        q, k, v = make_qkv(b, sq, sq, h, h, 128, torch.bfloat16, device=DEVICE, seed=sq + b, grad=False)
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), 128 ** -0.5, True, 0)
+    lens = torch.tensor([0, 700, 1900, 2000], dtype=torch.int32, device=DEVICE)
+    q, k, v = make_qkv(1, 2000, 2000, 4, 2, 64, torch.bfloat16, device=DEVICE, seed=9, grad=False)
+    first = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], lens, lens, 1200, 1200, causal=True)
+    assert torch.equal(flashtile.flash_attn_varlen_func(q[0], k[0], v[0], lens, lens, 1200, 1200, causal=True), first)
+    torch.cuda.synchronize()
+    assert hopper_fwd._COUNTERS and all(int(c.item()) == 0 for c in hopper_fwd._COUNTERS.values())
+    assert len(spy) == 6
+
+
 @pytest.mark.parametrize("kw,d,dtype", [
     (dict(bias=True), 128, torch.bfloat16),
     ({}, 96, torch.bfloat16),
@@ -188,8 +205,9 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
 
 
-def test_short_d64_takes_the_portable_backward(call_counter):
-    calls = call_counter(hopper_bwd, "attention_backward")
+def test_short_d64_takes_the_portable_backward(monkeypatch, call_counter):
+    monkeypatch.setattr(SETTINGS, "fast_launch", False)  # no plans: each call reaches the backend's choice
+    calls = call_counter(hopper_bwd, "gluon_plan")
     from flashtile.dispatch import GLUON_BWD_MIN_SEQLEN_K
     for sk, expected in ((GLUON_BWD_MIN_SEQLEN_K[64] - 1, 0), (GLUON_BWD_MIN_SEQLEN_K[64], 1)):
         q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)

@@ -46,6 +46,15 @@ def batch_strides(t, varlen):
     return (0,) + tuple(t.stride()[:2]) if varlen else tuple(t.stride()[:3])
 
 
+def contiguous_strides(shape):
+    """The strides of a contiguous tensor of this shape (what torch.empty gives)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def empty(shape, dtype, device):
     """Every buffer a launcher hands to a kernel comes from here (outputs and scratch). The tests replace it with a
     NaN-filled allocation, so an element a kernel fails to write shows up as NaN instead of passing by luck."""
@@ -123,7 +132,27 @@ def constexpr_groups(**groups):
     in every operator)."""
     if INTERPRETING:
         return groups
-    return {name: type(group)(*map(tl.constexpr, group)) for name, group in groups.items()}
+    key = tuple(groups.items())
+    wrapped = _WRAPPED_GROUPS.get(key)
+    if wrapped is None:
+        wrapped = Constexprs({name: type(group)(*map(tl.constexpr, group)) for name, group in groups.items()})
+        wrapped.key = key
+        if len(_WRAPPED_GROUPS) >= _MAX_WRAPPED_GROUPS:
+            _WRAPPED_GROUPS.clear()
+        _WRAPPED_GROUPS[key] = wrapped
+    return wrapped
+
+
+class Constexprs(dict):
+    """constexpr_groups' result: constexprs by name, and `key`, the same groups of plain values, which launch keys
+    use (kernels/_launch._key): hashing and comparing tl.constexpr objects costs several Python calls each."""
+    __slots__ = ("key",)
+
+
+# constexpr_groups' results by their plain groups (a launch's constexprs are built once, not per call); past this
+# many the cache starts over.
+_WRAPPED_GROUPS: dict = {}
+_MAX_WRAPPED_GROUPS = 4096
 
 
 class Seq(NamedTuple):

@@ -48,6 +48,15 @@ def off_device(device_index):
     return device_index is not None and device_index >= 0 and torch.cuda.current_device() != device_index
 
 
+def stream_for(device_index):
+    """fast_stream's handle for a launch on this GPU (torch's get_device(): -1 for CPU tensors), or None for the JIT
+    path: off the fast path, or a GPU that is not the current device (Triton's JIT launches on the current one)."""
+    stream = fast_stream(device_index)
+    if stream is None or off_device(device_index):
+        return None
+    return stream
+
+
 def usable(compiled):
     """Whether a JIT launch's return value can be launched directly: the interpreter returns no compiled kernel,
     and an asynchronously compiling one (a future) is not used either."""
@@ -65,21 +74,24 @@ def _arg_key(a):
     an integer's _int_key; a float's type only (Triton never specializes on float values); a tuple (NamedTuple
     groups) field by field, with its type; a TMA descriptor's dtype, block shape, layout, padding and its shape's and
     strides' _int_key; anything else (None, constexpr-like values) itself."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
     t = type(a)
-    if t is bool:
-        return (bool, a)
-    if t is int:
-        return _int_key(a)
-    if t is float:
-        return float
+    if t is torch.Tensor:
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    key = _SCALAR_KEYS.get(t)
+    if key is not None:
+        return key(a)
     if isinstance(a, tuple):
-        return (t,) + tuple(map(_arg_key, a))
+        return (t, *map(_arg_key, a))
+    if isinstance(a, torch.Tensor):  # a subclass (Parameter)
+        return (a.dtype, a.data_ptr() % 16 == 0)
     if hasattr(a, "block_shape"):  # a host-side TMA descriptor
         return (a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None), a.padding,
                 tuple(map(_int_key, a.shape)), tuple(map(_int_key, a.strides)))
     return a
+
+
+# _arg_key of the scalar types, by exact type (a bool is an int to isinstance, not to Triton).
+_SCALAR_KEYS = {bool: lambda a: (bool, a), int: _int_key, float: lambda a: float, type(None): lambda a: (None,)}
 
 
 def _run(compiled, grid, stream, args, tail):
@@ -91,7 +103,11 @@ def _run(compiled, grid, stream, args, tail):
 
 
 def _key(kernel, args, constexprs, options):
-    return (kernel, tuple(map(_arg_key, args)), tuple(constexprs.items()), tuple(options.items()))
+    # constexprs made by _common.constexpr_groups carry their plain values as `key`: hashing and comparing
+    # tl.constexpr objects costs several Python calls each.
+    plain = getattr(constexprs, "key", None)
+    return (kernel, tuple(map(_arg_key, args)), tuple(constexprs.items()) if plain is None else plain,
+            tuple(options.items()))
 
 
 def _jit_launch(kernel, grid, args, constexprs, options, key=None):

@@ -21,6 +21,7 @@ from ._common import (BIAS_BOOL, BIAS_FLOAT, LOG2E, BiasView, Config, CuSeqlens,
                       _mma, _query_block, _query_range, _score_mod, _score_unit, _seq_bounds, _head_views, _slice_view,
                       _store_tile, _streamed_block)
 from ..request import AttentionRequest
+from . import features
 from .features import Features
 
 # Delta and the log2 LSE are stored per (batch, head) padded to a multiple of this many rows (the largest query
@@ -317,98 +318,208 @@ def attention_backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, glu
     dimensions; dsinks is returned when req.sinks is set. The portable kernels use no atomics: their gradients are
     bit-identical run to run. Inputs are assumed validated.
     """
-    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
+    return plan_backward(dout, q, k, v, out, lse, dlse, req, gluon, (dq, dk, dv), bias_grad)[1:]
+
+
+class BwdPlan:
+    """The backward launches of one plan key (flashtile/dispatch.py), everything but the call's tensors fixed, as
+    forward.FwdPlan: the preprocess, then the Gluon kernel's plan (hopper_bwd.GluonBwdPlan) or the portable dK/dV
+    and dQ launches with the tiles that compiled (_launch.Bound each). run allocates the rows and the gradients
+    not given, takes the feature tensors from the request, launches, and returns (dq, dk, dv, dbias, dsinks)."""
+    __slots__ = ("device", "pad", "rows_shape", "preprocess", "gluon", "dkdv", "dq", "groups", "fargs", "lengths",
+                 "use_tma", "tiles", "dropout_scalars", "full_shape", "bias_grad", "dbias_dtype", "delta_scale")
+
+    def run(self, dout, q, k, v, out, lse, dlse, req, grads):
+        """(dq, dk, dv, dbias, dsinks) of a call with this plan's key."""
+        stream = _launch.stream_for(q.get_device())
+        call = self.prepare(stream, dout, q, k, v, out, lse, dlse, req, grads)
+        if self.gluon is None:
+            self.launch_dkdv(stream, call)
+            self.launch_dq(stream, call)
+        return self.finish(call)
+
+    def prepare(self, stream, dout, q, k, v, out, lse, dlse, req, grads):
+        """Allocate the call's buffers and launch the preprocess (and the Gluon kernel) -> the call's _BwdCall."""
+        device = self.device
+        call = _BwdCall()
+        call.req, call.tensors = req, (q, k, v, dout)
+        call.rows = Rows(_common.empty(self.rows_shape, torch.float32, device),
+                         _common.empty(self.rows_shape, torch.float32, device), self.pad)
+        dq, dk, dv = grads
+        call.grads = (_common.empty(q.shape, q.dtype, device) if dq is None else dq,
+                      _common.empty(k.shape, k.dtype, device) if dk is None else dk,
+                      _common.empty(v.shape, v.dtype, device) if dv is None else dv)
+        fargs = self.fargs
+        if fargs is None:  # the request has tensors of its own (offsets, slopes, mask, sinks, seed)
+            fargs = Features(req).kernel_args(q, self.use_tma, *self.lengths)
+        call.fargs = fargs
+        if self.use_tma:
+            configs._set_tma_allocator(device)
+        # The preprocess reads lse and dlse as rows of unit stride; they are small, so copy any other layout
+        # (autograd hands an expanded, stride-0 dlse for lse.sum()). dlse: lse stands in when there is none.
+        lse = lse.contiguous()
+        self.preprocess(stream, out, dout, lse, lse if dlse is None else dlse.contiguous(), call.rows,
+                        fargs.cu_seqlens.q)
+        call.dbias_full = None
+        if self.gluon is not None:
+            call.dbias_full = _gluon_dbias(req, self.full_shape, device) if self.bias_grad else None
+            self.gluon.run(stream, q, k, v, dout, *call.grads, call.rows.lse_log2, call.rows.delta, req,
+                           call.dbias_full)
+            return call
+        # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
+        # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
+        call.dbias = fargs.bias._replace(strides=(0, 0, 0, 0))  # a placeholder, never written without DBIAS
+        if self.bias_grad:
+            call.dbias_full = torch.zeros(self.full_shape, dtype=self.dbias_dtype, device=device)
+            call.dbias = call.dbias._replace(ptr=call.dbias_full, strides=call.dbias_full.stride())
+        return call
+
+    def _blocks(self, call, transpose):
+        # A bool attn_mask's block lists for the launch's tiles (values of the mask: per call), or the placeholder.
+        if self.fargs is None:
+            blocks = Features(call.req).block_lists(*self.tiles[not transpose], transpose, *self.lengths[:2])
+            if blocks is not None:
+                return blocks
+        return call.fargs.no_blocks
+
+    def launch_dkdv(self, stream, call):
+        strides, seq, kv_heads, _, band, scale = self.groups
+        fargs = call.fargs
+        return self.dkdv(stream, *call.tensors, *call.grads[1:], call.rows, strides, seq, fargs.cu_seqlens, kv_heads,
+                         band, scale, fargs.alibi, fargs.bias, self._blocks(call, True),
+                         Dropout(fargs.seed, *self.dropout_scalars))
+
+    def launch_dq(self, stream, call):
+        strides, seq, _, heads, band, scale = self.groups
+        fargs = call.fargs
+        return self.dq(stream, *call.tensors, call.grads[0], call.rows, strides, seq, fargs.cu_seqlens, heads, band,
+                       scale, fargs.alibi, fargs.bias, self._blocks(call, False), call.dbias,
+                       Dropout(fargs.seed, *self.dropout_scalars))
+
+    def finish(self, call):
+        rows, req = call.rows, call.req
+        return (*call.grads, _reduce_dbias(call.dbias_full, req),
+                _sinks_grad(req, rows.lse_log2, rows.delta, self.delta_scale))
+
+
+class _BwdCall:
+    """One backward call's buffers and feature arguments, between BwdPlan's steps."""
+    __slots__ = ("req", "tensors", "rows", "grads", "fargs", "dbias_full", "dbias")
+
+
+def _bwd_plan(spec, q, k, v, dout, out, lse, dlse, req, gluon, grads, bias_grad):
+    """The BwdPlan of (q, k, v, req) but its portable launches (_bind_dkdv / _bind_dq bind them with their tiles);
+    with it, the flags of those launches."""
     feats = Features(req)
-    seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
-    seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    seqlen_q, num_heads, num_kv_heads = q.shape[-3], q.shape[-2], k.shape[-2]
+    seqlen_k, head_dim_v = k.shape[-3], v.shape[-1]
     batch = req.cu_seqlens_q.numel() - 1 if req.varlen else q.shape[0]
     if req.varlen:
         seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
-    pad = triton.cdiv(max(seqlen_q, 1), ROW_PAD) * ROW_PAD
-    rows = Rows(_common.empty((batch, num_heads, pad), torch.float32, q.device),
-                _common.empty((batch, num_heads, pad), torch.float32, q.device), pad)
-    dq = _common.empty(q.shape, q.dtype, q.device) if dq is None else dq
-    dk = _common.empty(k.shape, k.dtype, k.device) if dk is None else dk
-    dv = _common.empty(v.shape, v.dtype, v.device) if dv is None else dv
-    spec = configs.launch_spec(q, (q, k, v, dout, dq, dk, dv))
-    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0])
-    delta_scale = softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in the units of its scaled dS
-    _preprocess(out, dout, lse, dlse, rows, fargs.cu_seqlens.q, req.varlen, seqlen_q, batch, delta_scale,
-                spec.block_d(head_dim_v))
-    full_shape = (batch, num_heads, seqlen_q, seqlen_k)
-    if gluon:
-        dbias_full = _gluon_dbias(req, full_shape, q.device) if bias_grad else None
-        hopper_bwd.attention_backward(q, k, v, dout, dq, dk, dv, rows.lse_log2, rows.delta, req, dbias=dbias_full)
-        return (dq, dk, dv, _reduce_dbias(dbias_full, req),
-                _sinks_grad(req, rows.lse_log2, rows.delta, delta_scale))
-
-    # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
-    # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
-    dbias_full = None
-    dbias = fargs.bias._replace(strides=(0, 0, 0, 0))  # a placeholder, never written without DBIAS
-    if bias_grad:
-        dtype = req.attn_bias.dtype if tuple(req.attn_bias.shape) == full_shape else torch.float32
-        dbias_full = torch.zeros(full_shape, dtype=dtype, device=q.device)
-        dbias = dbias._replace(ptr=dbias_full, strides=dbias_full.stride())
-
-    strides = Strides(*(_common.batch_strides(t, req.varlen) for t in (q, k, v, dout, dq, dk, dv)))
-    args = (rows, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens)
-    features = (feats.band, Scale(softmax_scale, softmax_scale * LOG2E.value, req.softcap), fargs.alibi, fargs.bias)
-    dropout = Dropout(fargs.seed, fargs.dropout_threshold, 1.0 / (1.0 - req.dropout_p))
-    flags = fargs.flags._replace(HAS_SINKS=False)  # the sinks' gradient is _sinks_grad's
-
-    def config(cfg, even_n):
-        return Config(head_dim, head_dim_v, cfg.block_m, cfg.block_n, spec.block_d(head_dim), spec.block_d(head_dim_v),
-                      even_n, spec.use_tma, spec.precision, spec.dot_upcast)
-
-    def launch_dkdv(cfg):
-        blocks = feats.block_lists(cfg.block_m, cfg.block_n, True, seqlen_q, seqlen_k)
-        return _launch.launch(
-            _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, cfg.block_n), batch * num_kv_heads),
-            (q, k, v, dout, dk, dv, *args, Heads(num_kv_heads, num_heads // num_kv_heads), *features,
-             blocks or fargs.no_blocks, dropout),
-            _common.constexpr_groups(FEAT=flags._replace(BLOCK_SKIP=blocks is not None), CFG=config(cfg, False)),
-            q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    def launch_dq(cfg):
-        blocks = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
-        even_n = not req.banded and not req.varlen and seqlen_k % cfg.block_n == 0
-        return _launch.launch(
-            _bwd_dq_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads),
-            (q, k, v, dout, dq, *args, Heads(num_heads, num_heads // num_kv_heads), *features,
-             blocks or fargs.no_blocks, dbias, dropout),
-            _common.constexpr_groups(FEAT=flags._replace(BLOCK_SKIP=blocks is not None, DBIAS=bias_grad),
-                                     CFG=config(cfg, even_n)),
-            q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    dkdv_candidates, dq_candidates = configs.backward_candidates(max(head_dim, head_dim_v), req.mask_right,
-                                                                 q.dtype, spec)
-    key = (max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
-           feats.variant() + (bias_grad, fargs.flags.BIAS_TMA))
-    configs.launch_first_that_compiles(("bwd_dkdv",) + key, dkdv_candidates, launch_dkdv)
-    configs.launch_first_that_compiles(("bwd_dq",) + key, dq_candidates, launch_dq)
-    return dq, dk, dv, _reduce_dbias(dbias_full, req), _sinks_grad(req, rows.lse_log2, rows.delta)
+    plan = BwdPlan()
+    plan.device, plan.use_tma, plan.bias_grad = q.device, spec.use_tma, bias_grad
+    plan.pad = triton.cdiv(max(seqlen_q, 1), ROW_PAD) * ROW_PAD
+    plan.rows_shape = (batch, num_heads, plan.pad)
+    plan.lengths = (seqlen_q, seqlen_k, k.shape[0])
+    fargs = feats.kernel_args(q, spec.use_tma, *plan.lengths)
+    plan.fargs = None if req.tensors() else fargs
+    plan.full_shape = (batch, num_heads, seqlen_q, seqlen_k)
+    plan.delta_scale = req.softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in its scaled dS's units
+    plan.preprocess = _preprocess_launch(out, dout, lse, dlse, req.varlen, seqlen_q, batch, plan.delta_scale,
+                                         spec.block_d(head_dim_v), plan.pad)
+    plan.gluon = hopper_bwd.gluon_plan(q, k, v, dout, grads, plan.rows_shape, req, bias_grad) if gluon else None
+    plan.dbias_dtype = None
+    if bias_grad and not gluon:
+        plan.dbias_dtype = req.attn_bias.dtype if tuple(req.attn_bias.shape) == plan.full_shape else torch.float32
+    # The gradients not given are allocated contiguous.
+    grad_strides = [_common.contiguous_strides(t.shape) if g is None else g.stride() for t, g in zip((q, k, v), grads)]
+    plan.groups = (Strides(*(_common.batch_strides(t, req.varlen) for t in (q, k, v, dout)),
+                           *(_batch_strides(st, req.varlen) for st in grad_strides)),
+                   Seq(seqlen_q, seqlen_k, req.diagonal_offset), Heads(num_kv_heads, num_heads // num_kv_heads),
+                   Heads(num_heads, num_heads // num_kv_heads), feats.band,
+                   Scale(req.softmax_scale, req.softmax_scale * LOG2E.value, req.softcap))
+    plan.dropout_scalars = (fargs.dropout_threshold, 1.0 / (1.0 - req.dropout_p))
+    plan.tiles = ((0, 0), (0, 0))
+    return plan, fargs.flags._replace(HAS_SINKS=False)  # the sinks' gradient is _sinks_grad's
 
 
-def _preprocess(out, dout, lse, dlse, rows, cu_seqlens_q, varlen, seqlen_q, batch, delta_scale, block_dv):
-    """Launch _bwd_preprocess_kernel: Rows from out, dout, lse and dlse (None: no LSE gradient)."""
-    # The preprocess reads lse and dlse as rows of unit stride; they are small, so copy any other layout (autograd
-    # hands an expanded, stride-0 dlse for lse.sum()).
-    lse = lse.contiguous()
-    dlse = None if dlse is None else dlse.contiguous()
+def _batch_strides(strides, varlen):
+    # _common.batch_strides of a tensor with these strides.
+    return (0,) + tuple(strides[:2]) if varlen else tuple(strides[:3])
+
+
+def _config(spec, q, v, cfg, even_n):
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    return Config(head_dim, head_dim_v, cfg.block_m, cfg.block_n, spec.block_d(head_dim), spec.block_d(head_dim_v),
+                  even_n, spec.use_tma, spec.precision, spec.dot_upcast)
+
+
+def _bind_dkdv(plan, spec, q, k, v, req, flags, cfg):
+    plan.tiles = ((cfg.block_m, cfg.block_n), plan.tiles[1])
+    batch, seqlen_k = plan.rows_shape[0], plan.lengths[1]
+    plan.dkdv = _launch.Bound(
+        _bwd_dkdv_kernel, (triton.cdiv(seqlen_k, cfg.block_n), batch * k.shape[-2]), (),
+        _common.constexpr_groups(FEAT=flags._replace(BLOCK_SKIP=Features(req).bias_kind == features.BIAS_BOOL),
+                                 CFG=_config(spec, q, v, cfg, False)),
+        dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def _bind_dq(plan, spec, q, k, v, req, flags, cfg):
+    plan.tiles = (plan.tiles[0], (cfg.block_m, cfg.block_n))
+    batch, seqlen_q, seqlen_k = plan.rows_shape[0], plan.lengths[0], plan.lengths[1]
+    even_n = not req.banded and not req.varlen and seqlen_k % cfg.block_n == 0
+    plan.dq = _launch.Bound(
+        _bwd_dq_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * q.shape[-2]), (),
+        _common.constexpr_groups(FEAT=flags._replace(BLOCK_SKIP=Features(req).bias_kind == features.BIAS_BOOL,
+                                                     DBIAS=plan.bias_grad), CFG=_config(spec, q, v, cfg, even_n)),
+        dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def plan_backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, gluon=False, grads=(None, None, None),
+                  bias_grad=False):
+    """(BwdPlan, dq, dk, dv, dbias, dsinks): the plan of this call's key, its tiles the first candidates that compile
+    (the dK/dV kernel's on its launch, then the dQ kernel's on its own), and the call's gradients
+    (attention_backward's arguments; grads: the given (dq, dk, dv) buffers, None where not given). flashtile/dispatch
+    keeps the plan for later calls with the same key."""
+    stream = _launch.stream_for(q.get_device())
+    # The gradients the plan allocates (contiguous) join the TMA check as tensors without storage.
+    spec = configs.launch_spec(q, (q, k, v, dout) + tuple(
+        torch.empty(t.shape, dtype=t.dtype, device="meta") if g is None else g for t, g in zip((q, k, v), grads)))
+    plan, flags = _bwd_plan(spec, q, k, v, dout, out, lse, dlse, req, gluon, grads, bias_grad)
+    call = plan.prepare(stream, dout, q, k, v, out, lse, dlse, req, grads)
+    if not gluon:
+        head_dim = max(q.shape[-1], v.shape[-1])
+        dkdv_candidates, dq_candidates = configs.backward_candidates(head_dim, req.mask_right, q.dtype, spec)
+        key = (head_dim, req.mask_right, q.dtype, spec, Features(req).variant() + (bias_grad, flags.BIAS_TMA))
+
+        def launch_dkdv(cfg):
+            _bind_dkdv(plan, spec, q, k, v, req, flags, cfg)
+            return plan.launch_dkdv(stream, call)
+
+        def launch_dq(cfg):
+            _bind_dq(plan, spec, q, k, v, req, flags, cfg)
+            return plan.launch_dq(stream, call)
+
+        configs.launch_first_that_compiles(("bwd_dkdv",) + key, dkdv_candidates, launch_dkdv)
+        configs.launch_first_that_compiles(("bwd_dq",) + key, dq_candidates, launch_dq)
+    return (plan,) + plan.finish(call)
+
+
+def _preprocess_launch(out, dout, lse, dlse, varlen, seqlen_q, batch, delta_scale, block_dv, pad):
+    """The bound launch of _bwd_preprocess_kernel (Rows from out, dout, lse and dlse; None: no LSE gradient); its call
+    takes (stream, out, dout, lse, dlse or lse, rows, cu_seqlens_q), lse and dlse made contiguous."""
+    lse_strides = _common.contiguous_strides(lse.shape)
     if varlen:
-        row_strides = [(0, t.stride(0)) if t is not None else (0, 0) for t in (lse, dlse)]
+        row_strides = [(0, lse_strides[0]), (0, lse_strides[0]) if dlse is not None else (0, 0)]
     else:
-        row_strides = [(t.stride(0), t.stride(1)) if t is not None else (0, 0) for t in (lse, dlse)]
+        row_strides = [lse_strides[:2], lse_strides[:2] if dlse is not None else (0, 0)]
     num_heads = out.shape[-2]
     strides = (_common.batch_strides(out, varlen), _common.batch_strides(dout, varlen), *row_strides)
-    _launch.launch(
-        _bwd_preprocess_kernel, (rows.pad // _PREPROCESS_BLOCK_M, batch * num_heads),
-        # dlse: lse stands in when there is none (never read when HAS_DLSE is False).
-        (out, dout, lse, lse if dlse is None else dlse, rows, cu_seqlens_q, out.shape[0] if varlen else 0, strides,
-         seqlen_q, num_heads, delta_scale),
+    return _launch.Bound(
+        _bwd_preprocess_kernel, (pad // _PREPROCESS_BLOCK_M, batch * num_heads),
+        (out.shape[0] if varlen else 0, strides, seqlen_q, num_heads, delta_scale),
         dict(HEAD_DIM_V=out.shape[-1], HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M,
-             BLOCK_DV=block_dv), out.device.index)
+             BLOCK_DV=block_dv), {})
 
 
 def _gluon_dbias(req, full_shape, device):

@@ -20,6 +20,7 @@ from ._common import (BIAS_BOOL, BIAS_FLOAT, LN2, LOG2E, Config, Dropout, Heads,
                       _load_tile, _mma, _paged_seq, _query_block, _score_mod, _score_unit, _head_views, _store_tile,
                       _streamed_block, _tile_pages)
 from ..request import AttentionRequest
+from . import features
 from .features import Features
 
 
@@ -209,52 +210,104 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     window_right; causal is right = 0) that are < 0 do not apply. Varlen computes each sequence's offset as
     Sk - Sq itself.
     """
-    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
-    assert softmax_scale > 0, "the kernel takes the row max before scaling: the scale must be positive"
+    return plan_forward(q, k, v, req, out_dtype)[1:]
+
+
+class FwdPlan:
+    """The forward launch of one plan key (flashtile/dispatch.py: shapes, strides, dtypes, alignment, the request's
+    scalars and which of its tensors are set), everything but the call's tensors fixed: the tiles that compiled,
+    the grid, the scalar groups, the constexprs and the compiled kernel (a _launch.Bound). run allocates out and
+    lse, takes the feature tensors from the request (fixed placeholders when it has none) and launches."""
+    __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "groups", "fargs", "feature_lengths",
+                 "use_tma", "tiles", "dropout_scalars")
+
+    def run(self, q, k, v, req):
+        """(out, lse) of a call with this plan's key."""
+        return self.start(_launch.stream_for(q.get_device()), q, k, v, req)[1:]
+
+    def start(self, stream, q, k, v, req):
+        """(the compiled kernel or the JIT launch's return value, out, lse); stream: _launch.stream_for's."""
+        out = _common.empty(self.out_shape, self.out_dtype, self.device)
+        lse = _common.empty(self.lse_shape, torch.float32, self.device)
+        fargs, blocks = self.fargs, None
+        if fargs is None:  # the request has tensors of its own (offsets, slopes, mask, sinks, seed)
+            feats = Features(req)
+            fargs = feats.kernel_args(q, self.use_tma, *self.feature_lengths, kv=(k, v))
+            blocks = feats.block_lists(*self.tiles, False, *self.feature_lengths[:2])
+        if self.use_tma:
+            configs._set_tma_allocator(self.device)
+        strides, seq, heads, band, scale = self.groups
+        return self.launch(stream, q, k, v, out, lse, strides, seq, fargs.cu_seqlens, heads, band, scale, fargs.alibi,
+                           fargs.bias, blocks or fargs.no_blocks, fargs.sinks,
+                           Dropout(fargs.seed, *self.dropout_scalars), fargs.paged), out, lse
+
+
+def _fwd_plan(cfg, spec, q, k, v, req, out_dtype):
+    """The FwdPlan of (q, k, v, req) with tiles cfg."""
     feats = Features(req)
-    out_dtype = out_dtype or q.dtype
     seqlen_q, num_heads, head_dim = q.shape[-3], q.shape[-2], q.shape[-1]
     seqlen_k, num_kv_heads, head_dim_v = k.shape[-3], k.shape[-2], v.shape[-1]
+    plan = FwdPlan()
+    plan.out_dtype, plan.device, plan.use_tma, plan.tiles = out_dtype, q.device, spec.use_tma, (cfg.block_m,
+                                                                                                   cfg.block_n)
     if req.varlen:
         batch = req.cu_seqlens_q.numel() - 1
-        out = _common.empty((q.shape[0], num_heads, head_dim_v), out_dtype, q.device)
-        lse = _common.empty((num_heads, q.shape[0]), torch.float32, q.device)
+        plan.out_shape, plan.lse_shape = (q.shape[0], num_heads, head_dim_v), (num_heads, q.shape[0])
         seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
-        lse_strides = (0, lse.stride(0))
+        lse_strides = (0, q.shape[0])
     else:
         batch = q.shape[0]
-        out = _common.empty((batch, seqlen_q, num_heads, head_dim_v), out_dtype, q.device)
-        lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
-        lse_strides = (lse.stride(0), lse.stride(1))
+        plan.out_shape, plan.lse_shape = (batch, seqlen_q, num_heads, head_dim_v), (batch, num_heads, seqlen_q)
+        lse_strides = (num_heads * seqlen_q, seqlen_q)
+    # out is allocated contiguous: its strides follow from its shape.
+    out_strides = _common.contiguous_strides(plan.out_shape)
+    out_strides = (0,) + out_strides[:2] if req.varlen else out_strides[:3]
     if req.paged:  # the views start at page 0 (batch stride 0, as varlen's); the page strides travel in Paged
         kv_strides = [(0,) + tuple(t.stride()[1:3]) for t in (k, v)]
     else:
         kv_strides = [_common.batch_strides(t, req.varlen) for t in (k, v)]
-    strides = Strides(_common.batch_strides(q, req.varlen), *kv_strides, _common.batch_strides(out, req.varlen),
-                      lse_strides)
-    spec = configs.launch_spec(q, (q, k, v, out), tma=not req.paged)  # paged K/V: pointer loads
-    fargs = feats.kernel_args(q, spec.use_tma, seqlen_q, seqlen_k, k.shape[0], kv=(k, v))
-    candidates = configs.forward_candidates(max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
-                                            fargs.flags.BIAS, req.softcap > 0, req.paged)
-    args = (q, k, v, out, lse, strides, Seq(seqlen_q, seqlen_k, diagonal_offset), fargs.cu_seqlens,
-            Heads(num_heads, num_heads // num_kv_heads), feats.band,
-            Scale(softmax_scale, softmax_scale * LOG2E.value, req.softcap), fargs.alibi, fargs.bias)
-    dropout = Dropout(fargs.seed, fargs.dropout_threshold, 1.0 - req.dropout_p)
+    strides = Strides(_common.batch_strides(q, req.varlen), *kv_strides, out_strides, lse_strides)
+    plan.feature_lengths = (seqlen_q, seqlen_k, k.shape[0])
+    fargs = feats.kernel_args(q, spec.use_tma, *plan.feature_lengths, kv=(k, v))
+    plan.fargs = None if req.tensors() else fargs
+    plan.dropout_scalars = (fargs.dropout_threshold, 1.0 - req.dropout_p)
+    plan.groups = (strides, Seq(seqlen_q, seqlen_k, req.diagonal_offset), Heads(num_heads, num_heads // num_kv_heads),
+                   feats.band, Scale(req.softmax_scale, req.softmax_scale * LOG2E.value, req.softcap))
+    # The single-loop form, except for fp32 under tf32: there the operand rounding (_common._round_tf32) gave
+    # wrong results inside it on Triton 3.6 while the two-stage form is right (tests/test_gpu.py).
+    even_n = (not req.banded and not req.varlen and seqlen_k % cfg.block_n == 0
+              and not (q.dtype == torch.float32 and spec.precision == "tf32"))
+    config = Config(head_dim, head_dim_v, cfg.block_m, cfg.block_n, spec.block_d(head_dim), spec.block_d(head_dim_v),
+                    even_n, spec.use_tma, spec.precision, spec.dot_upcast)
+    flags = fargs.flags._replace(BLOCK_SKIP=feats.bias_kind == features.BIAS_BOOL)
+    plan.launch = _launch.Bound(_attn_fwd_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads), (),
+                                _common.constexpr_groups(FEAT=flags, CFG=config),
+                                dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return plan
+
+
+def plan_forward(q, k, v, req: AttentionRequest, out_dtype=None):
+    """(FwdPlan, out, lse): the plan of this call's key built with the first candidate tiles that compile, and the
+    call launched with it (flashtile/dispatch.py keeps the plan for later calls with the same key)."""
+    assert req.softmax_scale > 0, "the kernel takes the row max before scaling: the scale must be positive"
+    out_dtype = out_dtype or q.dtype
+    head_dim = max(q.shape[-1], v.shape[-1])
+    out_shape = (q.shape[0], q.shape[1], v.shape[-1]) if req.varlen else q.shape[:3] + v.shape[-1:]
+    # The output, allocated contiguous by the plan, joins the TMA check as a tensor without storage.
+    spec = configs.launch_spec(q, (q, k, v, torch.empty(out_shape, dtype=out_dtype, device="meta")),
+                               tma=not req.paged)  # paged K/V: pointer loads
+    bias_kind = Features(req).bias_kind
+    candidates = configs.forward_candidates(head_dim, req.mask_right, q.dtype, spec, bias_kind, req.softcap > 0,
+                                            req.paged)
+    stream = _launch.stream_for(q.get_device())
+    result = {}
 
     def launch(cfg):
-        # The single-loop form, except for fp32 under tf32: there the operand rounding (_common._round_tf32) gave
-        # wrong results inside it on Triton 3.6 while the two-stage form is right (tests/test_gpu.py).
-        even_n = (not req.banded and not req.varlen and seqlen_k % cfg.block_n == 0
-                  and not (q.dtype == torch.float32 and spec.precision == "tf32"))
-        blocks = feats.block_lists(cfg.block_m, cfg.block_n, False, seqlen_q, seqlen_k)
-        config = Config(head_dim, head_dim_v, cfg.block_m, cfg.block_n, spec.block_d(head_dim),
-                        spec.block_d(head_dim_v), even_n, spec.use_tma, spec.precision, spec.dot_upcast)
-        return _launch.launch(
-            _attn_fwd_kernel, (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads),
-            args + (blocks or fargs.no_blocks, fargs.sinks, dropout, fargs.paged),
-            _common.constexpr_groups(FEAT=fargs.flags._replace(BLOCK_SKIP=blocks is not None), CFG=config),
-            q.device.index, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        plan = _fwd_plan(cfg, spec, q, k, v, req, out_dtype)
+        compiled, out, lse = plan.start(stream, q, k, v, req)
+        result.update(plan=plan, out=out, lse=lse)
+        return compiled
 
-    configs.launch_first_that_compiles(("fwd", max(head_dim, head_dim_v), req.mask_right, q.dtype, spec,
-                                        feats.variant(), fargs.flags.BIAS), candidates, launch)
-    return out, lse
+    configs.launch_first_that_compiles(("fwd", head_dim, req.mask_right, q.dtype, spec, Features(req).variant(),
+                                        bias_kind), candidates, launch)
+    return result["plan"], result["out"], result["lse"]

@@ -104,13 +104,18 @@ def _dq_from_tiles_kernel(Acc, dQ, stride_b, stride_s, stride_h, seqlen_q, seqle
 
 def dq_from_tiles(acc, dq, seqlen_q_pad):
     """Write dq ([B, Sq, H, D]) from the Gluon backward's fp32 tile buffer (_dq_from_tiles_kernel)."""
+    _dq_from_tiles_launch(dq, seqlen_q_pad)(_launch.stream_for(dq.get_device()), acc, dq)
+    return dq
+
+
+def _dq_from_tiles_launch(dq, seqlen_q_pad):
+    """dq_from_tiles' launch for dq's shape and strides, bound: its call takes (stream, acc, dq)."""
     batch, seqlen_q, num_heads, head_dim = dq.shape
     block_m = BLOCK_M[head_dim]
     grid = (2 * seqlen_q_pad // block_m, batch * num_heads)
-    _launch.launch(_dq_from_tiles_kernel, grid, (acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q,
-                                                 seqlen_q_pad, num_heads), dict(HEAD_DIM=head_dim, BLOCK_M=block_m),
-                   dq.device.index, num_warps=4)
-    return dq
+    return _launch.Bound(_dq_from_tiles_kernel, grid, (dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q,
+                                                       seqlen_q_pad, num_heads),
+                         dict(HEAD_DIM=head_dim, BLOCK_M=block_m), dict(num_warps=4))
 
 
 if AVAILABLE:
@@ -961,51 +966,84 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, req: Attentio
     None, or a [B, H, Sq, Sk]
     buffer of the float bias's dtype (unit key stride, 16-byte aligned rows) that takes dS; the tiles outside a band are
     not written."""
-    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
+    plan = gluon_plan(q, k, v, dout, (dq, dk, dv), lse_log2.shape, req, dbias is not None)
+    plan.run(_launch.stream_for(q.get_device()), q, k, v, dout, dq, dk, dv, lse_log2, delta, req, dbias)
+    return dq, dk, dv
+
+
+class GluonBwdPlan:
+    """The launches of attention_backward for one plan key (kernels/backward.BwdPlan holds it), everything but the
+    call's tensors fixed: the grid, the scalar groups, the constexprs and the compiled kernels (_launch.Bound)."""
+    __slots__ = ("launch", "to_dq", "acc_shape", "scalars", "mul", "lists", "tiles", "varlen", "dropout", "device")
+
+    def run(self, stream, q, k, v, dout, dq, dk, dv, lse_log2, delta, req, dbias):
+        q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
+        # dQ in fp32, scaled in the kernel: [total_q, H, D] for varlen, each sequence's reductions stopping at its
+        # end; else tile by tile (the kernel's dq_desc note).
+        dq_acc = torch.zeros(self.acc_shape, dtype=torch.float32, device=self.device)
+        cu_q = cu_k = delta  # placeholders, never read
+        if self.varlen:
+            cu_q, cu_k = req.cu_seqlens_q, req.cu_seqlens_k
+        alibi = delta if req.alibi_slopes is None else req.alibi_slopes  # delta: never read without ALiBi
+        # attn_mask: its tile descriptor, and for a bool mask the lists of query tiles to visit per key block
+        # (placeholders, never read, without).
+        bias, counts, indices, dbias_desc = delta, delta, delta, delta
+        if req.attn_bias is not None:
+            bias = hopper_fwd.bias_descriptor(req.attn_bias, *self.tiles)[0]
+            lists = Features(req).block_lists(*self.tiles, True, *self.lists[3:])
+            if lists is not None:
+                counts, indices = lists.counts, lists.indices
+        if dbias is not None:
+            # Each consumer warpgroup stores its 64 keys of a [BLOCK_M, 128] tile.
+            dbias_desc = TensorDescriptor(dbias, list(dbias.shape), list(dbias.stride()), [1, 1, self.tiles[0], 64],
+                                          hopper_fwd._layout(8 * dbias.element_size(), 4))
+        configs._set_tma_allocator(self.device)
+        self.launch(stream, q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k,
+                    req.seed if self.dropout else delta, *self.scalars, bias, self.mul, dbias_desc, counts, indices,
+                    _Lists(*self.lists[:3]))
+        if self.varlen:
+            dq.copy_(dq_acc)
+        else:
+            self.to_dq(stream, dq_acc, dq)
+
+
+def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_grad):
+    """The GluonBwdPlan of a call (attention_backward's arguments; grads: (dq, dk, dv), None for those the caller
+    allocates contiguous; rows_shape: lse_log2's)."""
     feats = Features(req)
-    q, k, v, dout = (_rows(t) for t in (q, k, v, dout))
     varlen = req.varlen
-    dropout = req.dropout_p > 0  # the call's Philox key: req.seed
+    q, k, v, dout = (_rows(t) for t in (q, k, v, dout))
+    dk, dv = (g if g is not None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+              for g, t in zip(grads[1:], (k, v)))
     num_heads, head_dim = q.shape[-2:]
     num_kv_heads = k.shape[-2]
-    seqlen_q_pad = lse_log2.shape[-1]
+    seqlen_q_pad = rows_shape[-1]
+    plan = GluonBwdPlan()
+    plan.device, plan.varlen, plan.dropout = q.device, varlen, req.dropout_p > 0
     if varlen:
         batch = req.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k  # the grid's; each program reads its own
-        cu_q, cu_k = req.cu_seqlens_q, req.cu_seqlens_k
         # (batch, row) strides of the inputs, (batch, row, head) of the outputs: a packed tensor's batch stride is
         # 0 (the kernel bases each at its sequence's first row).
         strides = [(0, t.stride(0)) for t in (q, k, v, dout)] + [(0,) + t.stride()[:2] for t in (dk, dv)]
-        # dQ in fp32, scaled in the kernel, as [total_q, H, D]: each sequence's reductions stop at its end.
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        plan.acc_shape = tuple(q.shape)
     else:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
-        cu_q = cu_k = delta  # placeholders, never read
         strides = [t.stride()[:2] for t in (q, k, v, dout)] + [t.stride()[:3] for t in (dk, dv)]
-        # dQ in fp32, scaled in the kernel, tile by tile (the kernel's dq_desc note).
-        dq_acc = torch.zeros((batch * num_heads * seqlen_q_pad * head_dim // 256, 256), dtype=torch.float32,
-                             device=q.device)
+        plan.acc_shape = (batch * num_heads * seqlen_q_pad * head_dim // 256, 256)
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
-    qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(softmax_scale, req.softcap)
-    alibi, stride_alibi_b = feats.alibi_args(delta)  # delta: a placeholder, never read without ALiBi
+    qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(req.softmax_scale, req.softcap)
+    stride_alibi_b = feats.alibi_args(None)[1]
     block_m = BLOCK_M[head_dim]
-    # attn_mask: its tile descriptor, and for a bool mask the lists of query tiles to visit per key block
-    # (placeholders, never read, without).
-    bias, bias_mul_b, bias_mul_h = delta, 0, 0
-    counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = delta, delta, (0, 0), 0
+    plan.tiles = (block_m, BLOCK_N)
+    bias_mul_b, bias_mul_h, stride_cnt_b, stride_cnt_h, n_cols = 0, 0, 0, 0, 0
     if req.attn_bias is not None:
-        bias, bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(req.attn_bias, block_m, BLOCK_N)
+        bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(req.attn_bias, block_m, BLOCK_N)[1:]
         lists = feats.block_lists(block_m, BLOCK_N, True, seqlen_q, seqlen_k)
         if lists is not None:
-            counts, indices, (stride_cnt_b, stride_cnt_h), n_cols = lists
-    dbias_desc = delta
-    if dbias is not None:
-        # Each consumer warpgroup stores its 64 keys of a [BLOCK_M, 128] tile.
-        dbias_desc = TensorDescriptor(dbias, list(dbias.shape), list(dbias.stride()), [1, 1, block_m, 64],
-                                      hopper_fwd._layout(8 * dbias.element_size(), 4))
-    configs._set_tma_allocator(q.device)
-    grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
+            (stride_cnt_b, stride_cnt_h), n_cols = lists.strides, lists.cols
+    plan.mul, plan.lists = _Mul(bias_mul_b, bias_mul_h), (stride_cnt_b, stride_cnt_h, n_cols, seqlen_q, seqlen_k)
     # A float attn_mask shared by the heads is read by every head's programs: launched in groups of HEAD_GROUP
     # heads (_grouped_order), a group's programs read each tile from memory once. 4, where the forward takes 8:
     # here a wave holds fewer key blocks per head the larger the group, and each head's Q, dO and dQ rows are
@@ -1013,19 +1051,15 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, req: Attentio
     head_group = 1
     if feats.bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen:
         head_group = min(HEAD_GROUP, num_kv_heads)
-    _launch.launch(_bwd_kernel, grid, (
-        q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k, req.seed if dropout else delta,
-        _Strides(*(st for t in strides for st in t), stride_alibi_b), seqlen_q, seqlen_k, seqlen_q_pad, diagonal_offset,
-        req.window_left, req.window_right,
-        _Scales(pre_scale, qk_scale, softmax_scale, dropout_threshold(req.dropout_p), 1.0 / (1.0 - req.dropout_p)),
-        _Heads(num_heads, num_kv_heads, head_group), bias, _Mul(bias_mul_b, bias_mul_h), dbias_desc, counts, indices,
-        _Lists(stride_cnt_b, stride_cnt_h, n_cols)), dict(
+    plan.scalars = (
+        _Strides(*(st for t in strides for st in t), stride_alibi_b), seqlen_q, seqlen_k, seqlen_q_pad,
+        req.diagonal_offset, req.window_left, req.window_right,
+        _Scales(pre_scale, qk_scale, req.softmax_scale, dropout_threshold(req.dropout_p), 1.0 / (1.0 - req.dropout_p)),
+        _Heads(num_heads, num_kv_heads, head_group))
+    plan.launch = _launch.Bound(_bwd_kernel, (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads), (), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DBIAS=dbias is not None, VARLEN=varlen, DROPOUT=dropout),
-        q.device.index, num_warps=4)
-    if varlen:
-        dq.copy_(dq_acc)
-    else:
-        dq_from_tiles(dq_acc, dq, seqlen_q_pad)
-    return dq, dk, dv
+        BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0), dict(num_warps=4))
+    dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
+    plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
+    return plan

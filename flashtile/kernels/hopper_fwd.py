@@ -473,7 +473,13 @@ if AVAILABLE:
             if cfg.DYNAMIC:
                 # Items after the first one per program come from a global counter, in list order. Taken here,
                 # after this item's loads are issued, its latency hides behind the wait for a free query buffer.
-                tile = gl.num_programs(0) + gl.atomic_add(prog.producer.Counter, 1)
+                taken = gl.atomic_add(prog.producer.Counter, 1)
+                tile = gl.num_programs(0) + taken
+                if taken == work.n_tiles - 1:
+                    # The launch's last take: every program enters the loop once (the grid has at most n_tiles
+                    # programs) and takes once more per item after its first, so the takes number n_tiles and no
+                    # program takes again after this one. Zero again for the next launch (_schedule_counter).
+                    gl.atomic_xchg(prog.producer.Counter, 0)
             else:
                 tile += gl.num_programs(0)
         if cfg.DYNAMIC:
@@ -1218,10 +1224,92 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     """Same contract as kernels.forward.attention_forward, for the requests flashtile.dispatch gives this kernel
     (GluonHopper's allow-list). An out_dtype other than q's (float32) is stored from registers: the output staging
     buffer holds q's dtype."""
-    softmax_scale, diagonal_offset = req.softmax_scale, req.diagonal_offset
+    return plan_forward(q, k, v, req, out_dtype)[1:]
+
+
+def plan_forward(q, k, v, req: AttentionRequest, out_dtype=None):
+    """(GluonFwdPlan, out, lse): the plan of this call's key and the call launched with it (flashtile/dispatch.py
+    keeps the plan for later calls with the same key)."""
+    plan = _fwd_plan(q, k, v, req, out_dtype or q.dtype)
+    out, lse = plan.start(_launch.stream_for(q.get_device()), q, k, v, req)
+    return plan, out, lse
+
+
+def _meta(t):
+    """A tensor without storage with t's shape, strides and dtype (data_ptr 0: 16-byte aligned)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _copy_descriptor(template, base):
+    """A TMA descriptor like template (same shape, strides, block and layout) over base's memory: the plan's
+    descriptors were validated when built, and base has the shape, strides, dtype and alignment they were built
+    for (the plan key), so the copy skips TensorDescriptor's checks. The launcher reads base.data_ptr() on every
+    launch; each call gets its own descriptor objects, never a shared one changed in place."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(template.__dict__)
+    desc.base = base
+    return desc
+
+
+# The dynamic schedule's item counters, one per (device, stream): zero before a launch, and the launch's last take
+# sets its counter back to zero (_load_partition), so that no call pays for a zero-fill kernel (it was a second
+# launch before each forward: at 1k tokens the GPU waited on the host between the two). Launches on one stream run
+# in order; two streams get two counters.
+_COUNTERS = {}
+
+
+def _schedule_counter(device, stream):
+    """The zeroed item counter of launches on device's stream (stream: _launch.stream_for's, None: torch's
+    current stream there)."""
+    key = (device, stream if stream is not None else torch.cuda.current_stream(device).cuda_stream)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+class GluonFwdPlan:
+    """The launch of attention_forward for one plan key (flashtile/dispatch.py), everything but the call's tensors
+    fixed: the configuration, the grid, the scalar groups, the constexprs, descriptor templates and the compiled
+    kernel (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), makes this call's
+    descriptors and feature tensors, and launches."""
+    __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "dynamic", "block_m",
+                 "varlen", "lists", "o_from_q")
+
+    def run(self, q, k, v, req):
+        """(out, lse) of a call with this plan's key."""
+        return self.start(_launch.stream_for(q.get_device()), q, k, v, req)
+
+    def start(self, stream, q, k, v, req):
+        """(out, lse); stream: _launch.stream_for's."""
+        out = _common.empty(self.out_shape, self.out_dtype, self.device)
+        lse = _common.empty(self.lse_shape, torch.float32, self.device)
+        q_desc, k_desc, v_desc, o_desc = self.descs
+        # lse: a placeholder where a feature is off (never read).
+        bias_desc, counts, indices, tile_map = None, lse, lse, lse
+        if req.attn_bias is not None:
+            bias_desc = bias_descriptor(req.attn_bias, WG_M, BLOCK_N)[0]
+            if self.lists is not None:
+                lists = Features(req).block_lists(*self.lists)
+                counts, indices = lists.counts, lists.indices
+        if self.varlen:
+            tile_map = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, q.shape[0], self.block_m,
+                                       req.mask_right)[0]
+        counter = _schedule_counter(self.device, stream) if self.dynamic else lse
+        self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
+                    _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
+                    lse if req.alibi_slopes is None else req.alibi_slopes, lse if req.sinks is None else req.sinks,
+                    req.seed if req.dropout_p > 0 else lse, counts, indices, *self.groups)
+        return out, lse
+
+
+def _fwd_plan(q, k, v, req, out_dtype):
+    """The GluonFwdPlan of (q, k, v, req)."""
     feats = Features(req)
     varlen = req.varlen
-    out_dtype = out_dtype or q.dtype
+    diagonal_offset = req.diagonal_offset
+    plan = GluonFwdPlan()
+    plan.out_dtype, plan.device, plan.varlen = out_dtype, q.device, varlen
     if varlen:
         # Packed [total, H, D] sequences (kernel note at _varlen_item): 4-D views [1, total, H, D] for the
         # descriptors, lse [H, total_q]; each item adds its sequence's own Sk - Sq to the offsets below.
@@ -1229,24 +1317,31 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
         num_kv_heads = k.shape[1]
         batch = req.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
-        out = _common.empty((total_q, num_heads, head_dim), out_dtype, q.device)
-        lse = _common.empty((num_heads, total_q), torch.float32, q.device)
+        plan.out_shape, plan.lse_shape = (total_q, num_heads, head_dim), (num_heads, total_q)
         diagonal_offset = 0
+        out = torch.empty(plan.out_shape, dtype=out_dtype, device="meta")  # allocated contiguous by run
         q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
         out_strides = (0, out.stride(0), out.stride(1))
-        lse_strides = (0, lse.stride(0))
+        lse_strides = (0, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-        out = _common.empty((batch, seqlen_q, num_heads, head_dim), out_dtype, q.device)
-        lse = _common.empty((batch, num_heads, seqlen_q), torch.float32, q.device)
+        plan.out_shape, plan.lse_shape = (batch, seqlen_q, num_heads, head_dim), (batch, num_heads, seqlen_q)
+        out = torch.empty(plan.out_shape, dtype=out_dtype, device="meta")
         q4, k4, v4, o4 = q, k, v, out
-        out_strides = (out.stride(0), out.stride(1), out.stride(2))
-        lse_strides = (lse.stride(0), lse.stride(1))
+        out_strides = out.stride()[:3]
+        lse_strides = (num_heads * seqlen_q, seqlen_q)
+    # Outputs in another dtype (fp32 blocks for flashtile.distributed) are stored from registers; the descriptor
+    # slot then gets q's, never read (a 16-bit layout over an fp32 tensor is no valid TMA descriptor).
+    plan.o_from_q = out_dtype != q.dtype
+    # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
+    # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
+    plan.descs = tuple(_descriptor(_meta(t), rows) for t, rows in ((q4, WG_M), (k4, BLOCK_N), (v4, BLOCK_N),
+                                                                    (q4 if plan.o_from_q else o4, WG_M)))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (req.window_right if req.mask_right else 0)
-    alibi, stride_alibi_b = feats.alibi_args(lse)  # lse: a placeholder, never read without ALiBi
+    stride_alibi_b = feats.alibi_args(None)[1]
     left_offset = diagonal_offset - req.window_left if req.mask_left else 0
     bias_kind = feats.bias_kind
     num_wg, qbuf, dynamic = CONFIGS[(head_dim, req.banded)]
@@ -1260,37 +1355,30 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
         # causal, ALiBi, sinks and window forwards moved within +-1% and dropout's lost 1-2% (docs/design-record.md,
         # "Two query buffers for the causal softcap forward").
         qbuf = 2
-    block_m = WG_M * num_wg
-    # attn_mask: its tiles' descriptor, room for them in shared memory, and for a bool mask the list of key blocks
-    # each query tile visits (lse and 0: placeholders, never read).
-    bias_desc, bias_mul_b, bias_mul_h, stage_o = None, 0, 0, True
-    counts, indices, count_strides, idx_cols = lse, lse, (0, 0), 0
+    block_m = plan.block_m = WG_M * num_wg
+    # attn_mask: room for its tiles in shared memory, and for a bool mask the lists of key blocks each query tile
+    # visits (made per call: Features.block_lists).
+    bias_mul_b, bias_mul_h, stage_o = 0, 0, True
+    count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
-        bias_desc, bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, BLOCK_N)
+        bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, BLOCK_N)[1:]
         qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, req.attn_bias.element_size())
         if bias_kind == BIAS_BOOL:
             dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
             # Without a band, the blocks the mask leaves entirely visible need no tile (mark_full); with one,
             # every listed block is masked anyway.
-            counts, indices, count_strides, idx_cols = feats.block_lists(block_m, BLOCK_N, False, seqlen_q,
-                                                                         seqlen_k, mark_full=not req.banded)
+            plan.lists = (block_m, BLOCK_N, False, seqlen_q, seqlen_k, not req.banded)
+            lists = feats.block_lists(*plan.lists[:5], mark_full=plan.lists[5])
+            count_strides, idx_cols = lists.strides, lists.cols
     stage_o = stage_o and out_dtype == q.dtype
-    # Outputs in another dtype (fp32 blocks for flashtile.distributed) are stored from registers; the descriptor
-    # slot then gets q's, never read (a 16-bit layout over an fp32 tensor is no valid TMA descriptor).
-    o_src = o4 if out_dtype == q.dtype else q4
     n_m = triton.cdiv(seqlen_q, block_m)
-    tile_map = lse  # a placeholder, never read without varlen
     if varlen:
         # Items: (tile of the map, head); the producer skips the map's rows past the last tile.
-        tile_map, n_m = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, total_q, block_m, req.mask_right)
+        n_m = triton.cdiv(total_q, block_m) + batch  # varlen_tile_map's n_upper
         dynamic = True
+    plan.dynamic = dynamic
     n_tiles = n_m * batch * num_heads if not varlen else n_m * num_heads
     head_group = min(HEAD_GROUP, num_heads) if bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen else 1
-    # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
-    # work items than programs).
-    grid = (min(n_tiles, _num_sms(q.device.index)), )
-    # The dynamic schedule's item counter (items after each program's first); unused otherwise.
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     # LAZY_MAX: not with an attn_mask (a redone block would need its tile again) or a left window (a row may see
     # its first key in a later block, and needs that block's maximum as its reference), nor on three warpgroups
     # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
@@ -1298,21 +1386,18 @@ def attention_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
     lazy = (SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
             and num_wg == 2)
-    seed = req.seed if req.dropout_p > 0 else lse  # the call's Philox key; lse: a placeholder, never read
-    qk_scale, pre_scale, mod_unit = mod_scalars(softmax_scale, req.softcap,
+    qk_scale, pre_scale, mod_unit = mod_scalars(req.softmax_scale, req.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not req.softcap > 0)
-    strides = _Strides(*out_strides, *lse_strides, stride_alibi_b)
-    mask = _Mask(bias_mul_b, bias_mul_h, *count_strides, idx_cols)
-    band = _Band(seqlen_k, right_offset, left_offset, diagonal_offset)
-    scales = _Scales(qk_scale, mod_unit, pre_scale, dropout_threshold(req.dropout_p), 1.0 - req.dropout_p)
-    heads = _Heads(num_heads, max(head_group, 1), num_heads // num_kv_heads)
-    _launch.launch(_fwd_kernel, grid, (
-        _descriptor(q4, WG_M), _descriptor(k4, BLOCK_N), _descriptor(v4, BLOCK_N), _descriptor(o_src, WG_M), bias_desc,
-        out, lse, counter, tile_map, alibi, lse if req.sinks is None else req.sinks, seed, counts, indices,
-        strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles), dict(
+    plan.groups = (_Strides(*out_strides, *lse_strides, stride_alibi_b),
+                   _Mask(bias_mul_b, bias_mul_h, *count_strides, idx_cols), seqlen_q,
+                   _Band(seqlen_k, right_offset, left_offset, diagonal_offset),
+                   _Scales(qk_scale, mod_unit, pre_scale, dropout_threshold(req.dropout_p), 1.0 - req.dropout_p),
+                   _Heads(num_heads, max(head_group, 1), num_heads // num_kv_heads), n_m, n_tiles)
+    # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
+    # work items than programs).
+    plan.launch = _launch.Bound(_fwd_kernel, (min(n_tiles, _num_sms(q.device.index)), ), (), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], MASK_RIGHT=req.mask_right,
         MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0),
-        q.device.index, num_warps=4)
-    return out, lse
+        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0), dict(num_warps=4))
+    return plan

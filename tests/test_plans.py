@@ -1,0 +1,322 @@
+"""Launch plans (flashtile/dispatch.py, "Plans"): a repeated eager call reuses the backend choice, tiles, grids,
+scalar arguments and compiled kernels of the first call with its plan key.
+
+On the CPU the plans run in Triton's interpreter; inside flashtile.testing.fast_launch_on_cpu they also take the
+path CUDA tensors take (the compile cache, bound launches calling a compiled kernel's launcher, here one that runs
+the interpreter), so the arguments a cached call hands to the launcher are checked. Each result is compared bit for
+bit with the same call without plans (SETTINGS.fast_launch off: every call chooses and builds anew).
+"""
+import gc
+import weakref
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import dispatch
+from flashtile._settings import SETTINGS, override
+from flashtile.kernels import _launch
+from flashtile.kernels.configs import TileConfig
+from flashtile.request import AttentionRequest
+from flashtile.testing import cu_seqlens, fast_launch_on_cpu
+
+CUDA = torch.cuda.is_available()
+
+
+def _randn(shape, dtype, device, seed, grad=True):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_(grad)
+
+
+def _flash(device, dtype, b, sq, sk, h, hk, d, seed=0, **kw):
+    """flash_attn_func forward and backward (the LSE in the loss too: dlse) -> out, lse, dq, dk, dv."""
+    q = _randn((b, sq, h, d), dtype, device, seed)
+    k, v = _randn((b, sk, hk, d), dtype, device, seed + 1), _randn((b, sk, hk, d), dtype, device, seed + 2)
+    torch.manual_seed(seed)  # dropout's seed
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    dout = _randn(out.shape, dtype, device, seed + 3, grad=False)
+    grads = torch.autograd.grad((out * dout).sum() + lse.sum(), (q, k, v))
+    return (out, lse) + grads
+
+
+def _strided(device, dtype, seed=0):
+    """q, k, v as slices of one packed (B, S, 3, H, D) tensor, through the qkv-packed API and as views."""
+    qkv = _randn((2, 37, 3, 2, 16), dtype, device, seed)
+    out = flashtile.flash_attn_qkvpacked_func(qkv, causal=True)
+    (dqkv,) = torch.autograd.grad(out.square().sum(), (qkv,))
+    q, k, v = (qkv.detach()[:, :, i].requires_grad_() for i in range(3))
+    out2 = flashtile.flash_attn_func(q, k, v, window_size=(4, 2))
+    return (out, dqkv, out2) + torch.autograd.grad(out2.square().sum(), (q, k, v))
+
+
+def _varlen(device, dtype, seed=0, lengths=(5, 0, 23, 17), d=16, **kw):
+    cu = cu_seqlens(lengths, device)
+    q = _randn((sum(lengths), 4, d), dtype, device, seed)
+    k, v = _randn((sum(lengths), 2, d), dtype, device, seed + 1), _randn((sum(lengths), 2, d), dtype, device,
+                                                                          seed + 2)
+    torch.manual_seed(seed)
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), **kw)
+    return (out,) + torch.autograd.grad(out.square().sum(), (q, k, v))
+
+
+def _sdpa(device, dtype, mask_kind, seed=0):
+    """scaled_dot_product_attention's (B, H, S, D) views with a float bias (with its gradient) or a bool mask."""
+    q = _randn((1, 3, 40, 16), dtype, device, seed)
+    k, v = _randn((1, 3, 33, 16), dtype, device, seed + 1), _randn((1, 3, 33, 16), dtype, device, seed + 2)
+    if mask_kind == "bool":
+        mask = torch.rand((1, 1, 40, 33), generator=torch.Generator(device).manual_seed(seed), device=device) > 0.3
+    else:
+        mask = _randn((1, 3, 40, 33), dtype, device, seed + 4)
+    out = flashtile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    inputs = (q, k, v) + ((mask,) if mask.requires_grad else ())
+    return (out,) + torch.autograd.grad(out.square().sum(), inputs)
+
+
+# A sequence of calls changing one ingredient of the plan key at a time: shapes (Sq != Sk both ways, GQA), dtype,
+# strides, options, the request's tensors. Small enough for the interpreter.
+CPU_CALLS = [
+    ("causal-gqa", lambda dev: _flash(dev, torch.float16, 1, 33, 40, 4, 2, 16, causal=True)),
+    ("Sq>Sk", lambda dev: _flash(dev, torch.float16, 1, 40, 33, 4, 2, 16, causal=True)),
+    ("bf16", lambda dev: _flash(dev, torch.bfloat16, 1, 40, 33, 4, 2, 16, causal=True)),
+    ("fp32-full", lambda dev: _flash(dev, torch.float32, 2, 17, 40, 2, 1, 24)),
+    ("window-softcap", lambda dev: _flash(dev, torch.float16, 1, 33, 40, 4, 2, 16, window_size=(6, 3),
+                                          softcap=5.0)),
+    ("scale", lambda dev: _flash(dev, torch.float16, 1, 33, 40, 4, 2, 16, causal=True, softmax_scale=0.3)),
+    ("alibi-sinks", lambda dev: _flash(dev, torch.float16, 1, 33, 40, 4, 2, 16, causal=True,
+                                       alibi_slopes=torch.rand(4, device=dev),
+                                       sinks=torch.randn(4, device=dev, requires_grad=True))),
+    ("dropout", lambda dev: _flash(dev, torch.float16, 1, 33, 40, 4, 2, 16, dropout_p=0.25)),
+    ("deterministic", lambda dev: _flash(dev, torch.float16, 1, 33, 40, 4, 2, 16, causal=True, deterministic=True)),
+    ("strided-packed", lambda dev: _strided(dev, torch.float16)),
+    ("varlen", lambda dev: _varlen(dev, torch.float16, causal=True)),
+    ("varlen-dropout", lambda dev: _varlen(dev, torch.float16, dropout_p=0.2)),
+    ("sdpa-float-bias", lambda dev: _sdpa(dev, torch.float32, "float")),
+    ("sdpa-bool-mask", lambda dev: _sdpa(dev, torch.float16, "bool")),
+    ("causal-gqa-again", lambda dev: _flash(dev, torch.float16, 1, 33, 40, 4, 2, 16, causal=True, seed=9)),
+]
+
+
+def _assert_identical(got, want, label):
+    assert len(got) == len(want), label
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (label, i)
+        assert torch.equal(a.detach().nan_to_num(7.0), b.detach().nan_to_num(7.0)), (label, i)
+
+
+def test_cached_calls_match_uncached():
+    """Each call of the sequence, made twice with plans (the second one cached, through the compiled-kernel path),
+    gives exactly what it gives without plans; every call kind leaves plans (no call falls back)."""
+    with fast_launch_on_cpu():
+        for name, call in CPU_CALLS:
+            with override(fast_launch=False):
+                want = call("cpu")
+            before = len(dispatch._PLANS)
+            first = call("cpu")
+            built = len(dispatch._PLANS) - before
+            second = call("cpu")
+            assert len(dispatch._PLANS) - before == built, f"{name}: the second call built a plan again"
+            assert built > 0 or name.endswith("again"), f"{name}: no plan was built"
+            _assert_identical(first, want, name)
+            _assert_identical(second, want, name)
+
+
+def test_cached_call_skips_choice_and_compile(monkeypatch):
+    """A call whose key has a plan neither consults the dispatch nor reaches Triton's JIT: its launches call the
+    compiled kernels' launchers directly."""
+    with fast_launch_on_cpu():
+        first = _flash("cpu", torch.float16, 1, 33, 40, 4, 2, 16, causal=True)
+        jit_launches = []
+        real_jit = _launch._jit_launch
+
+        def counted(*args, **kwargs):
+            jit_launches.append(args[0])
+            return real_jit(*args, **kwargs)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a cached call chose its backend again")
+
+        monkeypatch.setattr(_launch, "_jit_launch", counted)
+        monkeypatch.setattr(dispatch, "choose_forward", refuse)
+        monkeypatch.setattr(dispatch, "choose_backward", refuse)
+        second = _flash("cpu", torch.float16, 1, 33, 40, 4, 2, 16, causal=True)
+        monkeypatch.undo()
+        assert not jit_launches
+        _assert_identical(second, first, "repeat")
+
+
+def test_plans_keep_no_tensors():
+    """A plan holds none of its calls' tensors: inputs and outputs are freed with the plan still cached."""
+    with fast_launch_on_cpu():
+        q = _randn((1, 33, 4, 16), torch.float16, "cpu", 0)
+        k = _randn((1, 40, 2, 16), torch.float16, "cpu", 1)
+        v = _randn((1, 40, 2, 16), torch.float16, "cpu", 2)
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out.sum(), (q, k, v))
+        refs = [weakref.ref(t) for t in (q, k, v, out)]
+        del q, k, v, out
+        gc.collect()
+        assert dispatch._PLANS and all(r() is None for r in refs)
+
+
+def _key_variants(q, k, v):
+    """(name, plan key arguments) for a base call and calls that each differ from it in one ingredient."""
+    req = AttentionRequest(softmax_scale=0.25, window_right=0, diagonal_offset=7)
+    seed = torch.zeros(1, dtype=torch.int64)
+    cu = torch.tensor([0, 10, 33], dtype=torch.int32)
+    misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    with_req = [
+        ("scale", dict(softmax_scale=0.5)), ("offset", dict(diagonal_offset=0)), ("left", dict(window_left=3)),
+        ("right", dict(window_right=-1)), ("softcap", dict(softcap=2.0)), ("deterministic", dict(deterministic=True)),
+        ("alibi", dict(alibi_slopes=torch.ones(4))), ("alibi-batch", dict(alibi_slopes=torch.ones(1, 4))),
+        ("bias", dict(attn_bias=torch.zeros(1, 1, 33, 40))), ("mask", dict(attn_bias=torch.ones(1, 1, 33, 40).bool())),
+        ("sinks", dict(sinks=torch.zeros(4))), ("dropout", dict(dropout_p=0.1, seed=seed)),
+        ("varlen", dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=23, max_seqlen_k=23)),
+        ("varlen-max", dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=24, max_seqlen_k=23)),
+    ]
+    variants = [("base", (q, (q, k, v), req))]
+    variants += [(name, (q, (q, k, v), AttentionRequest(**{**_fields(req), **change}))) for name, change in with_req]
+    variants += [
+        ("q shape", (q[:, :32], (q[:, :32], k, v), req)),
+        ("k shape", (q, (q, k[:, :39], v[:, :39]), req)),
+        ("q strides", (strided, (strided, k, v), req)),
+        ("dtype", (q.bfloat16(), (q.bfloat16(), k.bfloat16(), v.bfloat16()), req)),
+        ("alignment", (misaligned, (misaligned, k, v), req)),
+        ("heads (GQA)", (q, (q, k[:, :, :1], v[:, :, :1]), req)),
+        ("head dim v", (q, (q, k, v[..., :8]), req)),
+    ]
+    return variants
+
+
+def _fields(req):
+    return {name: getattr(req, name) for name in AttentionRequest.field_names()}
+
+
+def test_plan_key_changes_with_each_ingredient():
+    """Every ingredient a launch depends on is in the plan key: changing any one of them (a shape, a stride, the
+    dtype, 16-byte alignment, a scalar of the request, which of its tensors are set, a setting) gives a key of its
+    own, so no call reuses another's plan."""
+    q = torch.randn(1, 33, 4, 16, dtype=torch.float16)
+    k, v = torch.randn(1, 40, 2, 16, dtype=torch.float16), torch.randn(1, 40, 2, 16, dtype=torch.float16)
+    keys = {name: dispatch.plan_key(*args) for name, args in _key_variants(q, k, v)}
+    base_args = _key_variants(q, k, v)[0][1]
+    for name, change in [("gluon_forward", False), ("gluon_backward", False), ("lazy_max", False), ("tma", True),
+                         ("tiles", [TileConfig(16, 16, 4, 1)]), ("tiles", {"fwd": [TileConfig(32, 16, 4, 1)]})]:
+        with override(**{name: change}):
+            keys[f"setting {name}={change}"] = dispatch.plan_key(*base_args)
+    q32 = q.float()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for flag in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            keys[f"fp32 tf32={flag}"] = dispatch.plan_key(q32, (q32, k.float(), v.float()), base_args[2])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    # The backward's: its extra tensors (dout, out, lse, dlse, given gradient buffers) and bias_requires_grad.
+    out, lse = torch.empty(1, 33, 4, 16, dtype=q.dtype), torch.empty(1, 4, 33)
+    bwd = (out, q, k, v, out, lse, None)
+    keys["bwd"] = dispatch.plan_key(q, bwd, base_args[2])
+    keys["bwd dlse"] = dispatch.plan_key(q, bwd[:-1] + (lse,), base_args[2])
+    keys["bwd dlse strides"] = dispatch.plan_key(q, bwd[:-1] + (lse.sum().expand(lse.shape),), base_args[2])
+    keys["bwd bias grad"] = dispatch.plan_key(q, bwd, base_args[2], True)
+    keys["bwd grad buffers"] = dispatch.plan_key(q, bwd + (q, k, v), base_args[2])
+    names = list(keys)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert keys[a] != keys[b], f"{a} and {b} share a plan key"
+
+
+def test_plan_key_stable_for_same_call():
+    """The same call twice (fresh tensors of the same shapes) has one key: the cache is hit."""
+    def key():
+        q = torch.randn(1, 33, 4, 16, dtype=torch.float16)
+        k, v = torch.randn(1, 40, 2, 16, dtype=torch.float16), torch.randn(1, 40, 2, 16, dtype=torch.float16)
+        return dispatch.plan_key(q, (q, k, v), AttentionRequest(softmax_scale=0.25, window_right=0))
+    assert key() == key()
+
+
+def test_settings_change_takes_a_new_plan():
+    """Changing a setting between calls (here the tiles) takes effect on the next call, as without plans."""
+    with fast_launch_on_cpu():
+        first = _flash("cpu", torch.float16, 1, 33, 40, 4, 2, 16, causal=True)
+        n = len(dispatch._PLANS)
+        with override(tiles=[TileConfig(16, 16, 4, 1)]):
+            small = _flash("cpu", torch.float16, 1, 33, 40, 4, 2, 16, causal=True)
+        assert len(dispatch._PLANS) == n + 2  # a forward and a backward plan of their own
+        with override(tiles=[TileConfig(16, 16, 4, 1)], fast_launch=False):
+            want = _flash("cpu", torch.float16, 1, 33, 40, 4, 2, 16, causal=True)
+    _assert_identical(small, want, "tiles")
+    torch.testing.assert_close(first[0], small[0], atol=2e-3, rtol=0)
+
+
+# GPU: the same sequence at the Gluon kernels' shapes (Hopper: forward at d64 / d128 16-bit, backward at d128 and
+# long d64) and the portable ones. dQ of the Gluon backward is summed in a varying order (not bit-reproducible even
+# without plans), so it is compared within rounding there.
+GPU_CALLS = [
+    ("gluon-d64-causal", lambda dev: _flash(dev, torch.bfloat16, 2, 256, 256, 4, 4, 64, causal=True), False),
+    ("gluon-d128-gqa", lambda dev: _flash(dev, torch.bfloat16, 1, 300, 500, 8, 2, 128, causal=True), True),
+    ("gluon-d64-long", lambda dev: _flash(dev, torch.float16, 1, 2100, 2100, 2, 1, 64), True),
+    ("gluon-d128-dropout", lambda dev: _flash(dev, torch.bfloat16, 1, 256, 256, 4, 2, 128, dropout_p=0.2), True),
+    ("tiny-d64", lambda dev: _flash(dev, torch.bfloat16, 1, 128, 128, 4, 4, 64, causal=True), False),
+    ("tiny-d128", lambda dev: _flash(dev, torch.bfloat16, 1, 128, 128, 4, 4, 128, causal=True), True),
+    ("portable-d96-fp32", lambda dev: _flash(dev, torch.float32, 2, 200, 300, 4, 2, 96, causal=True), False),
+    ("portable-dropout", lambda dev: _flash(dev, torch.float16, 2, 200, 300, 4, 2, 40, dropout_p=0.3), False),
+    ("deterministic-d128", lambda dev: _flash(dev, torch.bfloat16, 1, 256, 256, 4, 2, 128, causal=True,
+                                              deterministic=True), False),
+    ("varlen", lambda dev: _varlen(dev, torch.bfloat16, causal=True), False),
+    ("gluon-varlen-d128", lambda dev: _varlen(dev, torch.bfloat16, lengths=(100, 0, 300, 177), d=128, causal=True),
+     True),
+    ("sdpa-float-bias", lambda dev: _sdpa(dev, torch.float32, "float"), False),
+    ("sdpa-bool-mask", lambda dev: _sdpa(dev, torch.float16, "bool"), False),
+    ("strided-packed", lambda dev: _strided(dev, torch.float16), False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,call,gluon_dq", GPU_CALLS, ids=[c[0] for c in GPU_CALLS])
+def test_gpu_cached_plans_match_uncached(name, call, gluon_dq):
+    """On a GPU: the second call of a key (cached plan, compiled-kernel launchers) gives bit for bit what the call
+    gives without plans and with every launch through Triton's JIT (SETTINGS.fast_launch off)."""
+    assert CUDA
+    call("cuda")
+    cached = call("cuda")
+    with override(fast_launch=False):
+        want = call("cuda")
+    for i, (a, b) in enumerate(zip(cached, want)):
+        if gluon_dq and i == len(cached) - 3:  # dq
+            torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+        else:
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), (name, i)
+    assert SETTINGS.fast_launch
+
+
+def test_shared_requests_match_fresh_ones(monkeypatch):
+    """flash_attn_func's repeated calls share the request an earlier call with the same options built
+    (interface._REQUESTS): each call's request equals the one the full checks build for it, whatever came before
+    (options of other types or values, other lengths and head dims), and a rejected option is rejected every time."""
+    from flashtile import _ops, interface
+    seen = []
+    real = _ops.attention
+
+    def capture(q, k, v, req):
+        seen.append(req)
+        return real(q, k, v, req)
+
+    monkeypatch.setattr(_ops, "attention", capture)
+    q = torch.randn(1, 9, 2, 16)
+    k = v = torch.randn(1, 12, 2, 16)
+    calls = [dict(causal=True), dict(causal=1), dict(causal=False), dict(window_size=(3, 2)),
+             dict(window_size=[3, 2]), dict(window_size=(3, 20)), dict(softmax_scale=0.5), dict(softmax_scale=1),
+             dict(softcap=2.0), dict(deterministic=True), dict(causal=True, softmax_scale=-0.5), dict(causal=True)]
+    for kw in calls * 2 + [dict(causal=True, q=q[:, :5]), dict(causal=True, q=q[..., :8], k=k[..., :8])]:
+        kw = dict(kw)
+        qq, kk = kw.pop("q", q), kw.pop("k", k)
+        out = flashtile.flash_attn_func(qq, kk, kk, **kw)
+        monkeypatch.setattr(interface, "_REQUESTS", {})
+        fresh = flashtile.flash_attn_func(qq, kk, kk, **kw)
+        assert seen[-2] == seen[-1], kw
+        assert torch.equal(out, fresh), kw
+    for bad in (dict(causal=True, dropout_p=False), dict(window_size=(True, 2)), dict(softcap=None)):
+        for _ in range(2):
+            with pytest.raises((TypeError, ValueError)):
+                flashtile.flash_attn_func(q, k, v, **bad)
