@@ -11,7 +11,8 @@ and rounded to the inputs' dtype once at the end, so the error does not grow wit
 Backward: every piece runs the block backward with the FINAL out and lse of its query rows (P = exp(S - lse) is
 then the global softmax, delta = rowsum(dO * O) the global one), so the pieces' gradients simply add up: dQ in a
 local float32 accumulator, dK/dV in float32 accumulators that travel around the ring with their block and, after
-W steps, arrive back at the rank that owns it. Each step's accumulator arrives while the next step computes.
+W steps, arrive back at the rank that owns it (that last hop carries the complete sums rounded to the inputs'
+dtype). Each step's accumulator arrives while the next step computes.
 
 # internal layout: q, out [B, S_local, H, D]; k, v [B, S_local_k, Hk, D]; lse [B, H, S_local] (varlen: B = 1)
 """
@@ -86,22 +87,37 @@ def _covers_all_rows(plan: RingPlan, n_rows):
     return reached >= n_rows
 
 
-def ring_forward(q, k, v, plan: RingPlan):
-    """(out in q's dtype, lse fp32) of the local queries over the whole ring."""
-    comm = plan.comm
+def _fresh_result(q, v, plan: RingPlan):
+    """A float32 running output and its LSE (-inf: no key seen yet) for the local queries."""
     alloc = torch.empty if _covers_all_rows(plan, q.shape[1]) else torch.zeros
     out = alloc(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def ring_forward(q, k, v, plan: RingPlan):
+    """(out in q's dtype, lse fp32) of the local queries over the whole ring."""
+    comm = plan.comm
+    out = lse = None
     kv = (k, v)
     for step, pieces in enumerate(plan.steps):
         pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
         for piece in pieces:
             out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
                                          _block(plan.options, piece))
-            merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], _unpack(out_i, piece),
-                   _unpack(lse_i, piece))
+            out_i, lse_i = _unpack(out_i, piece), _unpack(lse_i, piece)
+            if out is None and piece.q0 == 0 and piece.q1 == q.shape[1] and out_i.is_contiguous():
+                # The first partial result, over every row: it is the running result as it stands (a merge into
+                # an empty one would copy it). Causal rings start so, with the rank's own keys.
+                out, lse = out_i, lse_i
+                continue
+            if out is None:
+                out, lse = _fresh_result(q, v, plan)
+            merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], out_i, lse_i)
         if pending is not None:
             kv = tuple(pending.wait())
+    if out is None:
+        out, lse = _fresh_result(q, v, plan)
     return out.to(q.dtype), lse
 
 
@@ -117,9 +133,9 @@ def _add_rows(acc, grad, lo, hi, like):
 
 
 def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options):
-    """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's
-    (dk, dv) for the key block (None when every piece was skipped)."""
-    dk = dv = None
+    """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's key
+    gradients as a list of (first key row, last + 1, dk, dv) parts of the key block."""
+    parts = []
     for piece in pieces:
         grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True),
                                _rows(kv[1], piece, True), _rows(out, piece), _lse_rows(lse, piece),
@@ -128,29 +144,41 @@ def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options):
         k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
         q1 = q.shape[1] if piece.varlen is not None else piece.q1
         dq = _add_rows(dq, dq_i, 0 if piece.varlen is not None else piece.q0, q1, q)
+        parts.append((k0, k1, dk_i, dv_i))
+    return dq, parts
+
+
+def _fold(acc, parts, kv):
+    """The key block's float32 (dk, dv) accumulators: acc (the one that travelled here, or None) with this step's
+    parts added in their rows."""
+    dk, dv = acc if acc is not None else (None, None)
+    for k0, k1, dk_i, dv_i in parts:
         dk = _add_rows(dk, dk_i, k0, k1, kv[0])
         dv = _add_rows(dv, dv_i, k0, k1, kv[1])
-    return dq, dk, dv
+    if dk is None:
+        dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=kv[0].device)
+        dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=kv[1].device)
+    return dk, dv
 
 
 def ring_backward(dout, dlse, q, k, v, out, lse, plan: RingPlan):
-    """(dq, dk, dv) in float32 for the local shards (dlse: None or the gradient reaching lse)."""
+    """(dq float32, dk, dv in k's and v's dtype) for the local shards (dlse: None or the gradient reaching lse).
+
+    The key gradients travel as float32 accumulators while ranks still add to them; the last hop, which brings
+    each complete one back to its block's owner, carries it rounded to k's dtype (the owner would round it so
+    anyway): half the bytes of the one transfer no computation hides."""
     comm = plan.comm
     dq = None
     kv = (k, v)
     travelling = None  # the previous rank's dK/dV accumulators, arriving for the block held next
     for step, pieces in enumerate(plan.steps):
         pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
-        dq, dk, dv = _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, plan.options)
-        if travelling is not None:
-            dk_in, dv_in = travelling.wait()
-            dk = dk_in if dk is None else dk.add_(dk_in)
-            dv = dv_in if dv is None else dv.add_(dv_in)
-        if dk is None:
-            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
+        dq, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, plan.options)
+        dk, dv = _fold(None if travelling is None else travelling.wait(), parts, kv)
         if comm.world == 1:
             break
+        if step + 1 == comm.world:  # complete: home in the inputs' dtype
+            dk, dv = dk.to(k.dtype), dv.to(v.dtype)
         travelling = _comm.RingExchange(comm, (dk, dv))
         if pending is not None:
             kv = tuple(pending.wait())
