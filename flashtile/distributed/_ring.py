@@ -11,8 +11,9 @@ and rounded to the inputs' dtype once at the end, so the error does not grow wit
 Backward: every piece runs the block backward with the FINAL out and lse of its query rows (P = exp(S - lse) is
 then the global softmax, delta = rowsum(dO * O) the global one), so the pieces' gradients simply add up: dQ in a
 local float32 accumulator, dK/dV in float32 accumulators that travel around the ring with their block and, after
-W steps, arrive back at the rank that owns it (that last hop carries the complete sums rounded to the inputs'
-dtype). Each step's accumulator arrives while the next step computes.
+W steps, end at the rank that owns it. The backward runs the forward's steps in reverse, the blocks going round
+the other way: it starts with the block the forward held last and ends with the rank's own, so every transfer,
+the accumulators' last one included, arrives while a step computes (ring_backward).
 
 # internal layout: q, out [B, S_local, H, D]; k, v [B, S_local_k, Hk, D]; lse [B, H, S_local] (varlen: B = 1)
 """
@@ -96,7 +97,8 @@ def _fresh_result(q, v, plan: RingPlan):
 
 
 def ring_forward(q, k, v, plan: RingPlan):
-    """(out in q's dtype, lse fp32) of the local queries over the whole ring."""
+    """(out in q's dtype, lse fp32, the key/value block held last) of the local queries over the whole ring. The
+    block held last is rank + 1's (the rank's own with one rank): the backward starts with it."""
     comm = plan.comm
     out = lse = None
     kv = (k, v)
@@ -118,7 +120,7 @@ def ring_forward(q, k, v, plan: RingPlan):
             kv = tuple(pending.wait())
     if out is None:
         out, lse = _fresh_result(q, v, plan)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, kv
 
 
 def _add_rows(acc, grad, lo, hi, like):
@@ -161,29 +163,27 @@ def _fold(acc, parts, kv):
     return dk, dv
 
 
-def ring_backward(dout, dlse, q, k, v, out, lse, plan: RingPlan):
-    """(dq float32, dk, dv in k's and v's dtype) for the local shards (dlse: None or the gradient reaching lse).
+def ring_backward(dout, dlse, q, k, v, out, lse, last_kv, plan: RingPlan):
+    """(dq, dk, dv) in float32 for the local shards (dlse: None or the gradient reaching lse; last_kv: the block
+    ring_forward held last, rank + 1's).
 
-    The key gradients travel as float32 accumulators while ranks still add to them; the last hop, which brings
-    each complete one back to its block's owner, carries it rounded to k's dtype (the owner would round it so
-    anyway): half the bytes of the one transfer no computation hides."""
+    The blocks go round the other way, and in the forward's steps reversed: rank r starts with the block it holds
+    already (rank r + 1's) and ends with its own, so that each float32 dK/dV accumulator, which travels with its
+    block from the rank before, ends where its block lives: the last step adds the accumulator that arrived while it
+    computed, and no transfer is left after the compute. The last step's block is the rank's own k, v, so it is not
+    sent either (W ranks: W - 2 block exchanges, W - 1 accumulator exchanges, each hidden behind a step)."""
     comm = plan.comm
+    world = comm.world
     dq = None
-    kv = (k, v)
-    travelling = None  # the previous rank's dK/dV accumulators, arriving for the block held next
-    for step, pieces in enumerate(plan.steps):
-        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
-        dq, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, plan.options)
+    kv = last_kv
+    travelling = None  # the accumulators of the block held now, from the rank that held it before
+    for turn, step in enumerate(reversed(range(world))):  # plan.steps[step]: against rank - step's block
+        pending = _comm.RingExchange(comm, kv, reverse=True) if turn + 2 < world else None
+        dq, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, plan.steps[step], plan.options)
         dk, dv = _fold(None if travelling is None else travelling.wait(), parts, kv)
-        if comm.world == 1:
-            break
-        if step + 1 == comm.world:  # complete: home in the inputs' dtype
-            dk, dv = dk.to(k.dtype), dv.to(v.dtype)
-        travelling = _comm.RingExchange(comm, (dk, dv))
-        if pending is not None:
-            kv = tuple(pending.wait())
-    if comm.world > 1:
-        dk, dv = travelling.wait()  # after W hops each accumulator is back with its block's owner
+        if turn + 1 < world:
+            travelling = _comm.RingExchange(comm, (dk, dv), reverse=True)
+            kv = tuple(pending.wait()) if pending is not None else (k, v)
     if dq is None:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     return dq, dk, dv
@@ -195,16 +195,18 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
-        out, lse = ring_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, last_kv = ring_forward(q, k, v, plan)
+        # The block held last is kept for the backward's first step (one more key/value block per call until the
+        # backward: it saves the transfer that would otherwise start the backward or end it).
+        ctx.save_for_backward(q, k, v, out, lse, *last_kv)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, last_k, last_v = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = ring_backward(dout, dlse, q, k, v, out, lse, ctx.plan)
+        dq, dk, dv = ring_backward(dout, dlse, q, k, v, out, lse, (last_k, last_v), ctx.plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
