@@ -134,25 +134,49 @@ def _add_rows(acc, grad, lo, hi, like):
     return acc
 
 
-def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options):
+def _sum(acc, grad, dtype):
+    """acc + grad (float32, the same shape) rounded to dtype, in one pass."""
+    return torch.add(acc, grad, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
+
+
+def _covers(parts, n):
+    """The only part, when it spans all n rows (else None)."""
+    return parts[0] if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == n else None
+
+
+def _piece_backward(dout, dlse, q, kv, out, lse, piece, options):
+    """(dq, dk, dv) of one piece, float32, in [B, rows, H, D] (a packed piece's with B = 1), and its key rows."""
+    grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
+                           _rows(out, piece), _lse_rows(lse, piece), None if dlse is None else _lse_rows(dlse, piece),
+                           _block(options, piece))
+    k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
+    return tuple(_unpack(g, piece) for g in grads), (k0, k1)
+
+
+def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options, dq_dtype=None):
     """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's key
-    gradients as a list of (first key row, last + 1, dk, dv) parts of the key block."""
+    gradients as a list of (first key row, last + 1, dk, dv) parts of the key block. dq_dtype: the last step's,
+    where dq comes back in that dtype (dq plus one piece over every row: added and rounded in one pass)."""
     parts = []
     for piece in pieces:
-        grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True),
-                               _rows(kv[1], piece, True), _rows(out, piece), _lse_rows(lse, piece),
-                               None if dlse is None else _lse_rows(dlse, piece), _block(options, piece))
-        dq_i, dk_i, dv_i = (_unpack(g, piece) for g in grads)
-        k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
-        q1 = q.shape[1] if piece.varlen is not None else piece.q1
-        dq = _add_rows(dq, dq_i, 0 if piece.varlen is not None else piece.q0, q1, q)
+        (dq_i, dk_i, dv_i), (k0, k1) = _piece_backward(dout, dlse, q, kv, out, lse, piece, options)
         parts.append((k0, k1, dk_i, dv_i))
+        q0, q1 = (0, q.shape[1]) if piece.varlen is not None else (piece.q0, piece.q1)
+        if dq_dtype is not None and dq is not None and len(pieces) == 1 and (q0, q1) == (0, q.shape[1]):
+            return _sum(dq, dq_i, dq_dtype), parts
+        dq = _add_rows(dq, dq_i, q0, q1, q)
+    if dq_dtype is not None and dq is not None:
+        dq = dq.to(dq_dtype)
     return dq, parts
 
 
-def _fold(acc, parts, kv):
-    """The key block's float32 (dk, dv) accumulators: acc (the one that travelled here, or None) with this step's
-    parts added in their rows."""
+def _fold(acc, parts, kv, dtypes=None):
+    """The key block's (dk, dv): acc (the float32 accumulators that travelled here, or None) with this step's parts
+    added in their rows, in float32; dtypes: the last step's (k's and v's), where they come back rounded to them
+    (acc plus one part over every row: added and rounded in one pass)."""
+    whole = _covers(parts, kv[0].shape[1])
+    if dtypes is not None and acc is not None and whole is not None:
+        return _sum(acc[0], whole[2], dtypes[0]), _sum(acc[1], whole[3], dtypes[1])
     dk, dv = acc if acc is not None else (None, None)
     for k0, k1, dk_i, dv_i in parts:
         dk = _add_rows(dk, dk_i, k0, k1, kv[0])
@@ -160,12 +184,13 @@ def _fold(acc, parts, kv):
     if dk is None:
         dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=kv[0].device)
         dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=kv[1].device)
-    return dk, dv
+    return (dk, dv) if dtypes is None else (dk.to(dtypes[0]), dv.to(dtypes[1]))
 
 
 def ring_backward(dout, dlse, q, k, v, out, lse, last_kv, plan: RingPlan):
-    """(dq, dk, dv) in float32 for the local shards (dlse: None or the gradient reaching lse; last_kv: the block
-    ring_forward held last, rank + 1's).
+    """(dq, dk, dv) in the inputs' dtypes for the local shards (dlse: None or the gradient reaching lse; last_kv:
+    the block ring_forward held last, rank + 1's). They are summed in float32 and rounded once, by the last
+    addition.
 
     The blocks go round the other way, and in the forward's steps reversed: rank r starts with the block it holds
     already (rank r + 1's) and ends with its own, so that each float32 dK/dV accumulator, which travels with its
@@ -179,13 +204,16 @@ def ring_backward(dout, dlse, q, k, v, out, lse, last_kv, plan: RingPlan):
     travelling = None  # the accumulators of the block held now, from the rank that held it before
     for turn, step in enumerate(reversed(range(world))):  # plan.steps[step]: against rank - step's block
         pending = _comm.RingExchange(comm, kv, reverse=True) if turn + 2 < world else None
-        dq, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, plan.steps[step], plan.options)
-        dk, dv = _fold(None if travelling is None else travelling.wait(), parts, kv)
+        last = turn + 1 == world
+        dq, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, plan.steps[step], plan.options,
+                                   q.dtype if last else None)
+        dk, dv = _fold(None if travelling is None else travelling.wait(), parts, kv,
+                       (k.dtype, v.dtype) if last else None)
         if turn + 1 < world:
             travelling = _comm.RingExchange(comm, (dk, dv), reverse=True)
             kv = tuple(pending.wait()) if pending is not None else (k, v)
     if dq is None:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     return dq, dk, dv
 
 
