@@ -144,6 +144,26 @@ def agree(comm: Comm, fields: dict, local_error):
                                 f"sequence) and the same options.")
 
 
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    stream = _SIDE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+def queued_event(t):
+    """A CUDA event marking the work queued so far on t's current stream (None for CPU tensors: gloo's transfers
+    are not ordered by streams)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
 class RingExchange:
     """Send tensors to the next rank and receive the same shapes from the previous one (reverse: to the previous,
     from the next), asynchronously.
@@ -152,12 +172,20 @@ class RingExchange:
     work already queued on the current stream, so the next block travels while the current one is computed; wait()
     makes the current stream wait for the arrival (and, on gloo, blocks until it)."""
 
-    def __init__(self, comm: Comm, tensors, reverse=False):
+    def __init__(self, comm: Comm, tensors, reverse=False, after=None):
         self.recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         to, source = (comm.prev_peer, comm.next_peer) if reverse else (comm.next_peer, comm.prev_peer)
         ops = [dist.P2POp(dist.isend, t, to, comm.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, source, comm.group) for t in self.recv]
-        self.works = dist.batch_isend_irecv(ops)
+        if after is None:
+            self.works = dist.batch_isend_irecv(ops)
+            return
+        # Posted from a side stream that waits for `after` alone (queued_event): the transfer does not wait for
+        # the kernels queued on the current stream since.
+        side = _side_stream(tensors[0].device)
+        side.wait_event(after)
+        with torch.cuda.stream(side):
+            self.works = dist.batch_isend_irecv(ops)
 
     def wait(self):
         for w in self.works:

@@ -18,6 +18,7 @@ the accumulators' last one included, arrives while a step computes (ring_backwar
 # internal layout: q, out [B, S_local, H, D]; k, v [B, S_local_k, Hk, D]; lse [B, H, S_local] (varlen: B = 1)
 """
 import dataclasses
+from typing import Callable, Optional
 
 import torch
 
@@ -44,10 +45,13 @@ class Options:
 
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
-    """steps[s]: the pieces rank comm.rank computes at step s, against the key block of rank (rank - s) mod W."""
+    """steps[s]: the pieces rank comm.rank computes at step s, against the key block of rank (rank - s) mod W.
+    agree: the comparison of the ranks' arguments (_args.check_locally), which the forward runs once its first
+    step's kernels are queued (None: already compared)."""
     comm: _comm.Comm
     options: Options
     steps: tuple
+    agree: Optional[Callable] = None
 
 
 def _block(options: Options, piece: Piece):
@@ -88,11 +92,26 @@ def _covers_all_rows(plan: RingPlan, n_rows):
     return reached >= n_rows
 
 
-def _fresh_result(q, v, plan: RingPlan):
+def _fresh_result(q, head_dim_v, plan: RingPlan):
     """A float32 running output and its LSE (-inf: no key seen yet) for the local queries."""
     alloc = torch.empty if _covers_all_rows(plan, q.shape[1]) else torch.zeros
-    out = alloc(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    out = alloc(q.shape[:-1] + (head_dim_v,), dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _forward_piece(q, kv, piece, plan, out, lse):
+    """(out, lse) with one piece's partial result merged in (out None: none yet)."""
+    out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
+                                 _block(plan.options, piece))
+    out_i, lse_i = _unpack(out_i, piece), _unpack(lse_i, piece)
+    if out is None and piece.q0 == 0 and piece.q1 == q.shape[1] and out_i.is_contiguous():
+        # The first partial result, over every row: it is the running result as it stands (a merge into an empty
+        # one would copy it). Causal rings start so, with the rank's own keys.
+        return out_i, lse_i
+    if out is None:
+        out, lse = _fresh_result(q, kv[1].shape[-1], plan)
+    merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], out_i, lse_i)
     return out, lse
 
 
@@ -102,24 +121,28 @@ def ring_forward(q, k, v, plan: RingPlan):
     comm = plan.comm
     out = lse = None
     kv = (k, v)
+    # The first step computes the rank's own block before the ranks compare their arguments (plan.agree), so that
+    # the GPU works while the host compares them and posts the first exchange. That exchange then goes from a side
+    # stream that waits only for what was queued before the first step (`ready`), so it still travels during it.
+    ready = _comm.queued_event(q) if plan.agree is not None else None
     for step, pieces in enumerate(plan.steps):
-        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
-        for piece in pieces:
-            out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
-                                         _block(plan.options, piece))
-            out_i, lse_i = _unpack(out_i, piece), _unpack(lse_i, piece)
-            if out is None and piece.q0 == 0 and piece.q1 == q.shape[1] and out_i.is_contiguous():
-                # The first partial result, over every row: it is the running result as it stands (a merge into
-                # an empty one would copy it). Causal rings start so, with the rank's own keys.
-                out, lse = out_i, lse_i
-                continue
-            if out is None:
-                out, lse = _fresh_result(q, v, plan)
-            merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], out_i, lse_i)
+        first = step == 0 and plan.agree is not None
+        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world and not first else None
+        try:
+            for piece in pieces:
+                out, lse = _forward_piece(q, kv, piece, plan, out, lse)
+        except Exception as error:  # noqa: BLE001 - every rank hears of it before any transfer, then it is raised
+            if first:
+                plan.agree(error)
+            raise
+        if first:
+            plan.agree()
+            if step + 1 < comm.world:
+                pending = _comm.RingExchange(comm, kv, after=ready)
         if pending is not None:
             kv = tuple(pending.wait())
     if out is None:
-        out, lse = _fresh_result(q, v, plan)
+        out, lse = _fresh_result(q, v.shape[-1], plan)
     return out.to(q.dtype), lse, kv
 
 
