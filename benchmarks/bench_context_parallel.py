@@ -14,8 +14,10 @@ What it measures (issue 27's closing checks), all in bf16, B1 H16 d128 unless to
 - the link: point-to-point bandwidth and latency between neighbours and all-to-all time, the inputs of the scaling
   model in docs/distributed.md.
 FLOPs: fwd 4·B·H·S²·D / 2 for causal (the whole sequence's), fwd+bwd 3.5x; per GPU: divided by the world size.
-Step time: per iteration the slowest rank's, median over iterations. Rank 0 prints a table (each bar marked ok or
-BELOW BAR) and writes <out>/<date>-<gpu>-context-parallel-w<W>.json after each section. On a cold Triton cache the
+Step time: per iteration the slowest rank's, median over iterations; the providers of one size take turns
+--rounds times (default 3) and each reports its median round, since the GPUs' clocks drift as they warm. Rank 0
+prints a table (each bar marked ok or BELOW BAR) and writes <out>/<date>-<gpu>-context-parallel-w<W>.json after
+each section. On a cold Triton cache the
 first calls compile about a dozen Gluon kernel variants (16-bit and float32 outputs, causal and unmasked, varlen):
 minutes of the run; `--skip accuracy` keeps the speed checks alone.
 """
@@ -191,27 +193,42 @@ def speed(args, rank, world):
         shape = (args.batch, seqlen, args.heads, args.dim)
         q, k, v, dout = (torch.randn(shape, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
+        timings = {name: [] for name in args.providers}  # (ms, iters, peak) per round
+        errors = {}
+        # The providers take turns, args.rounds times, and each reports its median round: the GPUs' clocks drift
+        # as they warm (a kernel can run several percent slower a minute into a run), which would otherwise
+        # charge every provider for the ones timed before it.
+        for _ in range(args.rounds):
+            for name in args.providers:
+                if name in errors:
+                    continue
+                make, _ranks = providers[name]
+                try:
+                    step = make(q, k, v, dout)
+                    with getattr(step, "context", contextlib.nullcontext)():
+                        timings[name].append(time_step(step))
+                except Exception as err:  # noqa: BLE001 - recorded in the results and printed, never a silent NaN
+                    errors[name] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                    if rank == 0:
+                        traceback.print_exc()
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
         for name in args.providers:
-            make, ranks = providers[name]
+            ranks = providers[name][1]
             row = dict(provider=name, seqlen_per_gpu=seqlen, world=ranks, batch=args.batch, heads=args.heads,
                        dim=args.dim)
-            try:
-                step = make(q, k, v, dout)
-                with getattr(step, "context", contextlib.nullcontext)():
-                    ms, iters, peak = time_step(step)
+            if name in errors:
+                row.update(error=errors[name])
+            else:
+                ms = statistics.median(t[0] for t in timings[name])
                 per_gpu = causal_flops(args.batch, args.heads, seqlen * ranks, args.dim) / ranks
-                row.update(ms=ms, iters=iters, tflops_per_gpu=per_gpu / ms / 1e9, peak_gib=peak / GiB)
-            except Exception as err:  # noqa: BLE001 - recorded in the results and printed, never a silent NaN
-                row.update(error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
-                if rank == 0:
-                    traceback.print_exc()
+                row.update(ms=ms, ms_rounds=[t[0] for t in timings[name]], iters=timings[name][0][1],
+                           tflops_per_gpu=per_gpu / ms / 1e9, peak_gib=max(t[2] for t in timings[name]) / GiB)
             rows.append(row)
             if rank == 0:
                 print(f"  {name:15s} {seqlen // 1024:3d}k/GPU  " + (f"{row['ms']:9.2f} ms {row['tflops_per_gpu']:6.1f} "
                       f"TFLOP/s/GPU  peak {row['peak_gib']:.2f} GiB" if "ms" in row else row["error"]),
                       file=sys.stderr, flush=True)
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
     return rows
 
 
@@ -412,6 +429,7 @@ def main():
     ap.add_argument("--providers", default="flashtile-1gpu,zigzag,ulysses,torch-cp-cudnn,cudnn-1gpu")
     ap.add_argument("--acc-seqlen", type=int, default=8192, help="whole sequence of the accuracy check")
     ap.add_argument("--acc-heads", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="turns the providers of one size take (medians reported)")
     ap.add_argument("--skip", default="", help="comma-separated: accuracy, speed, link")
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"))
     ap.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU at tiny sizes (TRITON_INTERPRET=1 runs "

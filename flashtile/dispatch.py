@@ -253,18 +253,18 @@ def choose_backward(dout, q, k, v, req, target=None):
     raise AssertionError("unreachable: the reference takes every request")
 
 
-def forward(q, k, v, req):
+def forward(q, k, v, req, out_dtype=None):
     """(out, lse) of unpacked q, k, v on the chosen backend: the plan of an earlier call with the same plan key when
-    there is one (see "Plans" below)."""
-    key = plan_key(q, (q, k, v), req) if SETTINGS.fast_launch else None
+    there is one (see "Plans" below). out_dtype: out's dtype, default q's (flashtile.distributed's float32 blocks)."""
+    key = plan_key(q, (q, k, v), req, out_dtype) if SETTINGS.fast_launch else None
     if key is not None:
         plan = _PLANS.get(key)
         if plan is not None:
             return plan.run(q, k, v, req)
     backend = choose_forward(q, k, v, req)
     if key is None or not hasattr(backend, "plan_forward"):
-        return backend.forward(q, k, v, req)
-    plan, out, lse = backend.plan_forward(q, k, v, req)
+        return backend.forward(q, k, v, req, out_dtype)
+    plan, out, lse = backend.plan_forward(q, k, v, req, out_dtype)
     _store_plan(key, plan)
     return out, lse
 
@@ -282,15 +282,17 @@ def _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in):
     return None
 
 
-def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
+def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, buffers=None):
     """([dq, dk, dv] or the packed gradients, dbias, dsinks) for possibly packed q, k, v (k None: packed qkv;
-    v None: packed kv), on the chosen backend."""
+    v None: packed kv), on the chosen backend. buffers: (dq, dk, dv) to write (unpacked inputs only; e.g.
+    flashtile.distributed's float32 block gradients), else allocated in the inputs' dtypes."""
     packed_q, packed_k, v_in = q, k, v
     if k is None:
         q, k, v = q.unbind(-3)
     elif v is None:
         k, v = k.unbind(-3)
-    grads = _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in)
+    grads = _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in) if buffers is None else (list(buffers),
+                                                                                             tuple(buffers))
     key = None
     if SETTINGS.fast_launch:
         key = plan_key(q, (dout, q, k, v, out, lse, dlse) + (grads[1] if grads is not None else ()), req,

@@ -56,15 +56,27 @@ def fields(function, q, k, v, opts: Options):
                 deterministic=int(opts.deterministic))
 
 
+def check_locally(comm, check):
+    """Run check() -> (result, fields) on this rank. Returns (result, agree), where agree(error=None) compares the
+    fields over the group (_comm.agree) and raises on every rank if any rank's check failed, any rank passes an
+    error, or the ranks disagree: it must run before the call's first transfer, and may run after local work (the
+    ring computes its own block first). If check() fails here, the comparison runs at once (and raises)."""
+    try:
+        result, table = check()
+    except Exception as e:  # noqa: BLE001 - re-raised by agree after the other ranks have heard of it
+        _comm.agree(comm, {}, e)
+        raise AssertionError("unreachable: agree raises the local error") from e
+
+    def agree(error=None):
+        _comm.agree(comm, table if error is None else {}, error)
+    return result, agree
+
+
 def checked(comm, check):
     """Run check() -> (result, fields) on this rank, then compare the fields over the group (_comm.agree), so that
     every rank raises if any rank's check failed or the ranks disagree. Returns check's result."""
-    try:
-        result, table = check()
-        error = None
-    except Exception as e:  # noqa: BLE001 - re-raised by agree after the other ranks have heard of it
-        result, table, error = None, {}, e
-    _comm.agree(comm, table, error)
+    result, agree = check_locally(comm, check)
+    agree()
     return result
 
 

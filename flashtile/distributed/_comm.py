@@ -93,6 +93,30 @@ FIELDS = ("function", "device", "dtype", "batch", "seqlen_q", "seqlen_k", "heads
           "total_tokens", "cu_seqlens", "max_seqlen", "shape")
 
 
+# The argument table's group for each group whose backend serves CUDA tensors only: a gloo group over the same
+# ranks, made by those ranks at their first call together, or False where none could be made.
+_TABLE_GROUPS = {}
+
+
+def _table_group(comm: Comm):
+    """(group, device) the argument table travels on. On an NCCL-only group the table would go through the GPU,
+    and reading it back would make the host wait for every kernel queued before the call (the GPU then idles
+    while the host launches the call's first kernels): where the group's backend serves CPU tensors the table
+    stays on the CPU, else it goes through a gloo group over the same ranks, made once (only the group's ranks
+    take part, all of them in this call)."""
+    if comm.meta_device.type == "cpu" or "cpu" in comm.device_types:
+        return comm.group, torch.device("cpu")
+    host = _TABLE_GROUPS.get(comm.group)
+    if host is None:
+        try:
+            host = dist.new_group(dist.get_process_group_ranks(comm.group), backend="gloo",
+                                  use_local_synchronization=True)
+        except (RuntimeError, ValueError, TypeError):  # no gloo here: the table goes through the GPU
+            host = False
+        _TABLE_GROUPS[comm.group] = host
+    return (host, torch.device("cpu")) if host else (comm.group, comm.meta_device)
+
+
 def agree(comm: Comm, fields: dict, local_error):
     """All-gather this rank's `fields` (a subset of FIELDS, name -> int) with an error flag, then raise on every
     rank if any rank's own checks failed (local_error: that exception, re-raised here; other ranks raise
@@ -100,9 +124,10 @@ def agree(comm: Comm, fields: dict, local_error):
     unknown = set(fields) - set(FIELDS)
     assert not unknown, unknown
     row = [1 if local_error is not None else 0] + [int(fields.get(n, 0)) for n in FIELDS]
-    mine = torch.tensor(row, dtype=torch.int64, device=comm.meta_device)
+    group, device = _table_group(comm)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
     table = [torch.empty_like(mine) for _ in range(comm.world)]
-    dist.all_gather(table, mine, group=comm.group)
+    dist.all_gather(table, mine, group=group)
     rows = [t.tolist() for t in table]
     if local_error is not None:
         raise local_error
@@ -119,18 +144,48 @@ def agree(comm: Comm, fields: dict, local_error):
                                 f"sequence) and the same options.")
 
 
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    stream = _SIDE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+def queued_event(t):
+    """A CUDA event marking the work queued so far on t's current stream (None for CPU tensors: gloo's transfers
+    are not ordered by streams)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
 class RingExchange:
-    """Send tensors to the next rank and receive the same shapes from the previous one, asynchronously.
+    """Send tensors to the next rank and receive the same shapes from the previous one (reverse: to the previous,
+    from the next), asynchronously.
 
     batch_isend_irecv posts the sends and receives together; NCCL runs them on its own stream, ordered after the
     work already queued on the current stream, so the next block travels while the current one is computed; wait()
     makes the current stream wait for the arrival (and, on gloo, blocks until it)."""
 
-    def __init__(self, comm: Comm, tensors):
+    def __init__(self, comm: Comm, tensors, reverse=False, after=None):
         self.recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, comm.next_peer, comm.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, comm.prev_peer, comm.group) for t in self.recv]
-        self.works = dist.batch_isend_irecv(ops)
+        to, source = (comm.prev_peer, comm.next_peer) if reverse else (comm.next_peer, comm.prev_peer)
+        ops = [dist.P2POp(dist.isend, t, to, comm.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, source, comm.group) for t in self.recv]
+        if after is None:
+            self.works = dist.batch_isend_irecv(ops)
+            return
+        # Posted from a side stream that waits for `after` alone (queued_event): the transfer does not wait for
+        # the kernels queued on the current stream since.
+        side = _side_stream(tensors[0].device)
+        side.wait_event(after)
+        with torch.cuda.stream(side):
+            self.works = dist.batch_isend_irecv(ops)
 
     def wait(self):
         for w in self.works:

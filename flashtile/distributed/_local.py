@@ -77,11 +77,10 @@ def block_forward(q, k, v, block: Block):
     """(out, lse), both float32 (lse natural log), of q's rows over k/v's rows under `block`. Shapes: module
     docstring. A row that sees no key gets out 0 and lse -inf."""
     req = block.request()
-    backend = dispatch.choose_forward(q, k, v, req)
     with torch.no_grad():
-        if backend.name == "reference":  # float32 copies: the reference computes in the inputs' dtype's rounding
-            return backend.forward(q.float(), k.float(), v.float(), req)
-        return backend.forward(q, k, v, req, out_dtype=torch.float32)
+        if not use_kernels(q):  # the reference, on float32 copies: it computes in the inputs' dtype's rounding
+            return dispatch.choose_forward(q, k, v, req).forward(q.float(), k.float(), v.float(), req)
+        return dispatch.forward(q, k, v, req, out_dtype=torch.float32)  # a plan after the first call
 
 
 def block_backward(dout, q, k, v, out, lse, dlse, block: Block):
@@ -90,8 +89,10 @@ def block_backward(dout, q, k, v, out, lse, dlse, block: Block):
     req = block.request()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-    backend = dispatch.choose_backward(dout, q, k, v, req)
-    if backend.name == "reference":  # float32 copies: its gradients come in the inputs' dtype
+    if not use_kernels(q):  # the reference, on float32 copies: its gradients come in the inputs' dtype
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
-    backend.backward(dout, q, k, v, out, lse, dlse, req, False, ([], grads))
+        dispatch.choose_backward(dout, q, k, v, req).backward(dout, q, k, v, out, lse, dlse, req, False,
+                                                              ([], grads))
+        return grads
+    dispatch.backward(dout, q, k, v, out, lse, dlse, req, False, buffers=grads)  # a plan after the first call
     return grads

@@ -11,11 +11,14 @@ and rounded to the inputs' dtype once at the end, so the error does not grow wit
 Backward: every piece runs the block backward with the FINAL out and lse of its query rows (P = exp(S - lse) is
 then the global softmax, delta = rowsum(dO * O) the global one), so the pieces' gradients simply add up: dQ in a
 local float32 accumulator, dK/dV in float32 accumulators that travel around the ring with their block and, after
-W steps, arrive back at the rank that owns it. Each step's accumulator arrives while the next step computes.
+W steps, end at the rank that owns it. The backward runs the forward's steps in reverse, the blocks going round
+the other way: it starts with the block the forward held last and ends with the rank's own, so every transfer,
+the accumulators' last one included, arrives while a step computes (ring_backward).
 
 # internal layout: q, out [B, S_local, H, D]; k, v [B, S_local_k, Hk, D]; lse [B, H, S_local] (varlen: B = 1)
 """
 import dataclasses
+from typing import Callable, Optional
 
 import torch
 
@@ -42,10 +45,13 @@ class Options:
 
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
-    """steps[s]: the pieces rank comm.rank computes at step s, against the key block of rank (rank - s) mod W."""
+    """steps[s]: the pieces rank comm.rank computes at step s, against the key block of rank (rank - s) mod W.
+    agree: the comparison of the ranks' arguments (_args.check_locally), which the forward runs once its first
+    step's kernels are queued (None: already compared)."""
     comm: _comm.Comm
     options: Options
     steps: tuple
+    agree: Optional[Callable] = None
 
 
 def _block(options: Options, piece: Piece):
@@ -86,23 +92,58 @@ def _covers_all_rows(plan: RingPlan, n_rows):
     return reached >= n_rows
 
 
-def ring_forward(q, k, v, plan: RingPlan):
-    """(out in q's dtype, lse fp32) of the local queries over the whole ring."""
-    comm = plan.comm
+def _fresh_result(q, head_dim_v, plan: RingPlan):
+    """A float32 running output and its LSE (-inf: no key seen yet) for the local queries."""
     alloc = torch.empty if _covers_all_rows(plan, q.shape[1]) else torch.zeros
-    out = alloc(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    out = alloc(q.shape[:-1] + (head_dim_v,), dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _forward_piece(q, kv, piece, plan, out, lse):
+    """(out, lse) with one piece's partial result merged in (out None: none yet)."""
+    out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
+                                 _block(plan.options, piece))
+    out_i, lse_i = _unpack(out_i, piece), _unpack(lse_i, piece)
+    if out is None and piece.q0 == 0 and piece.q1 == q.shape[1] and out_i.is_contiguous():
+        # The first partial result, over every row: it is the running result as it stands (a merge into an empty
+        # one would copy it). Causal rings start so, with the rank's own keys.
+        return out_i, lse_i
+    if out is None:
+        out, lse = _fresh_result(q, kv[1].shape[-1], plan)
+    merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], out_i, lse_i)
+    return out, lse
+
+
+def ring_forward(q, k, v, plan: RingPlan):
+    """(out in q's dtype, lse fp32, the key/value block held last) of the local queries over the whole ring. The
+    block held last is rank + 1's (the rank's own with one rank): the backward starts with it."""
+    comm = plan.comm
+    out = lse = None
     kv = (k, v)
+    # The first step computes the rank's own block before the ranks compare their arguments (plan.agree), so that
+    # the GPU works while the host compares them and posts the first exchange. That exchange then goes from a side
+    # stream that waits only for what was queued before the first step (`ready`), so it still travels during it.
+    ready = _comm.queued_event(q) if plan.agree is not None else None
     for step, pieces in enumerate(plan.steps):
-        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
-        for piece in pieces:
-            out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
-                                         _block(plan.options, piece))
-            merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], _unpack(out_i, piece),
-                   _unpack(lse_i, piece))
+        first = step == 0 and plan.agree is not None
+        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world and not first else None
+        try:
+            for piece in pieces:
+                out, lse = _forward_piece(q, kv, piece, plan, out, lse)
+        except Exception as error:  # noqa: BLE001 - every rank hears of it before any transfer, then it is raised
+            if first:
+                plan.agree(error)
+            raise
+        if first:
+            plan.agree()
+            if step + 1 < comm.world:
+                pending = _comm.RingExchange(comm, kv, after=ready)
         if pending is not None:
             kv = tuple(pending.wait())
-    return out.to(q.dtype), lse
+    if out is None:
+        out, lse = _fresh_result(q, v.shape[-1], plan)
+    return out.to(q.dtype), lse, kv
 
 
 def _add_rows(acc, grad, lo, hi, like):
@@ -116,48 +157,86 @@ def _add_rows(acc, grad, lo, hi, like):
     return acc
 
 
-def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options):
-    """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's
-    (dk, dv) for the key block (None when every piece was skipped)."""
-    dk = dv = None
+def _sum(acc, grad, dtype):
+    """acc + grad (float32, the same shape) rounded to dtype, in one pass."""
+    return torch.add(acc, grad, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
+
+
+def _covers(parts, n):
+    """The only part, when it spans all n rows (else None)."""
+    return parts[0] if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == n else None
+
+
+def _piece_backward(dout, dlse, q, kv, out, lse, piece, options):
+    """(dq, dk, dv) of one piece, float32, in [B, rows, H, D] (a packed piece's with B = 1), and its key rows."""
+    grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
+                           _rows(out, piece), _lse_rows(lse, piece), None if dlse is None else _lse_rows(dlse, piece),
+                           _block(options, piece))
+    k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
+    return tuple(_unpack(g, piece) for g in grads), (k0, k1)
+
+
+def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options, dq_dtype=None):
+    """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's key
+    gradients as a list of (first key row, last + 1, dk, dv) parts of the key block. dq_dtype: the last step's,
+    where dq comes back in that dtype (dq plus one piece over every row: added and rounded in one pass)."""
+    parts = []
     for piece in pieces:
-        grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True),
-                               _rows(kv[1], piece, True), _rows(out, piece), _lse_rows(lse, piece),
-                               None if dlse is None else _lse_rows(dlse, piece), _block(options, piece))
-        dq_i, dk_i, dv_i = (_unpack(g, piece) for g in grads)
-        k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
-        q1 = q.shape[1] if piece.varlen is not None else piece.q1
-        dq = _add_rows(dq, dq_i, 0 if piece.varlen is not None else piece.q0, q1, q)
+        (dq_i, dk_i, dv_i), (k0, k1) = _piece_backward(dout, dlse, q, kv, out, lse, piece, options)
+        parts.append((k0, k1, dk_i, dv_i))
+        q0, q1 = (0, q.shape[1]) if piece.varlen is not None else (piece.q0, piece.q1)
+        if dq_dtype is not None and dq is not None and len(pieces) == 1 and (q0, q1) == (0, q.shape[1]):
+            return _sum(dq, dq_i, dq_dtype), parts
+        dq = _add_rows(dq, dq_i, q0, q1, q)
+    if dq_dtype is not None and dq is not None:
+        dq = dq.to(dq_dtype)
+    return dq, parts
+
+
+def _fold(acc, parts, kv, dtypes=None):
+    """The key block's (dk, dv): acc (the float32 accumulators that travelled here, or None) with this step's parts
+    added in their rows, in float32; dtypes: the last step's (k's and v's), where they come back rounded to them
+    (acc plus one part over every row: added and rounded in one pass)."""
+    whole = _covers(parts, kv[0].shape[1])
+    if dtypes is not None and acc is not None and whole is not None:
+        return _sum(acc[0], whole[2], dtypes[0]), _sum(acc[1], whole[3], dtypes[1])
+    dk, dv = acc if acc is not None else (None, None)
+    for k0, k1, dk_i, dv_i in parts:
         dk = _add_rows(dk, dk_i, k0, k1, kv[0])
         dv = _add_rows(dv, dv_i, k0, k1, kv[1])
-    return dq, dk, dv
+    if dk is None:
+        dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=kv[0].device)
+        dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=kv[1].device)
+    return (dk, dv) if dtypes is None else (dk.to(dtypes[0]), dv.to(dtypes[1]))
 
 
-def ring_backward(dout, dlse, q, k, v, out, lse, plan: RingPlan):
-    """(dq, dk, dv) in float32 for the local shards (dlse: None or the gradient reaching lse)."""
+def ring_backward(dout, dlse, q, k, v, out, lse, last_kv, plan: RingPlan):
+    """(dq, dk, dv) in the inputs' dtypes for the local shards (dlse: None or the gradient reaching lse; last_kv:
+    the block ring_forward held last, rank + 1's). They are summed in float32 and rounded once, by the last
+    addition.
+
+    The blocks go round the other way, and in the forward's steps reversed: rank r starts with the block it holds
+    already (rank r + 1's) and ends with its own, so that each float32 dK/dV accumulator, which travels with its
+    block from the rank before, ends where its block lives: the last step adds the accumulator that arrived while it
+    computed, and no transfer is left after the compute. The last step's block is the rank's own k, v, so it is not
+    sent either (W ranks: W - 2 block exchanges, W - 1 accumulator exchanges, each hidden behind a step)."""
     comm = plan.comm
+    world = comm.world
     dq = None
-    kv = (k, v)
-    travelling = None  # the previous rank's dK/dV accumulators, arriving for the block held next
-    for step, pieces in enumerate(plan.steps):
-        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world else None
-        dq, dk, dv = _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, plan.options)
-        if travelling is not None:
-            dk_in, dv_in = travelling.wait()
-            dk = dk_in if dk is None else dk.add_(dk_in)
-            dv = dv_in if dv is None else dv.add_(dv_in)
-        if dk is None:
-            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
-        if comm.world == 1:
-            break
-        travelling = _comm.RingExchange(comm, (dk, dv))
-        if pending is not None:
-            kv = tuple(pending.wait())
-    if comm.world > 1:
-        dk, dv = travelling.wait()  # after W hops each accumulator is back with its block's owner
+    kv = last_kv
+    travelling = None  # the accumulators of the block held now, from the rank that held it before
+    for turn, step in enumerate(reversed(range(world))):  # plan.steps[step]: against rank - step's block
+        pending = _comm.RingExchange(comm, kv, reverse=True) if turn + 2 < world else None
+        last = turn + 1 == world
+        dq, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, plan.steps[step], plan.options,
+                                   q.dtype if last else None)
+        dk, dv = _fold(None if travelling is None else travelling.wait(), parts, kv,
+                       (k.dtype, v.dtype) if last else None)
+        if turn + 1 < world:
+            travelling = _comm.RingExchange(comm, (dk, dv), reverse=True)
+            kv = tuple(pending.wait()) if pending is not None else (k, v)
     if dq is None:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     return dq, dk, dv
 
 
@@ -167,16 +246,18 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
-        out, lse = ring_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, last_kv = ring_forward(q, k, v, plan)
+        # The block held last is kept for the backward's first step (one more key/value block per call until the
+        # backward: it saves the transfer that would otherwise start the backward or end it).
+        ctx.save_for_backward(q, k, v, out, lse, *last_kv)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, last_k, last_v = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = ring_backward(dout, dlse, q, k, v, out, lse, ctx.plan)
+        dq, dk, dv = ring_backward(dout, dlse, q, k, v, out, lse, (last_k, last_v), ctx.plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

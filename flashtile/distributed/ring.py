@@ -45,7 +45,7 @@ def _fixed_length(kind, q, k, v, dropout_p, softmax_scale, causal, window_size, 
                                      f"ring_flash_attn_func.")
         return opts, _args.fields(kind, q, k, v, opts)
 
-    opts = _args.checked(comm, check)
+    opts, agree = _args.check_locally(comm, check)  # compared over the group by the ring's forward
     qq, opts = _args.positive_scale(q, opts)
     chunks = zigzag_chunks if kind == "zigzag" else ring_chunks
     world, rank = comm.world, comm.rank
@@ -53,7 +53,7 @@ def _fixed_length(kind, q, k, v, dropout_p, softmax_scale, causal, window_size, 
     seq_offset = world * (k.shape[1] - q.shape[1])  # D = Sk - Sq of the whole sequence
     steps = tuple(chunk_pieces(q_chunks, chunks((rank - s) % world, world, k.shape[1]), seq_offset, opts.mask,
                                opts.alibi_slopes is not None) for s in range(world))
-    out, lse = RingAttention.apply(qq, k.contiguous(), v.contiguous(), RingPlan(comm, opts, steps))
+    out, lse = RingAttention.apply(qq, k.contiguous(), v.contiguous(), RingPlan(comm, opts, steps, agree))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -188,13 +188,13 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, 
         table.update(total_tokens=bounds[-1], cu_seqlens=_args.digest(bounds), max_seqlen=int(max_seqlen))
         return (bounds, opts), table
 
-    bounds, opts = _args.checked(comm, check)
+    (bounds, opts), agree = _args.check_locally(comm, check)  # compared over the group by the ring's forward
     qq, opts = _args.positive_scale(q, opts)
     layout = VarlenLayout(bounds, comm.world)
     steps = tuple(tuple(layout.pieces(comm.rank, (comm.rank - s) % comm.world, opts.mask, q.device))
                   for s in range(comm.world))
     out, lse = RingAttention.apply(qq.unsqueeze(0), k.contiguous().unsqueeze(0), v.contiguous().unsqueeze(0),
-                                   RingPlan(comm, opts, steps))
+                                   RingPlan(comm, opts, steps, agree))
     out, lse = out[0], lse[0]
     return (out, lse, None) if return_attn_probs else out
 
