@@ -547,27 +547,33 @@ if AVAILABLE:
         the block spans (PAGE < BLOCK_N) or one from within a page; a table entry past the row's columns becomes
         a page past the cache, which the copy fills with zeros (the block's rows past the sequence are masked, and
         a bad entry reads zeros: the safety policy of docs/safety.md)."""
-        slot = ring.wait_empty(i)
         if cfg.PAGE == 0:
+            slot = ring.wait_empty(i)
             mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
             tma_load(desc, [item.t_b, item.k_start + col, i_hk, 0], ring.full.index(slot),
                      buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
         else:
+            # The table entries are read before the wait for a free slot, so their latency hides behind it.
             row = producer.Table + item.i_b.to(gl.int64) * producer.stride_table
             first = col // cfg.PAGE
             if cfg.PAGE >= cfg.BLOCK_N:
-                mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
                 page = gl.load(row + first, mask=first < producer.table_cols, other=PAGE_PAST_CACHE)
                 page = gl.where(page < 0, PAGE_PAST_CACHE, page)
+                slot = ring.wait_empty(i)
+                mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
                 tma_load(desc, [page, col % cfg.PAGE, i_hk, 0], ring.full.index(slot),
                          buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
             else:
-                mbarrier.expect(ring.full.index(slot), (cfg.BLOCK_N // cfg.PAGE) * desc.block_type.nbytes)
-                for p in gl.static_range(cfg.BLOCK_N // cfg.PAGE):
-                    page = gl.load(row + first + p, mask=first + p < producer.table_cols, other=PAGE_PAST_CACHE)
-                    page = gl.where(page < 0, PAGE_PAST_CACHE, page)
-                    tma_load(desc, [page, 0, i_hk, 0], ring.full.index(slot),
-                             buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]).slice(p * cfg.PAGE, cfg.PAGE, 1))
+                n_pages: gl.constexpr = cfg.BLOCK_N // cfg.PAGE
+                offs = gl.arange(0, n_pages, layout=gl.BlockedLayout([1], [32], [1], [0]))
+                pages = gl.load(row + first + offs, mask=first + offs < producer.table_cols, other=PAGE_PAST_CACHE)
+                pages = gl.where(pages < 0, PAGE_PAST_CACHE, pages)
+                slot = ring.wait_empty(i)
+                mbarrier.expect(ring.full.index(slot), n_pages * desc.block_type.nbytes)
+                for p in gl.static_range(n_pages):
+                    tma_load(desc, [gl.sum(gl.where(offs == p, pages, 0), 0), 0, i_hk, 0], ring.full.index(slot),
+                             buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]).slice(p * cfg.PAGE, cfg.PAGE,
+                                                                                             1))
 
     @gluon.jit
     def _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF: gl.constexpr):
