@@ -121,7 +121,11 @@ class GluonHopper(_KernelBackend):
                     "q, k, v")
         if req.varlen:
             if req.paged:
-                return "paged keys/values run on the portable kernels"
+                from .kernels import hopper_fwd
+                page = k.shape[1]
+                if not (page % hopper_fwd.BLOCK_N == 0 or (hopper_fwd.BLOCK_N % page == 0 and page >= 8)):
+                    return (f"pages of {page} rows: it reads whole pages or {hopper_fwd.BLOCK_N}-row blocks of one "
+                            f"(page sizes that divide {hopper_fwd.BLOCK_N}, 8 or more, or its multiples)")
             if req.attn_bias is not None:
                 return "an attn_mask with a varlen batch is not implemented here"
             if q.shape[0] == 0 or k.shape[0] == 0:

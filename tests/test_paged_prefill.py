@@ -146,13 +146,17 @@ class _nothing:
         return False
 
 
-def test_paged_explain():
-    q, kc, vc, table = _paged([4], [20], 16, h=4, hk=2, d=64, dtype=torch.bfloat16, seed=2, device="cpu")
-    cu_q, cu_k = cu_seqlens([4]), cu_seqlens([20])
-    text = str(flashtile.explain(q, kc, vc, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=20,
+@pytest.mark.parametrize("page, forward", [(16, "gluon-hopper"), (256, "gluon-hopper"), (48, "triton")])
+def test_paged_explain(page, forward):
+    """On Hopper the Gluon forward takes pages that divide its 128-row key blocks (8 rows or more) or are multiples
+    of them; other sizes take the portable kernel."""
+    q, kc, vc, table = _paged([4], [300], page, h=4, hk=2, d=64, dtype=torch.bfloat16, seed=2, device="cpu")
+    cu_q, cu_k = cu_seqlens([4]), cu_seqlens([300])
+    text = str(flashtile.explain(q, kc, vc, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=300,
                                  block_table=table, target=Target("cuda", 90, False)))
-    assert "forward: triton" in text
-    assert "not gluon-hopper: paged keys/values run on the portable kernels" in text
+    assert f"forward: {forward}" in text, text
+    if forward == "triton":
+        assert f"not gluon-hopper: pages of {page} rows" in text
     assert "paged" in text.splitlines()[0]
 
 
@@ -285,6 +289,25 @@ def test_gpu_paged(page, dtype, d):
         table[0, 0] = kc.shape[0]
         with pytest.raises(ValueError, match=r"block_table\[0, 0\]"):
             _run(q, kc, vc, table, lens_q, lens_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("bad_page, bad_used", [(-5, 300), (10 ** 6, 300), (0, 10 ** 6), (1, -4)],
+                         ids=["negative-page", "huge-page", "huge-seqused", "negative-seqused"])
+def test_gpu_paged_bad_values(page, bad_page, bad_used):
+    """Unchecked values on the GPU (the public call reads no CUDA index tensor): sequence 1's bad page or key count
+    spoils at most its own rows; sequence 0 is right, every output is finite, nothing reads past the cache."""
+    lens_q, lens_k = [130, 4], [300, 300]
+    q, kc, vc, table = _paged(lens_q, lens_k, page, h=8, hk=2, d=128, dtype=torch.bfloat16, seed=9, device="cuda")
+    table[1, min(1, table.shape[1] - 1)] = bad_page if bad_page else table[1, 0]
+    used = torch.tensor([300, bad_used], dtype=torch.int32, device="cuda")
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, kc, vc, cu_seqlens(lens_q, "cuda"), cu_seqlens(lens_k, "cuda"),
+                                                   130, 300, causal=True, block_table=table, seqused_k=used,
+                                                   return_attn_probs=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    _check(out[:130], q[:130], kc, vc, table[:1], [130], [300], True, lse=lse[:, :130])
 
 
 def test_paged_values_unread_on_device(monkeypatch):

@@ -74,6 +74,9 @@ if AVAILABLE:
 # Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
 WG_M = 64
 BLOCK_N = 128
+# A paged batch's table entries past a row's columns read as this page index, past any cache: TMA fills the copy
+# with zeros (_load_block).
+PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
 HEAD_DIMS = (64, 128)
 # Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, two query buffers and the output buffer (32 KB each) use
 # 224 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 96 KB, and up to 72 KB more.
@@ -143,6 +146,7 @@ if AVAILABLE:
         VARLEN: gl.constexpr
         LAZY: gl.constexpr
         DROPOUT: gl.constexpr
+        PAGE: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
         o_layout: gl.constexpr
@@ -151,7 +155,7 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                     BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, dtype):
+                     BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, dtype):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -171,6 +175,7 @@ if AVAILABLE:
             self.VARLEN = gl.constexpr(VARLEN)
             self.LAZY = gl.constexpr(LAZY)
             self.DROPOUT = gl.constexpr(DROPOUT)
+            self.PAGE = gl.constexpr(PAGE)
             self.dtype = gl.constexpr(dtype)
             s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
             o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -188,8 +193,9 @@ if AVAILABLE:
     @aggregate
     class FwdProducer:
         """What only the producer reads: the descriptors it loads from (bias_desc: None without an attn_mask), the
-        dynamic schedule's Counter, the varlen TileMap, group_size query heads per kv head, and the factors that
-        turn a batch and a head index into the attn_mask's (0 along a broadcast dim)."""
+        dynamic schedule's Counter, the varlen TileMap, group_size query heads per kv head, the factors that
+        turn a batch and a head index into the attn_mask's (0 along a broadcast dim), and a paged batch's block
+        Table (its row stride and columns; PAGE > 0)."""
         q_desc: Value
         k_desc: Value
         v_desc: Value
@@ -199,6 +205,9 @@ if AVAILABLE:
         group_size: Value
         bias_mul_b: Value
         bias_mul_h: Value
+        Table: gl.tensor
+        stride_table: Value
+        table_cols: Value
 
     @aggregate
     class FwdOut:
@@ -513,7 +522,7 @@ if AVAILABLE:
             if j < n_blocks:
                 blk, partial = _block_at(j_lo, j, idx_row, cfg.BIAS == 2)
                 col = blk * cfg.BLOCK_N
-                _load_block(cfg, smem.k, smem.k_bar, producer.k_desc, c + j, item, col, i_hk)
+                _load_block(cfg, smem.k, smem.k_bar, producer.k_desc, c + j, item, col, i_hk, producer)
                 if cfg.BIAS != 0:
                     if partial:
                         # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
@@ -528,17 +537,43 @@ if AVAILABLE:
             if j > 0:
                 blk, partial = _block_at(j_lo, j - 1, idx_row, cfg.BIAS == 2)
                 col = blk * cfg.BLOCK_N
-                _load_block(cfg, smem.v, smem.v_bar, producer.v_desc, c + j - 1, item, col, i_hk)
+                _load_block(cfg, smem.v, smem.v_bar, producer.v_desc, c + j - 1, item, col, i_hk, producer)
         return c + n_blocks, bc, it + 1
 
     @gluon.jit
-    def _load_block(cfg, buf, ring, desc, i, item, col, i_hk):
+    def _load_block(cfg, buf, ring, desc, i, item, col, i_hk, producer):
         """Load the key block at col (K or V: its buffers, ring and descriptor) of the item's kv head i_hk as the
-        ring's i-th use."""
-        slot = ring.wait_empty(i)
-        mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
-        tma_load(desc, [item.t_b, item.k_start + col, i_hk, 0], ring.full.index(slot),
-                 buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
+        ring's i-th use. Paged (PAGE > 0): the descriptor is over the [pages, PAGE, Hk, D] cache, one copy per page
+        the block spans (PAGE < BLOCK_N) or one from within a page; a table entry past the row's columns becomes
+        a page past the cache, which the copy fills with zeros (the block's rows past the sequence are masked, and
+        a bad entry reads zeros: the safety policy of docs/safety.md)."""
+        if cfg.PAGE == 0:
+            slot = ring.wait_empty(i)
+            mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
+            tma_load(desc, [item.t_b, item.k_start + col, i_hk, 0], ring.full.index(slot),
+                     buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
+        else:
+            # The table entries are read before the wait for a free slot, so their latency hides behind it.
+            row = producer.Table + item.i_b.to(gl.int64) * producer.stride_table
+            first = col // cfg.PAGE
+            if cfg.PAGE >= cfg.BLOCK_N:
+                page = gl.load(row + first, mask=first < producer.table_cols, other=PAGE_PAST_CACHE)
+                page = gl.where(page < 0, PAGE_PAST_CACHE, page)
+                slot = ring.wait_empty(i)
+                mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
+                tma_load(desc, [page, col % cfg.PAGE, i_hk, 0], ring.full.index(slot),
+                         buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
+            else:
+                n_pages: gl.constexpr = cfg.BLOCK_N // cfg.PAGE
+                offs = gl.arange(0, n_pages, layout=gl.BlockedLayout([1], [32], [1], [0]))
+                pages = gl.load(row + first + offs, mask=first + offs < producer.table_cols, other=PAGE_PAST_CACHE)
+                pages = gl.where(pages < 0, PAGE_PAST_CACHE, pages)
+                slot = ring.wait_empty(i)
+                mbarrier.expect(ring.full.index(slot), n_pages * desc.block_type.nbytes)
+                for p in gl.static_range(n_pages):
+                    tma_load(desc, [gl.sum(gl.where(offs == p, pages, 0), 0), 0, i_hk, 0], ring.full.index(slot),
+                             buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]).slice(p * cfg.PAGE, cfg.PAGE,
+                                                                                             1))
 
     @gluon.jit
     def _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF: gl.constexpr):
@@ -1061,29 +1096,33 @@ if AVAILABLE:
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Seed, Counts,
-                    Idx, strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles, HEAD_DIM: gl.constexpr,
+                    Idx, strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles, Table, stride_table, table_cols,
+                    HEAD_DIM: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
                     BIAS: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr,
-                    QBUF: gl.constexpr, VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr):
+                    QBUF: gl.constexpr, VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr,
+                    PAGE: gl.constexpr):
         """One program per SM (persistent) walking work items; the partitions and their roles are the module
         docstring's. strides, mask, band, scales and heads: the named tuples _Strides, _Mask, _Band, _Scales, _Heads.
         Constexprs: MASK_RIGHT, the band's right bound i + diag_offset (causal, or a right window folded into the
         offset); MASK_LEFT, its left bound i + left_offset; BIAS 0 none, 1 a float attn_mask, 2 a bool one (tiles
         in a ring of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of
         BLOCK_M // NUM_WG rows; DYNAMIC: the global counter's schedule; QBUF query buffers; LAZY: LAZY_MAX's steps
-        (_finish_step)."""
+        (_finish_step); PAGE: a paged varlen batch's page size (0: none), K and V then read page by page through
+        Table (_load_block)."""
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
+        gl.static_assert(PAGE == 0 or (VARLEN and (PAGE % BLOCK_N == 0 or BLOCK_N % PAGE == 0)))
         gl.static_assert(not LAZY or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
         cfg = FwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS,
-                        STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, q_desc.dtype)
+                        STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, q_desc.dtype)
         # (The tuples' fields are read where they are passed: an assignment would turn the ones Triton specialized
         # into constants, integer arguments equal to 1, into runtime values.)
         prog = FwdProgram(
             cfg, FwdProducer(q_desc, k_desc, v_desc, bias_desc, Counter, TileMap, heads.group_size, mask.mul_b,
-                             mask.mul_h),
+                             mask.mul_h, Table, stride_table, table_cols),
             FwdOut(o_desc, Out, strides.out_b, strides.out_s, strides.out_h, Lse, strides.lse_b, strides.lse_h),
             _fwd_smem(cfg, bias_desc), FwdWork(n_tiles, n_m, heads.num_heads, heads.head_group),
             FwdBand(seqlen_q, band.seqlen_k, band.diag_offset, band.left_offset),
@@ -1274,7 +1313,7 @@ class GluonFwdPlan:
     kernel (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), makes this call's
     descriptors and feature tensors, and launches."""
     __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "dynamic", "block_m",
-                 "varlen", "lists", "o_from_q")
+                 "varlen", "lists", "o_from_q", "paged")
 
     def run(self, q, k, v, req):
         """(out, lse) of a call with this plan's key."""
@@ -1292,14 +1331,19 @@ class GluonFwdPlan:
             if self.lists is not None:
                 lists = Features(req).block_lists(*self.lists)
                 counts, indices = lists.counts, lists.indices
+        table = (lse, 0, 0)
         if self.varlen:
-            tile_map = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, q.shape[0], self.block_m,
-                                       req.mask_right)[0]
+            cu_k = req.cu_seqlens_k
+            if self.paged:
+                table = (req.block_table, req.block_table.stride(0), req.block_table.shape[1])
+                if req.seqused_k is not None:  # the keys' counts as offsets (their starts are not read)
+                    cu_k = torch.nn.functional.pad(req.seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+            tile_map = varlen_tile_map(req.cu_seqlens_q, cu_k, q.shape[0], self.block_m, req.mask_right)[0]
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     lse if req.alibi_slopes is None else req.alibi_slopes, lse if req.sinks is None else req.sinks,
-                    req.seed if req.dropout_p > 0 else lse, counts, indices, *self.groups)
+                    req.seed if req.dropout_p > 0 else lse, counts, indices, *self.groups, *table)
         return out, lse
 
 
@@ -1309,18 +1353,19 @@ def _fwd_plan(q, k, v, req, out_dtype):
     varlen = req.varlen
     diagonal_offset = req.diagonal_offset
     plan = GluonFwdPlan()
-    plan.out_dtype, plan.device, plan.varlen = out_dtype, q.device, varlen
+    plan.out_dtype, plan.device, plan.varlen, plan.paged = out_dtype, q.device, varlen, req.paged
+    page = k.shape[1] if req.paged else 0  # paged: k, v are [pages, page size, Hk, D] caches
     if varlen:
         # Packed [total, H, D] sequences (kernel note at _varlen_item): 4-D views [1, total, H, D] for the
         # descriptors, lse [H, total_q]; each item adds its sequence's own Sk - Sq to the offsets below.
         total_q, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
+        num_kv_heads = k.shape[-2]
         batch = req.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
         plan.out_shape, plan.lse_shape = (total_q, num_heads, head_dim), (num_heads, total_q)
         diagonal_offset = 0
         out = torch.empty(plan.out_shape, dtype=out_dtype, device="meta")  # allocated contiguous by run
-        q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
+        q4, k4, v4, o4 = (t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v, out))
         out_strides = (0, out.stride(0), out.stride(1))
         lse_strides = (0, total_q)
     else:
@@ -1336,7 +1381,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     plan.o_from_q = out_dtype != q.dtype
     # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
     # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
-    plan.descs = tuple(_descriptor(_meta(t), rows) for t, rows in ((q4, WG_M), (k4, BLOCK_N), (v4, BLOCK_N),
+    kv_rows = min(page, BLOCK_N) if page else BLOCK_N  # paged: one copy per page, or a block within one
+    plan.descs = tuple(_descriptor(_meta(t), rows) for t, rows in ((q4, WG_M), (k4, kv_rows), (v4, kv_rows),
                                                                     (q4 if plan.o_from_q else o4, WG_M)))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
@@ -1399,5 +1445,6 @@ def _fwd_plan(q, k, v, req, out_dtype):
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], MASK_RIGHT=req.mask_right,
         MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0), dict(num_warps=4))
+        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page),
+        dict(num_warps=4))
     return plan
