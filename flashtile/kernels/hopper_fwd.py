@@ -119,6 +119,10 @@ _Band = collections.namedtuple("_Band", "seqlen_k diag_offset left_offset alibi_
 _Scales = collections.namedtuple("_Scales", "qk_scale mod_unit pre_scale drop_threshold drop_keep")  # mod_scalars
 # Query heads, heads interleaved in a group (HEAD_GROUP), query heads per kv head.
 _Heads = collections.namedtuple("_Heads", "num_heads head_group group_size")
+# A bool attn_mask's block lists (Features.block_lists' counts and indices; placeholders without one).
+_Lists = collections.namedtuple("_Lists", "counts idx")
+# A paged batch's block table, its row stride and columns (a placeholder and zeros without one).
+_Pages = collections.namedtuple("_Pages", "table stride cols")
 
 if AVAILABLE:
     @aggregate
@@ -1095,22 +1099,22 @@ if AVAILABLE:
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Seed, Counts,
-                    Idx, strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles, Table, stride_table, table_cols,
-                    HEAD_DIM: gl.constexpr,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Seed, lists,
+                    strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles, pages, HEAD_DIM: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
                     BIAS: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr,
                     QBUF: gl.constexpr, VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr,
                     PAGE: gl.constexpr):
         """One program per SM (persistent) walking work items; the partitions and their roles are the module
-        docstring's. strides, mask, band, scales and heads: the named tuples _Strides, _Mask, _Band, _Scales, _Heads.
-        Constexprs: MASK_RIGHT, the band's right bound i + diag_offset (causal, or a right window folded into the
-        offset); MASK_LEFT, its left bound i + left_offset; BIAS 0 none, 1 a float attn_mask, 2 a bool one (tiles
-        in a ring of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of
-        BLOCK_M // NUM_WG rows; DYNAMIC: the global counter's schedule; QBUF query buffers; LAZY: LAZY_MAX's steps
-        (_finish_step); PAGE: a paged varlen batch's page size (0: none), K and V then read page by page through
-        Table (_load_block)."""
+        docstring's. strides, mask, band, scales and heads: the named tuples _Strides, _Mask, _Band, _Scales, _Heads;
+        lists: a bool attn_mask's block lists (_Lists); pages: a paged batch's block table (_Pages). Constexprs:
+        MASK_RIGHT, the band's right bound i + diag_offset (causal, or a right window folded into the offset);
+        MASK_LEFT, its left bound i + left_offset; BIAS 0 none, 1 a float attn_mask, 2 a bool one (tiles in a ring
+        of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of BLOCK_M // NUM_WG
+        rows; DYNAMIC: the global counter's schedule; QBUF query buffers; LAZY: LAZY_MAX's steps (_finish_step);
+        PAGE: a paged varlen batch's page size (0: none), K and V then read page by page through the block table
+        (_load_block)."""
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
@@ -1122,13 +1126,13 @@ if AVAILABLE:
         # into constants, integer arguments equal to 1, into runtime values.)
         prog = FwdProgram(
             cfg, FwdProducer(q_desc, k_desc, v_desc, bias_desc, Counter, TileMap, heads.group_size, mask.mul_b,
-                             mask.mul_h, Table, stride_table, table_cols),
+                             mask.mul_h, pages.table, pages.stride, pages.cols),
             FwdOut(o_desc, Out, strides.out_b, strides.out_s, strides.out_h, Lse, strides.lse_b, strides.lse_h),
             _fwd_smem(cfg, bias_desc), FwdWork(n_tiles, n_m, heads.num_heads, heads.head_group),
             FwdBand(seqlen_q, band.seqlen_k, band.diag_offset, band.left_offset),
             FwdMods(scales.qk_scale, Alibi, strides.alibi_b, band.alibi_offset, scales.mod_unit, scales.pre_scale,
                     Sinks, Seed, scales.drop_threshold, scales.drop_keep),
-            FwdLists(Counts, Idx, mask.lists_b, mask.lists_h, mask.lists_cols))
+            FwdLists(lists.counts, lists.idx, mask.lists_b, mask.lists_h, mask.lists_cols))
         if NUM_WG == 3:
             # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
             gl.warp_specialize([(_softmax_partition, (prog, 0)), (_softmax_partition, (prog, 1)),
@@ -1343,7 +1347,7 @@ class GluonFwdPlan:
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     lse if req.alibi_slopes is None else req.alibi_slopes, lse if req.sinks is None else req.sinks,
-                    req.seed if req.dropout_p > 0 else lse, counts, indices, *self.groups, *table)
+                    req.seed if req.dropout_p > 0 else lse, _Lists(counts, indices), *self.groups, _Pages(*table))
         return out, lse
 
 
