@@ -515,3 +515,30 @@ def test_nccl_two_gpus(gpu_reports, name):
     """fp32 cases against one GPU's flashtile (the same comparisons as on the CPU), bf16 error ratios, and bad
     inputs raising on both ranks (a CPU tensor on an NCCL group among them) without a hang."""
     _assert_ok(gpu_reports[name], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_add_rounded(monkeypatch, dtype, kernel):
+    """The ring's last sums: a + b in float32 rounded once to dtype, the same bits as torch's addition into a
+    tensor of that dtype, whether the Triton pass or torch computes it; odd sizes, a non-contiguous operand takes
+    torch's path. (Triton's interpreter casts to bfloat16 by truncation, the GPU to nearest: there the pass is
+    allowed one bfloat16 step.)"""
+    from flashtile.distributed import _local, _merge
+    from flashtile.kernels import configs
+    if kernel and not configs.INTERPRETING:
+        pytest.skip("the Triton pass runs in the interpreter (TRITON_INTERPRET=1) or on a GPU")
+    monkeypatch.setattr(_local, "use_kernels", lambda t: kernel)
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(1, 1037, 3, 5), (2, 7, 1, 64)]:
+        a, b = (torch.randn(shape, generator=gen) * 100 for _ in range(2))
+        got = _merge.add_rounded(a, b, dtype)
+        assert got.dtype == dtype and got.shape == a.shape
+        ref = torch.add(a, b, out=torch.empty(shape, dtype=dtype))
+        if kernel and dtype == torch.bfloat16 and configs.INTERPRETING:
+            step = torch.finfo(dtype).eps * ref.float().abs().clamp_min(torch.finfo(dtype).tiny)
+            assert ((got.float() - ref.float()).abs() <= step).all()
+        else:
+            assert torch.equal(got, ref)
+        wide = torch.randn(shape[:-1] + (2 * shape[-1],), generator=gen)[..., ::2]  # not contiguous
+        assert torch.equal(_merge.add_rounded(wide, b, dtype), torch.add(wide, b).to(dtype))

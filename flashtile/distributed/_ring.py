@@ -24,7 +24,7 @@ import torch
 
 from . import _comm
 from ._local import Block, block_backward, block_forward
-from ._merge import merge_
+from ._merge import add_rounded, merge_
 from ._plan import Mask, Piece
 
 
@@ -148,18 +148,23 @@ def ring_forward(q, k, v, plan: RingPlan):
 
 def _add_rows(acc, grad, lo, hi, like):
     """acc[:, lo:hi] += grad; acc None: the first contribution, taken as it is when it covers every row (the block
-    gradients are fresh float32 tensors), else float32 zeros shaped like `like` first."""
+    gradients are fresh float32 tensors), else copied into a float32 tensor shaped like `like` whose other rows are
+    zeroed (one pass over the rows instead of zeros and an addition)."""
     if acc is None:
         if lo == 0 and hi == like.shape[1]:
             return grad
-        acc = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        acc = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        acc[:, :lo].zero_()
+        acc[:, hi:].zero_()
+        acc[:, lo:hi].copy_(grad)
+        return acc
     acc[:, lo:hi] += grad
     return acc
 
 
 def _sum(acc, grad, dtype):
-    """acc + grad (float32, the same shape) rounded to dtype, in one pass."""
-    return torch.add(acc, grad, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
+    """acc + grad (float32, the same shape) rounded to dtype, in one pass (_merge.add_rounded)."""
+    return add_rounded(acc, grad, dtype)
 
 
 def _covers(parts, n):
