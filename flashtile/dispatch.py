@@ -121,6 +121,8 @@ class GluonHopper(_KernelBackend):
                     "q, k, v")
         if req.varlen:
             if req.paged:
+                # A page smaller than a key block is copied into a row slice of the block's shared-memory tile,
+                # which must start where the tile's 128-byte swizzle pattern starts over: every 8 rows.
                 from .kernels import hopper_fwd
                 page = k.shape[1]
                 if not (page % hopper_fwd.BLOCK_N == 0 or (hopper_fwd.BLOCK_N % page == 0 and page >= 8)):

@@ -148,6 +148,8 @@ _SIDE_STREAMS = {}
 
 
 def _side_stream(device):
+    """The stream, one per device, that RingExchange posts a transfer from when it must not wait for the current
+    stream's queue."""
     stream = _SIDE_STREAMS.get(device.index)
     if stream is None:
         stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)

@@ -162,11 +162,6 @@ def _add_rows(acc, grad, lo, hi, like):
     return acc
 
 
-def _sum(acc, grad, dtype):
-    """acc + grad (float32, the same shape) rounded to dtype, in one pass (_merge.add_rounded)."""
-    return add_rounded(acc, grad, dtype)
-
-
 def _covers(parts, n):
     """The only part, when it spans all n rows (else None)."""
     return parts[0] if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == n else None
@@ -191,7 +186,7 @@ def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options, dq_dtype=No
         parts.append((k0, k1, dk_i, dv_i))
         q0, q1 = (0, q.shape[1]) if piece.varlen is not None else (piece.q0, piece.q1)
         if dq_dtype is not None and dq is not None and len(pieces) == 1 and (q0, q1) == (0, q.shape[1]):
-            return _sum(dq, dq_i, dq_dtype), parts
+            return add_rounded(dq, dq_i, dq_dtype), parts
         dq = _add_rows(dq, dq_i, q0, q1, q)
     if dq_dtype is not None and dq is not None:
         dq = dq.to(dq_dtype)
@@ -204,7 +199,7 @@ def _fold(acc, parts, kv, dtypes=None):
     (acc plus one part over every row: added and rounded in one pass)."""
     whole = _covers(parts, kv[0].shape[1])
     if dtypes is not None and acc is not None and whole is not None:
-        return _sum(acc[0], whole[2], dtypes[0]), _sum(acc[1], whole[3], dtypes[1])
+        return add_rounded(acc[0], whole[2], dtypes[0]), add_rounded(acc[1], whole[3], dtypes[1])
     dk, dv = acc if acc is not None else (None, None)
     for k0, k1, dk_i, dv_i in parts:
         dk = _add_rows(dk, dk_i, k0, k1, kv[0])
@@ -265,4 +260,4 @@ class RingAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = ring_backward(dout, dlse, q, k, v, out, lse, (last_k, last_v), ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq, dk, dv, None  # already in the inputs' dtypes
