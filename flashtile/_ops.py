@@ -20,10 +20,11 @@ too (the ops run once per sample), and forward mode (jvp, jacfwd, hessian, torch
 RuntimeError that says it is not supported, as does grad of grad.
 """
 import dataclasses
+import functools
 
 import torch
 
-from . import _values, dispatch
+from . import _ahead, _values, dispatch
 from ._settings import SETTINGS
 from .request import AttentionRequest
 
@@ -67,15 +68,17 @@ def _device_offsets(req, q, k):
     return dataclasses.replace(req, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
-def forward(q, k, v, req: AttentionRequest):
-    """(out, lse fp32) of one request, no autograd: unpack, then the backend dispatch chooses."""
+def forward(q, k, v, req: AttentionRequest, on_new_plan=None):
+    """(out, lse fp32) of one request, no autograd: unpack, then the backend dispatch chooses (on_new_plan: see
+    dispatch.forward)."""
     q, k, v = unpack(q, k, v)
-    return dispatch.forward(q, k, v, _device_offsets(req, q, k))
+    return dispatch.forward(q, k, v, _device_offsets(req, q, k), on_new_plan=on_new_plan)
 
 
 def backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, bias_requires_grad=False):
     """Gradients of forward: [dq, dk, dv] (packed inputs: [dqkv] or [dq, dkv]), then dbias if bias_requires_grad,
     then dsinks if req.sinks is set. dlse is the gradient reaching the returned LSE (None when it is unused)."""
+    _ahead.wait()
     qq, kk, _ = unpack(q, k, v)
     req = _device_offsets(req, qq, kk)
     grads, dbias, dsinks = dispatch.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad)
@@ -260,7 +263,12 @@ class _AttnFunction(_ReverseOnly):
     def forward(ctx, q, k, v, req, attn_bias, sinks):
         qq, kk, _ = unpack(q, k, v)
         req = _device_offsets(req, qq, kk)  # clamped once: the backward gets the same offsets
-        out, lse = forward(q, k, v, req)
+        grad = ctx.needs_input_grad
+        ahead = None
+        if grad[0] or grad[1] or grad[2] or grad[4] or grad[5]:
+            # A new plan: the backward compiles meanwhile (_ahead.py).
+            ahead = functools.partial(_ahead.start, q, k, v, req, attn_bias is not None and grad[4])
+        out, lse = forward(q, k, v, req, ahead)
         _save(ctx, q, k, v, out, lse, req)
         return out, lse
 

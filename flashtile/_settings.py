@@ -11,6 +11,8 @@ call. Nothing else in the package reads `os.environ` for behaviour.
 | lazy_max       | FLASHTILE_LAZY_MAX=0       | off: the Gluon forward takes every block's row maximum             |
 | check_values   | FLASHTILE_CHECK_VALUES=1   | on: check CUDA index tensors' values too (a sync per call; CPU     |
 |                |                            | ones always are); flashtile.check_values() sets it for a block     |
+| compile_ahead  | FLASHTILE_COMPILE_AHEAD=0  | off: a differentiated forward that builds a new plan does not      |
+|                |                            | compile its backward meanwhile in a helper thread (_ahead.py)      |
 | tma            | (tests)                    | None: the hardware decides; True / False force TMA descriptors     |
 | tiles          | (tests, tile sweep)        | None, a TileConfig list for every kernel, or {kind: list}          |
 | decode_tiles   | (tests)                    | None or a TileConfig list for the decode kernel                    |
@@ -39,6 +41,7 @@ class Settings:
     gluon_backward: bool = True
     lazy_max: bool = True
     check_values: bool = False
+    compile_ahead: bool = True
     tma: Optional[bool] = None
     tiles: Union[None, list, dict] = None
     decode_tiles: Optional[list] = None
@@ -49,7 +52,8 @@ class Settings:
     @classmethod
     def from_env(cls):
         return cls(gluon_forward=_flag("FLASHTILE_GLUON", True), gluon_backward=_flag("FLASHTILE_GLUON_BWD", True),
-                   lazy_max=_flag("FLASHTILE_LAZY_MAX", True), check_values=_flag("FLASHTILE_CHECK_VALUES", False))
+                   lazy_max=_flag("FLASHTILE_LAZY_MAX", True), check_values=_flag("FLASHTILE_CHECK_VALUES", False),
+                   compile_ahead=_flag("FLASHTILE_COMPILE_AHEAD", True))
 
 
 SETTINGS = Settings.from_env()

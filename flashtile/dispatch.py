@@ -259,14 +259,17 @@ def choose_backward(dout, q, k, v, req, target=None):
     raise AssertionError("unreachable: the reference takes every request")
 
 
-def forward(q, k, v, req, out_dtype=None):
+def forward(q, k, v, req, out_dtype=None, on_new_plan=None):
     """(out, lse) of unpacked q, k, v on the chosen backend: the plan of an earlier call with the same plan key when
-    there is one (see "Plans" below). out_dtype: out's dtype, default q's (flashtile.distributed's float32 blocks)."""
+    there is one (see "Plans" below). out_dtype: out's dtype, default q's (flashtile.distributed's float32 blocks).
+    on_new_plan: called without arguments when there is none, before the choice (the compile-ahead of _ahead.py)."""
     key = plan_key(q, (q, k, v), req, out_dtype) if SETTINGS.fast_launch else None
     if key is not None:
         plan = _PLANS.get(key)
         if plan is not None:
             return plan.run(q, k, v, req)
+    if on_new_plan is not None:
+        on_new_plan()
     backend = choose_forward(q, k, v, req)
     if key is None or not hasattr(backend, "plan_forward"):
         return backend.forward(q, k, v, req, out_dtype)

@@ -262,7 +262,7 @@ def fast_launch_on_cpu(execute=True):
             if execute:
                 self.kernel[(grid_0, grid_1, grid_2)](*params)
 
-    def jit_launch(kernel, grid, args, constexprs, options, key=None):
+    def jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
         if execute:
             kernel[grid](*args, **constexprs, **options)
         key = _launch._key(kernel, args, constexprs, options) if key is None else key

@@ -28,7 +28,11 @@ def poison(monkeypatch):
 @pytest.fixture
 def call_counter(monkeypatch):
     """count(module, name): replace module.name by a wrapper that records each call's first argument's shape;
-    returns the record."""
+    returns the record. The compile-ahead is off (SETTINGS.compile_ahead): its helper would run a counted backward
+    builder once more, on stand-ins (flashtile/_ahead.py)."""
+    from flashtile._settings import SETTINGS
+    monkeypatch.setattr(SETTINGS, "compile_ahead", False)
+
     def count(module, name):
         calls = []
         launch = getattr(module, name)

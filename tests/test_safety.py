@@ -366,9 +366,9 @@ def test_varlen_grid_covers_the_longest_sequence(monkeypatch):
     seen = []
     real = dispatch.forward
 
-    def spy(q, k, v, req):
+    def spy(q, k, v, req, **kw):
         seen.append((req.max_seqlen_q, req.max_seqlen_k))
-        return real(q, k, v, req)
+        return real(q, k, v, req, **kw)
 
     monkeypatch.setattr(dispatch, "forward", spy)
     q, k, v = (torch.randn(12, 2, 16) for _ in range(3))

@@ -4,12 +4,14 @@
     python -m flashtile bench features [options]     each feature's cost against the plain kernel (features.py)
     python -m flashtile bench decode [options]       KV-cache decoding against SDPA and flash-attn (decode.py)
     python -m flashtile bench host [options]         host time of small eager calls against SDPA (host.py)
+    python -m flashtile bench cold [options]         import and first-call time of fresh processes (cold.py)
     python -m flashtile bench plot FILE [--out PNG]  re-plot a suite's results JSON (plot.py; needs matplotlib)
 
 Each takes --help. The benchmarks need a CUDA GPU (their --help does not); results are JSON (the suite adds a PNG
 when matplotlib is installed: `pip install flashtile[bench]`) written to --out, ./bench-results by default, with
 the GPU, torch, triton and the date. Modules: registry (providers and shapes), runner (flops, the correctness
-check, timing, the table, results files), plot, features, decode, host. `import flashtile` never imports this package.
+check, timing, the table, results files), plot, features, decode, host, cold. `import flashtile` never imports
+this package.
 """
 import importlib
 import sys
@@ -21,6 +23,7 @@ SUBCOMMANDS = {
     "features": ("features", "each feature's cost against the plain kernel (16k, d128, bf16)"),
     "decode": ("decode", "KV-cache decoding against torch SDPA and flash-attn"),
     "host": ("host", "host time of small eager calls against torch SDPA (--cpu: flashtile's Python alone)"),
+    "cold": ("cold", "import and first-call time in fresh processes, empty and filled Triton cache"),
     "plot": ("plot", "re-plot a suite's results JSON (needs matplotlib)"),
 }
 

@@ -13,6 +13,9 @@ already fixes every specialization (decode's plans): it keeps the compiled kerne
 call of each key, CPU tensors (the interpreter), launch hooks (profilers), SETTINGS.fast_launch off and a GPU that
 is not the current device all take the JIT path, so behaviour there is Triton's own.
 """
+import contextlib
+import threading
+
 import torch
 import triton
 
@@ -26,6 +29,27 @@ MAX_KEYS = 4096
 # keeps its own cache of compiled kernels per JITFunction; this one only saves the work of finding the entry.
 _COMPILED: dict = {}
 
+# Per thread: whether launches only compile (compile_only).
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within the block, this thread's launches compile their kernels, load them and build their launchers, and
+    keep them in the compile cache as a launch would, but run nothing (flashtile/_ahead.py compiles a backward
+    this way while the forward compiles). Other threads launch as usual."""
+    saved = getattr(_THREAD, "dry", False)
+    _THREAD.dry = True
+    try:
+        yield
+    finally:
+        _THREAD.dry = saved
+
+
+def dry():
+    """Whether this thread's launches only compile (compile_only)."""
+    return getattr(_THREAD, "dry", False)
+
 
 def _hook_set(hook):
     # Triton >= 3.5 keeps launch hooks in a HookChain (never None; empty while nobody listens).
@@ -35,7 +59,7 @@ def _hook_set(hook):
 def fast_stream(device_index):
     """The current stream's handle when launches may go straight to the compiled kernels: SETTINGS.fast_launch, a
     CUDA tensor on the current device, and no launch hooks (profilers get the full JITFunction path). Else None."""
-    if not SETTINGS.fast_launch or device_index is None or device_index < 0 or not hasattr(triton, "knobs"):
+    if not SETTINGS.fast_launch or device_index is None or device_index < 0 or not hasattr(triton, "knobs") or dry():
         return None
     runtime = triton.knobs.runtime
     if _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook):
@@ -110,15 +134,56 @@ def _key(kernel, args, constexprs, options):
             tuple(options.items()))
 
 
-def _jit_launch(kernel, grid, args, constexprs, options, key=None):
-    """kernel[grid](...) through Triton's JIT; keeps the compiled kernel under key (computed here when None) when it
-    can be launched directly. Returns (the JIT launch's return value, the cache entry or None)."""
-    compiled = kernel[grid](*args, **constexprs, **options)
-    if not usable(compiled):
-        return compiled, None
-    key = _key(kernel, args, constexprs, options) if key is None else key
-    params = kernel.params[len(args):]
-    entry = (compiled, tuple(constexprs[p.name] if p.name in constexprs else p.default for p in params))
+def _compile(kernel, grid, args, constexprs, options):
+    """The kernel compiled for these arguments, loaded on the current device with its launcher built, not run."""
+    compiled = kernel.warmup(*args, grid=grid, **constexprs, **options)
+    if hasattr(compiled, "result"):  # compiled under Triton's AsyncCompileMode
+        compiled = compiled.result()
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+    return compiled
+
+
+def _tail(kernel, args, constexprs):
+    """The values of the kernel's parameters after args (its constexprs, given or default), which the launcher
+    takes and skips."""
+    return tuple(constexprs[p.name] if p.name in constexprs else p.default for p in kernel.params[len(args):])
+
+
+def _index_device(stream):
+    """The device whose on-disk index (_index.py) a first launch may use: the current GPU on the fast path (a stream)
+    or in compile-only mode; None otherwise."""
+    if not SETTINGS.fast_launch or not (stream is not None or dry()) or not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_device()
+
+
+def _jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
+    """kernel[grid](...) through Triton's JIT (compile_only: compiled and loaded, not run); keeps the compiled
+    kernel under key (computed here when None) when it can be launched directly. On the fast path (stream: the
+    launch's) and in compile-only mode a kernel an earlier process compiled is taken from the on-disk index first
+    (_index.py), and one the JIT returns is indexed. Returns (the launch's compiled kernel, the cache entry or
+    None)."""
+    from . import _index
+    device = _index_device(stream)
+    compiled = None
+    if device is not None:
+        key = _key(kernel, args, constexprs, options) if key is None else key
+        compiled = _index.load(key, device)
+        if compiled is not None and not dry():
+            _run(compiled, grid, stream, args, _tail(kernel, args, constexprs))
+    if compiled is None:
+        if dry():
+            compiled = _compile(kernel, grid, args, constexprs, options)
+        else:
+            compiled = kernel[grid](*args, **constexprs, **options)
+        if not usable(compiled):
+            return compiled, None
+        key = _key(kernel, args, constexprs, options) if key is None else key
+        if device is not None:
+            _index.save(key, device, compiled)
+    entry = (compiled, _tail(kernel, args, constexprs))
     if len(_COMPILED) >= MAX_KEYS:
         _COMPILED.clear()
     _COMPILED[key] = entry
@@ -133,11 +198,13 @@ def launch(kernel, grid, args, constexprs, device_index, **options):
     cached compiled kernel."""
     stream = fast_stream(device_index)
     if stream is None or off_device(device_index):
+        if dry():
+            return _jit_launch(kernel, grid, args, constexprs, options)[0]
         return kernel[grid](*args, **constexprs, **options)
     key = _key(kernel, args, constexprs, options)
     entry = _COMPILED.get(key)
     if entry is None:
-        return _jit_launch(kernel, grid, args, constexprs, options, key)[0]
+        return _jit_launch(kernel, grid, args, constexprs, options, key, stream)[0]
     _run(entry[0], grid, stream, args, entry[1])
     return entry[0]
 
@@ -179,7 +246,7 @@ class Bound:
         if entry is None:
             # The JIT path: the first call, or one that must not skip it (stream None); a kernel it compiled is
             # kept all the same (as the first call off the current device or under a profiler still compiles).
-            compiled, entry = _jit_launch(self.kernel, self.grid, args, self.constexprs, self.options, key)
+            compiled, entry = _jit_launch(self.kernel, self.grid, args, self.constexprs, self.options, key, stream)
         else:
             compiled = entry[0]
             _run(compiled, self.grid, stream, args, entry[1])

@@ -1,0 +1,168 @@
+"""Cold start: the time a fresh process takes to import flashtile and to run its first call, with an empty Triton
+cache (cold: every kernel compiles) and again with the cache the cold run filled (warm: kernels load from disk).
+
+    python -m flashtile bench cold [--out DIR] [--runs 2]        # on a CUDA GPU
+
+Each run starts new Python processes (`python -c` of this module's child code): one with TRITON_CACHE_DIR set to a
+fresh empty folder and the compile-ahead off (FLASHTILE_COMPILE_AHEAD=0: forward and backward compile one after the
+other, flashtile/_ahead.py), one with another empty folder as flashtile runs by default, then --runs with that
+folder filled. A child times, in order: `import torch`, `import flashtile` on top of it, CUDA's start (the first
+tensor on the GPU: the inputs), torch's own first autograd.grad on a tiny tensor (torch imports sympy there, seconds
+where the installed packages have no cached bytecode: torch's cost, timed apart), the first causal forward+backward
+at B4 S4096 H16 d128 bf16 (synchronised), and a second such call. It also records what Triton compiled or loaded
+during the first call (triton.knobs.compilation.listener: each kernel's name, cache hit, thread, and compile time by
+stage) and the time spent building launchers (triton.runtime.build.compile_module_from_src). The issue's bars:
+first call at most 5 s cold and 0.3 s warm; `import flashtile` at most 0.3 s on top of `import torch`. Writes
+<date>-<gpu>-cold.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from .decode import log
+from .runner import DEFAULT_OUT, git, result_path
+
+SHAPE = (4, 4096, 16, 128)  # batch, seqlen, heads, head dim: the issue's first call
+BAR_COLD_S = 5.0
+BAR_WARM_S = 0.3
+BAR_IMPORT_S = 0.3
+
+# The child: prints one JSON line. Kept free of flashtile imports until it times them.
+CHILD = r"""
+import json, sys, threading, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import flashtile
+t2 = time.perf_counter()
+import triton
+from triton.runtime import build
+
+events, builds = [], []
+def listener(*, src, metadata, metadata_group, times, cache_hit):
+    name = getattr(getattr(src, "fn", None), "__name__", None) or str(getattr(src, "name", "?"))
+    events.append(dict(kernel=name, cache_hit=bool(cache_hit), total_s=times.total / 1e6,
+                       thread=threading.current_thread().name,
+                       stages={k: v / 1e6 for k, v in times.lowering_stages}))
+triton.knobs.compilation.listener = listener
+compile_src = build.compile_module_from_src
+def timed_build(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return compile_src(*args, **kwargs)
+    finally:
+        builds.append(time.perf_counter() - start)
+build.compile_module_from_src = timed_build
+import triton.backends.nvidia.driver as driver
+driver.compile_module_from_src = timed_build
+
+b, s, h, d = SHAPE
+gen = torch.Generator("cuda").manual_seed(0)
+q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_()
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+# torch's own first autograd.grad (it imports sympy, seconds where its bytecode is not cached): timed apart.
+x = torch.ones(8, device="cuda", requires_grad=True)
+torch.autograd.grad(x.exp(), x, torch.ones_like(x))
+torch.cuda.synchronize()
+t3b = time.perf_counter()
+
+def call():
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+
+call()
+t4 = time.perf_counter()
+first = list(events)
+call()
+t5 = time.perf_counter()
+print(json.dumps(dict(import_torch_s=t1 - t0, import_flashtile_s=t2 - t1, cuda_start_s=t3 - t2,
+                      torch_first_grad_s=t3b - t3, first_call_s=t4 - t3b,
+                      second_call_s=t5 - t4, compiled=first, launcher_builds_s=builds)))
+""".replace("SHAPE", repr(SHAPE))
+
+
+def run_child(cache_dir, timeout, **env_extra):
+    """The child's measurements (a dict) in a fresh process whose Triton cache is cache_dir (env_extra: more
+    environment variables)."""
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, **env_extra)
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summary(row):
+    """One line of a child's result."""
+    misses = [e for e in row["compiled"] if not e["cache_hit"]]
+    return (f"import torch {row['import_torch_s']:.2f} s, flashtile +{row['import_flashtile_s']:.3f} s; first call "
+            f"{row['first_call_s']:.2f} s after torch's first grad ({row['torch_first_grad_s']:.2f} s) "
+            f"({len(misses)} kernels compiled, {sum(e['total_s'] for e in misses):.2f} s "
+            f"in Triton's compiler; {len(row['launcher_builds_s'])} launchers built, "
+            f"{sum(row['launcher_builds_s']):.2f} s); second call {row['second_call_s']:.3f} s")
+
+
+def bars(cold, warm):
+    """(description, passed, detail) of the issue's cold-start bars."""
+    worst_warm = max(r["first_call_s"] for r in warm)
+    worst_import = max(r["import_flashtile_s"] for r in [cold] + warm)
+    return [(f"cold first call <= {BAR_COLD_S} s", cold["first_call_s"] <= BAR_COLD_S, f"{cold['first_call_s']:.2f} s"),
+            (f"warm first call <= {BAR_WARM_S} s", worst_warm <= BAR_WARM_S, f"{worst_warm:.3f} s (slowest run)"),
+            (f"import flashtile <= {BAR_IMPORT_S} s on top of torch", worst_import <= BAR_IMPORT_S,
+             f"{worst_import:.3f} s (slowest run)")]
+
+
+def build_parser(prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"results folder (default ./{DEFAULT_OUT})")
+    p.add_argument("--runs", type=int, default=2, help="warm runs after the cold one (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a child may take (default 300)")
+    return p
+
+
+def main(argv=None, prog=None):
+    """Run the cold-start benchmark; returns the exit status (2 without a GPU)."""
+    import torch
+    args = build_parser(prog).parse_args(argv)
+    if not torch.cuda.is_available():
+        log("error: no CUDA device; the cold start is measured on a GPU")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="flashtile-cold-") as cache_dir:
+        off = run_child(cache_dir + "/ahead-off", args.timeout, FLASHTILE_COMPILE_AHEAD="0")
+        log(f"cold, compile-ahead off: {summary(off)}")
+        cold = run_child(cache_dir + "/default", args.timeout)
+        log(f"cold: {summary(cold)}")
+        warm = []
+        for i in range(args.runs):
+            warm.append(run_child(cache_dir + "/default", args.timeout))
+            log(f"warm {i + 1}: {summary(warm[-1])}")
+    checks = bars(cold, warm)
+    for bar, passed, value in checks:
+        print(f"  {'PASS' if passed else 'FAIL'}  {bar}: {value}")
+    import importlib.metadata
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": importlib.metadata.version("triton"), "flashtile_commit": git("rev-parse", "HEAD"),
+            "shape": dict(zip(("batch", "seqlen", "heads", "head_dim"), SHAPE), dtype="bf16", causal=True),
+            "argv": sys.argv[1:] if argv is None else list(argv)}
+    out_path = result_path(args.out, meta["gpu"], "cold", meta["date"][:10])
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"metadata": meta, "cold": cold, "cold_compile_ahead_off": off, "warm": warm,
+                                    "bars": [dict(bar=b, passed=ok, value=v) for b, ok, v in checks]}, indent=1)
+                        + "\n")
+    log(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""A process's first call: the backward compiled while the forward compiles (flashtile/_ahead.py), and kernels an
+earlier process compiled found through flashtile's on-disk index (kernels/_index.py).
+
+CPU: compile-only launches run nothing (Triton's interpreter skips a warmup), `prepare` leaves the backward's plan
+for the real call, which then builds nothing and gives the same gradients; index keys that would not repeat in
+another process are not indexed. GPU: in a fresh process with an empty Triton cache, the first forward+backward
+compiles the backward's kernels in the helper thread and none in the backward itself; a second process with that
+cache calls Triton's compiler for nothing (not even a cache lookup) and computes the same results.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import flashtile
+from flashtile import _ahead, _ops, dispatch
+from flashtile._settings import override
+from flashtile.kernels import _index, _launch
+from flashtile.request import AttentionRequest
+from flashtile.testing import make_qkv
+
+
+@triton.jit
+def _fill_kernel(X, n, value, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(X + o, value, mask=o < n)
+
+
+def test_compile_only_launches_run_nothing():
+    x = torch.zeros(40)
+    with _launch.compile_only():
+        assert _launch.dry()
+        _launch.launch(_fill_kernel, (1,), (x, 40, 3.0), {"BLOCK": 64}, None)
+    assert not _launch.dry()
+    assert torch.equal(x, torch.zeros(40))
+    _launch.launch(_fill_kernel, (1,), (x, 40, 3.0), {"BLOCK": 64}, None)
+    assert torch.equal(x, torch.full((40,), 3.0))
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_prepare_leaves_the_backward_plan(causal):
+    q, k, v = make_qkv(2, 37, 45, 4, 2, 32, torch.float16, seed=3, grad=False)
+    req = AttentionRequest(softmax_scale=32 ** -0.5, window_right=0 if causal else -1, diagonal_offset=45 - 37)
+    out, lse = _ops.forward(q, k, v, req)
+    dout = torch.randn_like(out)
+    want = _ops.backward(dout, q, k, v, out, lse, None, req)
+    dispatch._PLANS.clear()
+    _ahead.prepare(q, k, v, req, False)
+    plans = dict(dispatch._PLANS)
+    assert len(plans) == 1, "prepare builds the backward's plan"
+    got = _ops.backward(dout, q, k, v, out, lse, None, req)
+    assert dispatch._PLANS == plans, "the real backward found the plan prepare built"
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_start_skips_cpu_tensors_and_the_setting():
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 16, torch.float16, grad=False)
+    req = AttentionRequest(softmax_scale=0.25)
+    _ahead.start(q, k, v, req, False)
+    assert not _ahead._PENDING
+    with override(compile_ahead=False):
+        _ahead.start(q, k, v, req, False)
+    assert not _ahead._PENDING
+
+
+def test_index_keys_name_kernels_and_skip_addresses():
+    key = (_fill_kernel, ((torch.float16, True), (False, False, True, True)), (("BLOCK", 64),), ())
+    text = _index._stable_text(key)
+    assert text.startswith(f"('{__name__}._fill_kernel'") and "float16" in text
+    assert _index._stable_text(key[:3] + ((("hook", object()),),)) is None
+
+
+_CHILD = r"""
+import json, threading, sys
+import torch, triton, flashtile
+events = []
+def listener(*, src, metadata, metadata_group, times, cache_hit):
+    events.append((getattr(getattr(src, "fn", None), "__name__", "?"), bool(cache_hit), threading.current_thread().name,
+                   phase[0]))
+triton.knobs.compilation.listener = listener
+phase = ["forward"]
+gen = torch.Generator("cuda").manual_seed(0)
+q, k, v, dout = (torch.randn(2, 1024, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_()
+out = flashtile.flash_attn_func(q, k, v, causal=True)
+phase[0] = "backward"
+first = torch.autograd.grad(out, (q, k, v), dout)
+phase[0] = "again"
+out = flashtile.flash_attn_func(q, k, v, causal=True)
+again = torch.autograd.grad(out, (q, k, v), dout)
+diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(first, again))
+print(json.dumps(dict(events=events, diff=diff, scale=max(a.float().abs().max().item() for a in first))))
+"""
+
+
+@pytest.mark.gpu
+def test_first_backward_compiled_during_the_forward(tmp_path):
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    compiled = [e for e in result["events"] if not e[1]]
+    in_helper = [name for name, _, thread, _ in compiled if thread == "flashtile-compile-ahead"]
+    in_backward = [name for name, _, thread, phase in compiled
+                   if phase == "backward" and thread != "flashtile-compile-ahead"]
+    assert in_helper, f"nothing compiled in the helper: {compiled}"
+    assert not in_backward, f"the backward compiled {in_backward} itself"
+    assert not [e for e in result["events"] if e[3] == "again"], "a second step compiles or looks up nothing"
+    # The same kernels ran both steps; the backward sums dq in float32 with atomics, in any order.
+    assert result["diff"] <= 1e-2 * result["scale"]
+
+
+@pytest.mark.gpu
+def test_compile_ahead_gradients_match_it_off():
+    q, k, v = make_qkv(1, 700, 900, 8, 2, 64, torch.bfloat16, device="cuda", seed=5)
+    dout = torch.randn(1, 700, 8, 64, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for on in (False, True):
+        with override(compile_ahead=on):
+            dispatch._PLANS.clear()
+            _ahead._PREPARED.clear()
+            out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+            grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_warm_process_compiles_and_looks_up_nothing(tmp_path):
+    """A second process with the first one's cache: the first step makes no call of Triton's compiler (the index
+    hands the kernels over), and its results equal the first process's bit for bit (deterministic backward)."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    child = _CHILD.replace("causal=True)", "causal=True, deterministic=True)").replace(
+        "print(json.dumps(dict(", "torch.save([t.cpu() for t in (out,) + first], sys.argv[1]); print(json.dumps(dict(")
+    results = []
+    for name in ("cold", "warm"):
+        proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / f"{name}.pt")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert [e for e in results[0]["events"] if not e[1]], "the first process compiled its kernels"
+    assert not results[1]["events"], f"the warm process went through Triton's compiler: {results[1]['events']}"
+    assert list((tmp_path / "triton" / "flashtile-index").glob("*.json"))
+    cold, warm = (torch.load(tmp_path / f"{n}.pt") for n in ("cold", "warm"))
+    for a, b in zip(cold, warm):
+        assert torch.equal(a, b)
