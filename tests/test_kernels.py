@@ -168,21 +168,25 @@ def test_nonpositive_softmax_scale(poison, scale):
 # The varlen work list of the Hopper forward (a plain Triton kernel: it runs in the interpreter too)
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("block_m,reverse", [(64, False), (128, True), (192, False), (192, True)])
-def test_varlen_tile_map(block_m, reverse):
+@pytest.mark.parametrize("block_m,reverse,used", [(64, False, False), (128, True, False), (192, False, False),
+                                                  (192, True, False), (128, True, True)])
+def test_varlen_tile_map(block_m, reverse, used):
     """Every query tile of every sequence listed once, in sequence order, with its sequence's bounds; rows past
-    the last tile carry sequence -1. 150 sequences: more than one chunk of the kernel's count."""
+    the last tile carry sequence -1. 150 sequences: more than one chunk of the kernel's count. used: a paged
+    batch's key counts (seqused_k) give Sk, k_start 0, and cu_seqlens_k is not read."""
     from flashtile.kernels.hopper_fwd import varlen_tile_map
     rng = random.Random(block_m + reverse)
     lens_q = [rng.choice([0, 1, 63, 64, 65, 191, 192, 193, rng.randrange(400)]) for _ in range(150)]
     lens_k = [rng.randrange(300) for _ in range(150)]
     cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
-    tile_map, n_upper = varlen_tile_map(cu_q, cu_k, sum(lens_q), block_m, reverse)
+    seqused = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE) if used else None
+    tile_map, n_upper = varlen_tile_map(cu_q, torch.full_like(cu_k, -7) if used else cu_k, sum(lens_q), block_m,
+                                        reverse, seqused)
     expect = []
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         n = -(-lq // block_m)
         for m in (reversed(range(n)) if reverse else range(n)):
-            expect.append([b, m * block_m, int(cu_q[b]), lq, int(cu_k[b]), lk, 0, 0])
+            expect.append([b, m * block_m, int(cu_q[b]), lq, 0 if used else int(cu_k[b]), lk, 0, 0])
     assert n_upper >= len(expect)
     got = tile_map.cpu().tolist()
     assert got[:len(expect)] == expect

@@ -1194,12 +1194,12 @@ def bias_descriptor(bias, rows, cols):
 
 
 @triton.jit
-def _varlen_tile_map_kernel(CuSeqQ, CuSeqK, Map, batch, n_upper, BLOCK_M: tl.constexpr, REVERSE: tl.constexpr,
-                            BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
+def _varlen_tile_map_kernel(CuSeqQ, CuSeqK, SeqUsedK, Map, batch, n_upper, BLOCK_M: tl.constexpr,
+                            REVERSE: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, USED: tl.constexpr):
     """Row c of Map: [sequence b, first query row, q_start, Sq, k_start, Sk, 0, 0] of the c-th query tile of BLOCK_M
     rows over all sequences in order (b = -1 past the last tile). A sequence's tiles are listed last first with
     REVERSE. The tile's sequence is the number of sequences whose tiles all come before c, counted CHUNK at a
-    time."""
+    time. USED: Sk = SeqUsedK[b] and k_start 0 (a paged batch's keys are found through its block table)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     seq = tl.zeros([BLOCK_C], tl.int32)  # sequences wholly before tile c
     start = tl.zeros([BLOCK_C], tl.int32)  # and their tiles
@@ -1216,8 +1216,12 @@ def _varlen_tile_map_kernel(CuSeqQ, CuSeqK, Map, batch, n_upper, BLOCK_M: tl.con
     valid = seq < batch
     q_lo = tl.load(CuSeqQ + seq, mask=valid, other=0)
     seqlen_q = tl.load(CuSeqQ + seq + 1, mask=valid, other=0) - q_lo
-    k_lo = tl.load(CuSeqK + seq, mask=valid, other=0)
-    seqlen_k = tl.load(CuSeqK + seq + 1, mask=valid, other=0) - k_lo
+    if USED:
+        k_lo = tl.zeros_like(seq)
+        seqlen_k = tl.load(SeqUsedK + seq, mask=valid, other=0)
+    else:
+        k_lo = tl.load(CuSeqK + seq, mask=valid, other=0)
+        seqlen_k = tl.load(CuSeqK + seq + 1, mask=valid, other=0) - k_lo
     m = c - start
     if REVERSE:
         m = (seqlen_q + BLOCK_M - 1) // BLOCK_M - 1 - m
@@ -1233,11 +1237,12 @@ def _varlen_tile_map_kernel(CuSeqQ, CuSeqK, Map, batch, n_upper, BLOCK_M: tl.con
     tl.store(row + 7, tl.zeros_like(m), mask=keep)
 
 
-def varlen_tile_map(cu_seqlens_q, cu_seqlens_k, total_q, block_m, reverse=False):
+def varlen_tile_map(cu_seqlens_q, cu_seqlens_k, total_q, block_m, reverse=False, seqused_k=None):
     """The work list of a varlen forward without reading the lengths on the host: (map, n_upper). n_upper =
     cdiv(total_q, block_m) + batch bounds the number of query tiles (sum of cdiv(len_b, block_m)); map is
     [n_upper, 8] int32, row c the c-th tile's [sequence (-1 past the last tile), first query row within it,
-    q_start, Sq, k_start, Sk, 0, 0], tiles in sequence order (each sequence's last first with reverse)."""
+    q_start, Sq, k_start, Sk, 0, 0], tiles in sequence order (each sequence's last first with reverse).
+    seqused_k: a paged batch's key counts (Sk = seqused_k[b], k_start 0; cu_seqlens_k unread)."""
     batch = cu_seqlens_q.numel() - 1
     n_upper = triton.cdiv(total_q, block_m) + batch
     tile_map = torch.empty((n_upper, 8), dtype=torch.int32, device=cu_seqlens_q.device)
@@ -1245,8 +1250,10 @@ def varlen_tile_map(cu_seqlens_q, cu_seqlens_k, total_q, block_m, reverse=False)
     # default 4 warps without spilling.
     block_c = chunk = 64
     _launch.launch(_varlen_tile_map_kernel, (triton.cdiv(n_upper, block_c), ),
-                   (cu_seqlens_q, cu_seqlens_k, tile_map, batch, n_upper),
-                   dict(BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=block_c, CHUNK=chunk), tile_map.device.index)
+                   (cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if seqused_k is None else seqused_k, tile_map, batch,
+                    n_upper),
+                   dict(BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=block_c, CHUNK=chunk, USED=seqused_k is not None),
+                   tile_map.device.index)
     return tile_map, n_upper
 
 
@@ -1337,12 +1344,10 @@ class GluonFwdPlan:
                 counts, indices = lists.counts, lists.indices
         table = (lse, 0, 0)
         if self.varlen:
-            cu_k = req.cu_seqlens_k
             if self.paged:
                 table = (req.block_table, req.block_table.stride(0), req.block_table.shape[1])
-                if req.seqused_k is not None:  # the keys' counts as offsets (their starts are not read)
-                    cu_k = torch.nn.functional.pad(req.seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
-            tile_map = varlen_tile_map(req.cu_seqlens_q, cu_k, q.shape[0], self.block_m, req.mask_right)[0]
+            tile_map = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, q.shape[0], self.block_m, req.mask_right,
+                                       req.seqused_k)[0]
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
