@@ -14,12 +14,14 @@ contiguous allocations, like the gradient autograd passes for a plain loss; a re
 gradient with other strides, a used LSE) builds its own plan as it would have.
 
 Each kind of call (device, dtypes, head dims, layout, which options are on: `_kind`) is prepared once per process,
-so calls whose shapes change do not start a helper every time. Nothing runs on the GPU in the helper besides the
-allocations of the stand-ins and the backward's buffers (and the fills of any it zeroes, on the caller's stream);
-they are freed when it ends. Not while a CUDA graph is being captured (a second thread's work would break the
-capture), not on CPU tensors, and never with SETTINGS.compile_ahead off (FLASHTILE_COMPILE_AHEAD=0). An error in
-the helper is dropped: the real backward then compiles, or raises, itself.
+so calls whose shapes change do not start a helper every time. The helper allocates the stand-ins and the
+backward's buffers (and fills any the backward zeroes, on the caller's stream); nothing else of it runs on the GPU,
+and all of it is freed when it ends. It starts only when that memory is under a quarter of the GPU's free memory
+(MAX_FREE_SHARE), so that it does not crowd the forward. Not while a CUDA graph is being captured (a second
+thread's work would break the capture), not on CPU tensors, and never with SETTINGS.compile_ahead off
+(FLASHTILE_COMPILE_AHEAD=0). An error in the helper is dropped: the real backward then compiles, or raises, itself.
 """
+import atexit
 import threading
 
 import torch
@@ -31,6 +33,18 @@ _PREPARED = set()
 # Helpers not joined yet.
 _PENDING = []
 _LOCK = threading.Lock()
+_EXIT_HOOK = []
+
+
+# The helper holds its stand-ins and the backward's buffers while the forward runs: at most this share of the free
+# GPU memory (an estimate, _transient_bytes), else the call's backward compiles when it runs, as without the helper.
+MAX_FREE_SHARE = 0.25
+
+
+def _transient_bytes(q, k, v):
+    """An upper estimate of what the helper allocates: the stand-ins (out, its gradient, the LSE) and the backward's
+    buffers (gradients and float32 accumulators), about eight times the inputs."""
+    return 8 * sum(t.numel() * t.element_size() for t in (q, k, v) if t is not None)
 
 
 def _kind(q, k, v, req, bias_requires_grad):
@@ -89,6 +103,8 @@ def start(q, k, v, req, bias_requires_grad):
         if kind in _PREPARED:
             return
         _PREPARED.add(kind)
+    if _transient_bytes(q, k, v) > torch.cuda.mem_get_info(q.device)[0] * MAX_FREE_SHARE:
+        return  # the helper's buffers would crowd the forward's: the backward compiles when it runs
     # Triton's driver is made once per process, by this thread, before the helper compiles anything.
     import triton
     triton.runtime.driver.active.get_current_target()
@@ -96,6 +112,11 @@ def start(q, k, v, req, bias_requires_grad):
                               args=(q.detach(), None if k is None else k.detach(), None if v is None else v.detach(),
                                     req, bias_requires_grad, torch.cuda.current_stream(q.device)))
     with _LOCK:
+        if not _PENDING and not _EXIT_HOOK:
+            # A process that ends before its backward waits for the helper (a daemon thread compiling in native code
+            # while the interpreter shuts down can crash it).
+            atexit.register(wait)
+            _EXIT_HOOK.append(True)
         _PENDING.append(helper)
     helper.start()
 
