@@ -31,7 +31,8 @@ _gluon = lazy_module(".kernels._gluon", globals())
 configs = lazy_module(".kernels.configs", globals())
 features = lazy_module(".kernels.features", globals())
 
-# Head dims the Gluon kernels are compiled for (q, k and v alike).
+# Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's, the backward's.
+GLUON_FWD_HEAD_DIMS = (64, 128, 256)
 GLUON_HEAD_DIMS = (64, 128)
 # Head dims at which the Gluon backward's ring has room for a float attn_mask tile (a bool mask fits at both): at
 # d128 a [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
@@ -100,10 +101,11 @@ class _KernelBackend:
 
 class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
-    summary = "warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64 or 128"
+    summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 128 or 256 (the "
+               "forward), 64 or 128 (the backward)")
 
     @staticmethod
-    def _decline_inputs(q, k, v, req, target):
+    def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS):
         if not _gluon.AVAILABLE:
             return "this Triton has no Gluon dialect (triton.experimental.gluon); Triton >= 3.5 has it"
         if target.device != "cuda":
@@ -113,9 +115,9 @@ class GluonHopper(_KernelBackend):
             return f"needs a Hopper GPU (sm_90); this one is sm_{target.arch}"
         if q.dtype not in (torch.float16, torch.bfloat16):
             return f"needs float16 or bfloat16 inputs, got {q.dtype}"
-        if q.shape[-1] not in GLUON_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-            return (f"needs head dim 64 or 128 for q, k and v alike, got {q.shape[-1]} / {k.shape[-1]} / "
-                    f"{v.shape[-1]}")
+        if q.shape[-1] not in head_dims or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+            return (f"needs head dim {' or '.join(map(str, head_dims))} for q, k and v alike, got {q.shape[-1]} / "
+                    f"{k.shape[-1]} / {v.shape[-1]}")
         if not configs._tma_ok((q, k, v)):
             return ("needs 16-byte aligned data pointers and strides (TMA descriptors); call .contiguous() on "
                     "q, k, v")
@@ -124,10 +126,10 @@ class GluonHopper(_KernelBackend):
                 # A page smaller than a key block is copied into a row slice of the block's shared-memory tile,
                 # which must start where the tile's 128-byte swizzle pattern starts over: every 8 rows.
                 from .kernels import hopper_fwd
-                page = k.shape[1]
-                if not (page % hopper_fwd.BLOCK_N == 0 or (hopper_fwd.BLOCK_N % page == 0 and page >= 8)):
-                    return (f"pages of {page} rows: it reads whole pages or {hopper_fwd.BLOCK_N}-row blocks of one "
-                            f"(page sizes that divide {hopper_fwd.BLOCK_N}, 8 or more, or its multiples)")
+                page, block_n = k.shape[1], hopper_fwd.BLOCK_NS[q.shape[-1]]
+                if not (page % block_n == 0 or (block_n % page == 0 and page >= 8)):
+                    return (f"pages of {page} rows: it reads whole pages or {block_n}-row blocks of one "
+                            f"(page sizes that divide {block_n}, 8 or more, or its multiples)")
             if req.attn_bias is not None:
                 return "an attn_mask with a varlen batch is not implemented here"
             if q.shape[0] == 0 or k.shape[0] == 0:
@@ -142,7 +144,14 @@ class GluonHopper(_KernelBackend):
     def decline_forward(self, q, k, v, req, target):
         if not SETTINGS.gluon_forward:
             return "turned off (FLASHTILE_GLUON=0 or SETTINGS.gluon_forward)"
-        return self._decline_inputs(q, k, v, req, target)
+        if q.shape[-1] == 256:
+            # Offline sm90 compiles: dropout spills 93 stores there, and a [64, 64] mask tile is narrower than the
+            # mask ring's swizzle.
+            if req.attn_bias is not None:
+                return "an attn_mask at head dim 256 is not implemented in this forward"
+            if req.dropout_p > 0:
+                return "dropout at head dim 256 is not implemented in this forward (it would spill registers)"
+        return self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS)
 
     def decline_backward(self, dout, q, k, v, req, target):
         if not SETTINGS.gluon_backward:

@@ -58,8 +58,29 @@ def test_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dt
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
 
 
+# Head dim 256: the Gluon forward (64-row key blocks), the portable backward reading its LSE.
+D256 = [
+    (2, 1000, 1100, 4, 2, 256, True, torch.bfloat16),
+    (1, 1100, 1000, 4, 4, 256, True, torch.float16),
+    (1, 1, 777, 2, 1, 256, False, torch.bfloat16),
+    (1, 300, 50, 2, 2, 256, False, torch.float16),
+    (2, 3000, 3100, 16, 4, 256, False, torch.bfloat16),
+    (1, 4096, 4096, 8, 8, 256, True, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype", [pytest.param(*s, id=_sid(*s)) for s in D256])
+def test_d256_forward_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dtype):
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=sq * 7 + sk + d)
+    dout = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sq)).to(dtype)
+    got = _fwd_bwd(q, k, v, dout, causal)
+    assert len(spy) == 1, "the call did not take the Gluon forward"
+    assert bwd_spy == [], "head dim 256 has no Gluon backward"
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
+
+
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 def test_matches_portable_kernel(monkeypatch, causal, d):
     q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -74,8 +95,10 @@ def test_matches_portable_kernel(monkeypatch, causal, d):
 
 @pytest.mark.parametrize("trend", ("rising", "falling"))
 @pytest.mark.parametrize("d,causal,dtype", [(64, True, torch.float16), (64, False, torch.bfloat16),
-                                            (128, False, torch.float16), (128, True, torch.bfloat16)],
-                         ids=("d64-causal-fp16", "d64-full-bf16", "d128-full-fp16", "d128-causal-bf16"))
+                                            (128, False, torch.float16), (128, True, torch.bfloat16),
+                                            (256, True, torch.bfloat16)],
+                         ids=("d64-causal-fp16", "d64-full-bf16", "d128-full-fp16", "d128-causal-bf16",
+                              "d256-causal-bf16"))
 def test_scores_that_drift_across_key_blocks(monkeypatch, poison, spy, trend, d, causal, dtype):
     # The forward takes a block's exponentials against the reference its rows already have (SETTINGS.lazy_max)
     # and redoes a block with the maximum when a row's sum passes LAZY_LIMIT. Keys scaled up (rising) along the
@@ -174,7 +197,8 @@ def test_schedule_counter_returns_to_zero(spy):
 @pytest.mark.parametrize("kw,d,dtype", [
     (dict(bias=True), 128, torch.bfloat16),
     ({}, 96, torch.bfloat16),
-    ({}, 256, torch.bfloat16),
+    (dict(dropout_p=0.1), 256, torch.bfloat16),
+    (dict(bias=True), 256, torch.bfloat16),
     ({}, 128, torch.float32),
 ])
 def test_other_calls_take_the_portable_kernel(spy, kw, d, dtype):

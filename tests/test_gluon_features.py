@@ -58,6 +58,11 @@ CASES = [
     (2, 2100, 1900, 16, 8, 64, False, torch.float16, dict(alibi="h", sinks=True)),
     # Causal d128 with a softcap: two query buffers on the dynamic schedule (hopper_fwd.attention_forward), Sq > Sk.
     (2, 2000, 1900, 16, 4, 128, True, torch.bfloat16, dict(softcap=30.0)),
+    # d256: 64-row key blocks, one query buffer, the output stored from registers.
+    (2, 1000, 1100, 4, 2, 256, True, torch.bfloat16, dict(window_size=(200, 0))),
+    (1, 1100, 1000, 4, 4, 256, False, torch.float16, dict(softcap=30.0, alibi="bh")),
+    (2, 700, 900, 4, 2, 256, True, torch.bfloat16, dict(sinks=True, window_size=(-1, 0))),
+    (1, 700, 900, 4, 2, 256, False, torch.bfloat16, dict(window_size=(0, 0))),
 ]
 
 
@@ -77,7 +82,7 @@ def test_against_reference(poison, spy, b, sq, sk, h, hk, d, causal, dtype, feat
     check_against_reference((out, lse, None, None, None), q, k, v, dout, d ** -0.5, causal, sk - sq, **kw)
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 def test_matches_portable_kernel(monkeypatch, spy, d):
     q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
     kw = _features(2, 4, d, alibi="bh", sinks=True, window_size=(400, 0), softcap=12.0)
@@ -91,7 +96,7 @@ def test_matches_portable_kernel(monkeypatch, spy, d):
     assert (lse[finite] - lse_p[finite]).abs().max().item() <= 1e-3
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 def test_one_key_per_row_is_exact(spy, d):
     # window (0, 0): row i sees key i + Sk - Sq alone, so its output is that row of v, bit for bit. The rows' first
     # blocks are fully masked, which once let m = 0 join the max and scale P off 1.

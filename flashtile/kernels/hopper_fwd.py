@@ -74,18 +74,23 @@ if AVAILABLE:
 # Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
 WG_M = 64
 BLOCK_N = 128
+# Key rows per block by head dim: d256's [128, 256] K and V blocks would take 128 KB a stage, so it reads 64 rows.
+BLOCK_NS = {64: 128, 128: 128, 256: 64}
 # A paged batch's table entries past a row's columns read as this page index, past any cache: TMA fills the copy
 # with zeros (_load_block).
 PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, two query buffers and the output buffer (32 KB each) use
 # 224 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 96 KB, and up to 72 KB more.
-STAGES = {64: 3, 128: 2}
+# d256: 2 stages of 64-row K and V blocks (128 KB) and one query buffer (64 KB); its output is stored from
+# registers (a staging buffer would need 64 KB more).
+STAGES = {64: 3, 128: 2, 256: 2}
 # (head_dim, causal) -> (consumer warpgroups NUM_WG, query buffers QBUF, dynamic schedule DYNAMIC). Same H200 run,
 # TFLOP/s at S4k / S16k against the previous kernel (2 warpgroups, 1 buffer, causal one program per tile):
 # plain d64 477 / 492 vs 441 / 446; causal d64 412 / 441 vs 386 / 444 (3 warpgroups there: 388 / 449);
 # causal d128 553 / 627 vs 528 / 611; plain d128 626 / 638 vs 624 / 642 (2 buffers: +1-2% in two other runs).
-CONFIGS = {(64, False): (3, 2, True), (64, True): (2, 2, True), (128, False): (2, 2, False), (128, True): (2, 1, True)}
+CONFIGS = {(64, False): (3, 2, True), (64, True): (2, 2, True), (128, False): (2, 2, False), (128, True): (2, 1, True),
+           (256, False): (2, 1, False), (256, True): (2, 1, True)}
 # Registers per thread of the two worker consumers when there are three (16 warps: 512 per thread slot in all; the
 # producer's warpgroup keeps 24, the first consumer gets what is left, 168).
 CONSUMER_REGS_3WG = tl.constexpr(160)
@@ -1148,7 +1153,8 @@ def _smem_plan(head_dim, num_wg, qbuf, bias_bytes):
     buffers and output staging buffer if the ring of BIAS_STAGES tiles fits beside them, else one query buffer,
     else no staging buffer either (d128 with a 16-bit bias: 32 KB of Q, 128 KB of K/V, 64 KB of bias)."""
     tile = WG_M * head_dim * 2
-    fixed = 2 * STAGES[head_dim] * BLOCK_N * head_dim * 2 + BIAS_STAGES * num_wg * WG_M * BLOCK_N * bias_bytes
+    block_n = BLOCK_NS[head_dim]
+    fixed = 2 * STAGES[head_dim] * block_n * head_dim * 2 + BIAS_STAGES * num_wg * WG_M * block_n * bias_bytes
     for qb, stage_o in ((qbuf, True), (1, True), (1, False)):
         if fixed + num_wg * tile * (qb + stage_o) <= SMEM_BYTES:
             return qb, stage_o
@@ -1324,7 +1330,7 @@ class GluonFwdPlan:
     kernel (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), makes this call's
     descriptors and feature tensors, and launches."""
     __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "dynamic", "block_m",
-                 "varlen", "lists", "o_from_q", "paged")
+                 "block_n", "varlen", "lists", "o_from_q", "paged")
 
     def run(self, q, k, v, req):
         """(out, lse) of a call with this plan's key."""
@@ -1338,7 +1344,7 @@ class GluonFwdPlan:
         # lse: a placeholder where a feature is off (never read).
         bias_desc, counts, indices, tile_map = None, lse, lse, lse
         if req.attn_bias is not None:
-            bias_desc = bias_descriptor(req.attn_bias, WG_M, BLOCK_N)[0]
+            bias_desc = bias_descriptor(req.attn_bias, WG_M, self.block_n)[0]
             if self.lists is not None:
                 lists = Features(req).block_lists(*self.lists)
                 counts, indices = lists.counts, lists.indices
@@ -1390,7 +1396,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     plan.o_from_q = out_dtype != q.dtype
     # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
     # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
-    kv_rows = min(page, BLOCK_N) if page else BLOCK_N  # paged: one copy per page, or a block within one
+    block_n = plan.block_n = BLOCK_NS[head_dim]
+    kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
     plan.descs = tuple(_descriptor(_meta(t), rows) for t, rows in ((q4, WG_M), (k4, kv_rows), (v4, kv_rows),
                                                                     (q4 if plan.o_from_q else o4, WG_M)))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
@@ -1413,16 +1420,17 @@ def _fwd_plan(q, k, v, req, out_dtype):
     block_m = plan.block_m = WG_M * num_wg
     # attn_mask: room for its tiles in shared memory, and for a bool mask the lists of key blocks each query tile
     # visits (made per call: Features.block_lists).
-    bias_mul_b, bias_mul_h, stage_o = 0, 0, True
+    bias_mul_b, bias_mul_h = 0, 0
+    qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, 0)
     count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
-        bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, BLOCK_N)[1:]
+        bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, block_n)[1:]
         qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, req.attn_bias.element_size())
         if bias_kind == BIAS_BOOL:
             dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
             # Without a band, the blocks the mask leaves entirely visible need no tile (mark_full); with one,
             # every listed block is masked anyway.
-            plan.lists = (block_m, BLOCK_N, False, seqlen_q, seqlen_k, not req.banded)
+            plan.lists = (block_m, block_n, False, seqlen_q, seqlen_k, not req.banded)
             lists = feats.block_lists(*plan.lists[:5], mark_full=plan.lists[5])
             count_strides, idx_cols = lists.strides, lists.cols
     stage_o = stage_o and out_dtype == q.dtype
@@ -1451,7 +1459,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
     # work items than programs).
     plan.launch = _launch.Bound(_fwd_kernel, (min(n_tiles, _num_sms(q.device.index)), ), (), dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES[head_dim], MASK_RIGHT=req.mask_right,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES[head_dim], MASK_RIGHT=req.mask_right,
         MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
         DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page),
