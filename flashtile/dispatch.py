@@ -32,7 +32,7 @@ configs = lazy_module(".kernels.configs", globals())
 features = lazy_module(".kernels.features", globals())
 
 # Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's, the backward's.
-GLUON_FWD_HEAD_DIMS = (64, 128, 256)
+GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 GLUON_HEAD_DIMS = (64, 128)
 # Head dims at which the Gluon backward's ring has room for a float attn_mask tile (a bool mask fits at both): at
 # d128 a [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
@@ -101,8 +101,8 @@ class _KernelBackend:
 
 class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
-    summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 128 or 256 (the "
-               "forward), 64 or 128 (the backward)")
+    summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 96, 128, 192 or "
+               "256 (the forward), 64 or 128 (the backward)")
 
     @staticmethod
     def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS):
@@ -126,7 +126,7 @@ class GluonHopper(_KernelBackend):
                 # A page smaller than a key block is copied into a row slice of the block's shared-memory tile,
                 # which must start where the tile's 128-byte swizzle pattern starts over: every 8 rows.
                 from .kernels import hopper_fwd
-                page, block_n = k.shape[1], hopper_fwd.BLOCK_NS[q.shape[-1]]
+                page, block_n = k.shape[1], hopper_fwd.BLOCK_NS[hopper_fwd.TILE_DIM[q.shape[-1]]]
                 if not (page % block_n == 0 or (block_n % page == 0 and page >= 8)):
                     return (f"pages of {page} rows: it reads whole pages or {block_n}-row blocks of one "
                             f"(page sizes that divide {block_n}, 8 or more, or its multiples)")
@@ -144,13 +144,14 @@ class GluonHopper(_KernelBackend):
     def decline_forward(self, q, k, v, req, target):
         if not SETTINGS.gluon_forward:
             return "turned off (FLASHTILE_GLUON=0 or SETTINGS.gluon_forward)"
-        if q.shape[-1] == 256:
-            # Offline sm90 compiles: dropout spills 93 stores there, and a [64, 64] mask tile is narrower than the
-            # mask ring's swizzle.
+        if q.shape[-1] in (192, 256):
+            # d192 runs d256's tiles. Offline sm90 compiles: dropout spills 93 stores there, and a [64, 64] mask
+            # tile is narrower than the mask ring's swizzle.
             if req.attn_bias is not None:
-                return "an attn_mask at head dim 256 is not implemented in this forward"
+                return f"an attn_mask at head dim {q.shape[-1]} is not implemented in this forward"
             if req.dropout_p > 0:
-                return "dropout at head dim 256 is not implemented in this forward (it would spill registers)"
+                return (f"dropout at head dim {q.shape[-1]} is not implemented in this forward (it would spill "
+                        f"registers)")
         return self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS)
 
     def decline_backward(self, dout, q, k, v, req, target):

@@ -58,8 +58,13 @@ def test_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dt
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
 
 
-# Head dim 256: the Gluon forward (64-row key blocks), the portable backward reading its LSE.
+# Head dims 96, 192 and 256: the Gluon forward (d96 on d128's tiles and d192 on d256's, zero-filled past the head
+# dim; d256 with 64-row key blocks), the portable backward reading its LSE.
 D256 = [
+    (2, 1000, 1100, 4, 2, 96, True, torch.bfloat16),
+    (1, 777, 1500, 4, 2, 96, False, torch.float16),
+    (2, 1000, 1100, 4, 2, 192, True, torch.bfloat16),
+    (1, 1500, 777, 4, 4, 192, False, torch.float16),
     (2, 1000, 1100, 4, 2, 256, True, torch.bfloat16),
     (1, 1100, 1000, 4, 4, 256, True, torch.float16),
     (1, 1, 777, 2, 1, 256, False, torch.bfloat16),
@@ -70,17 +75,17 @@ D256 = [
 
 
 @pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype", [pytest.param(*s, id=_sid(*s)) for s in D256])
-def test_d256_forward_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dtype):
+def test_wide_forward_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dtype):
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device=DEVICE, seed=sq * 7 + sk + d)
     dout = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sq)).to(dtype)
     got = _fwd_bwd(q, k, v, dout, causal)
     assert len(spy) == 1, "the call did not take the Gluon forward"
-    assert bwd_spy == [], "head dim 256 has no Gluon backward"
+    assert bwd_spy == [], f"head dim {d} has no Gluon backward"
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_matches_portable_kernel(monkeypatch, causal, d):
     q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -196,8 +201,9 @@ def test_schedule_counter_returns_to_zero(spy):
 
 @pytest.mark.parametrize("kw,d,dtype", [
     (dict(bias=True), 128, torch.bfloat16),
-    ({}, 96, torch.bfloat16),
+    ({}, 80, torch.bfloat16),
     (dict(dropout_p=0.1), 256, torch.bfloat16),
+    (dict(dropout_p=0.1), 192, torch.bfloat16),
     (dict(bias=True), 256, torch.bfloat16),
     ({}, 128, torch.float32),
 ])

@@ -63,6 +63,10 @@ CASES = [
     (1, 1100, 1000, 4, 4, 256, False, torch.float16, dict(softcap=30.0, alibi="bh")),
     (2, 700, 900, 4, 2, 256, True, torch.bfloat16, dict(sinks=True, window_size=(-1, 0))),
     (1, 700, 900, 4, 2, 256, False, torch.bfloat16, dict(window_size=(0, 0))),
+    # d96 and d192 on d128's and d256's tiles.
+    (2, 1000, 1100, 4, 2, 96, True, torch.bfloat16, dict(window_size=(200, 0), softcap=20.0, sinks=True)),
+    (1, 900, 700, 4, 2, 96, False, torch.float16, dict(alibi="h")),
+    (2, 1000, 1100, 4, 2, 192, True, torch.bfloat16, dict(softcap=30.0, alibi="bh", sinks=True)),
 ]
 
 
@@ -96,7 +100,7 @@ def test_matches_portable_kernel(monkeypatch, spy, d):
     assert (lse[finite] - lse_p[finite]).abs().max().item() <= 1e-3
 
 
-@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_one_key_per_row_is_exact(spy, d):
     # window (0, 0): row i sees key i + Sk - Sq alone, so its output is that row of v, bit for bit. The rows' first
     # blocks are fully masked, which once let m = 0 join the max and scale P off 1.

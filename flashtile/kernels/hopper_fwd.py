@@ -79,7 +79,11 @@ BLOCK_NS = {64: 128, 128: 128, 256: 64}
 # A paged batch's table entries past a row's columns read as this page index, past any cache: TMA fills the copy
 # with zeros (_load_block).
 PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)
+# The tile width each head dim runs at: d96 and d192 run d128's and d256's kernels over columns zero-filled past the
+# head dim (TMA fills them on loads and clips them on stores; _store_o masks them): their q K^T gain zero terms,
+# their P V zero output columns, which nothing stores.
+TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, two query buffers and the output buffer (32 KB each) use
 # 224 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 96 KB, and up to 72 KB more.
 # d256: 2 stages of 64-row K and V blocks (128 KB) and one query buffer (64 KB); its output is stored from
@@ -888,12 +892,14 @@ if AVAILABLE:
 
     @gluon.jit
     def _store_o(out, o, item, row, o_layout: gl.constexpr):
-        """Store a warpgroup's output rows (those below the item's seqlen_q) from registers."""
+        """Store a warpgroup's output rows (those below the item's seqlen_q) from registers, and of their columns
+        those below the head dim: out is contiguous, so its head stride is the head dim (TILE_DIM pads d96 and
+        d192 tiles to d128 and d256)."""
         o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
         o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
                  + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1) + gl.expand_dims(o_cols, 0))
-        gl.store(o_ptr, o, mask=gl.expand_dims(o_rows < item.seqlen_q, 1))
+        gl.store(o_ptr, o, mask=gl.expand_dims(o_rows < item.seqlen_q, 1) & gl.expand_dims(o_cols < out.stride_oh, 0))
 
     @gluon.jit
     def _consumer_item(prog, tile, it):
@@ -1173,10 +1179,11 @@ def _layout(bits, rank):
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=rank)
 
 
-def _descriptor(t, rows):
-    """A 4-D TMA descriptor over a [B, S, H, D] tensor with its own strides, one [rows, D] tile of one (batch,
-    head) per copy: rows past S are zero-filled on loads and dropped on stores, whatever the layout."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[-1]], _layout(16, 4))
+def _descriptor(t, rows, cols):
+    """A 4-D TMA descriptor over a [B, S, H, D] tensor with its own strides, one [rows, cols] tile of one (batch,
+    head) per copy: rows past S and columns past D (cols = TILE_DIM[D]) are zero-filled on loads and dropped on
+    stores, whatever the layout."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], _layout(16, 4))
 
 
 def bias_descriptor(bias, rows, cols):
@@ -1396,21 +1403,22 @@ def _fwd_plan(q, k, v, req, out_dtype):
     plan.o_from_q = out_dtype != q.dtype
     # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
     # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
-    block_n = plan.block_n = BLOCK_NS[head_dim]
+    tile_d = TILE_DIM[head_dim]
+    block_n = plan.block_n = BLOCK_NS[tile_d]
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
-    plan.descs = tuple(_descriptor(_meta(t), rows) for t, rows in ((q4, WG_M), (k4, kv_rows), (v4, kv_rows),
-                                                                    (q4 if plan.o_from_q else o4, WG_M)))
+    plan.descs = tuple(_descriptor(_meta(t), rows, tile_d) for t, rows in ((q4, WG_M), (k4, kv_rows), (v4, kv_rows),
+                                                                            (q4 if plan.o_from_q else o4, WG_M)))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (req.window_right if req.mask_right else 0)
     stride_alibi_b = feats.alibi_args(None)[1]
     left_offset = diagonal_offset - req.window_left if req.mask_left else 0
     bias_kind = feats.bias_kind
-    num_wg, qbuf, dynamic = CONFIGS[(head_dim, req.banded)]
+    num_wg, qbuf, dynamic = CONFIGS[(tile_d, req.banded)]
     if num_wg == 3 and (req.softcap > 0 or req.alibi_slopes is not None or bias_kind or req.dropout_p > 0):
         # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
         # warpgroups of the causal configuration do not.
-        num_wg, qbuf, dynamic = CONFIGS[(head_dim, True)]
+        num_wg, qbuf, dynamic = CONFIGS[(tile_d, True)]
     if req.softcap > 0:
         # Two query buffers for a softcap on every configuration (d128's causal and banded one has one): the causal
         # softcap forward ran 6.5-7% faster with them at 16k and 4k (H200), outputs bit-identical, while the plain
@@ -1421,11 +1429,11 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # attn_mask: room for its tiles in shared memory, and for a bool mask the lists of key blocks each query tile
     # visits (made per call: Features.block_lists).
     bias_mul_b, bias_mul_h = 0, 0
-    qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, 0)
+    qbuf, stage_o = _smem_plan(tile_d, num_wg, qbuf, 0)
     count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
         bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, block_n)[1:]
-        qbuf, stage_o = _smem_plan(head_dim, num_wg, qbuf, req.attn_bias.element_size())
+        qbuf, stage_o = _smem_plan(tile_d, num_wg, qbuf, req.attn_bias.element_size())
         if bias_kind == BIAS_BOOL:
             dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
             # Without a band, the blocks the mask leaves entirely visible need no tile (mark_full); with one,
@@ -1459,7 +1467,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
     # work items than programs).
     plan.launch = _launch.Bound(_fwd_kernel, (min(n_tiles, _num_sms(q.device.index)), ), (), dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES[head_dim], MASK_RIGHT=req.mask_right,
+        HEAD_DIM=tile_d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES[tile_d], MASK_RIGHT=req.mask_right,
         MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
         DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page),
