@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from .decode import log
-from .runner import DEFAULT_OUT, git, result_path
+from .runner import DEFAULT_OUT, git, report_bars
 
 SHAPE = (4, 4096, 16, 128)  # batch, seqlen, heads, head dim: the first call
 BAR_COLD_S = 5.0
@@ -147,19 +147,14 @@ def main(argv=None, prog=None):
             warm.append(run_child(cache_dir + "/default", args.timeout))
             log(f"warm {i + 1}: {summary(warm[-1])}")
     checks = bars(cold, warm)
-    for bar, passed, value in checks:
-        print(f"  {'PASS' if passed else 'FAIL'}  {bar}: {value}")
     import importlib.metadata
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": importlib.metadata.version("triton"), "flashtile_commit": git("rev-parse", "HEAD"),
             "shape": dict(zip(("batch", "seqlen", "heads", "head_dim"), SHAPE), dtype="bf16", causal=True),
             "argv": sys.argv[1:] if argv is None else list(argv)}
-    out_path = result_path(args.out, meta["gpu"], "cold", meta["date"][:10])
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"metadata": meta, "cold": cold, "cold_compile_ahead_off": off, "warm": warm,
-                                    "bars": [dict(bar=b, passed=ok, value=v) for b, ok, v in checks]}, indent=1)
-                        + "\n")
+    out_path = report_bars(checks, args.out, meta["gpu"], "cold", meta["date"][:10],
+                           {"metadata": meta, "cold": cold, "cold_compile_ahead_off": off, "warm": warm})
     log(f"wrote {out_path}")
     return 0
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import sys
 import time
 
 import torch
 
 from .decode import log
-from .runner import DEFAULT_OUT, git, result_path
+from .runner import DEFAULT_OUT, git, report_bars
 
 # (batch, seqlen, heads, head dim): the tiny shapes.
 SHAPES = ((1, 128, 4, 64), (1, 128, 4, 128))
@@ -235,13 +234,8 @@ def main(argv=None, prog=None):
     meta = metadata(sys.argv[1:] if argv is None else list(argv), args.cpu)
     rows = measure_cpu(args.calls, args.repeats) if args.cpu else measure_gpu(args.calls, args.repeats)
     checks = [] if args.cpu else bars(rows)
-    for bar, passed, value in checks:
-        print(f"  {'PASS' if passed else 'FAIL' if passed is False else 'n/a '}  {bar}: {value}")
-    out_path = result_path(args.out, meta["gpu"], "host-cpu" if args.cpu else "host", meta["date"][:10])
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"metadata": meta, "results": rows,
-                                    "bars": [dict(bar=b, passed=ok, value=v) for b, ok, v in checks]}, indent=1)
-                        + "\n")
+    out_path = report_bars(checks, args.out, meta["gpu"], "host-cpu" if args.cpu else "host", meta["date"][:10],
+                           {"metadata": meta, "results": rows})
     log(f"wrote {out_path}")
     return 0
 

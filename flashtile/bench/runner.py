@@ -508,6 +508,15 @@ def write_json(payload: dict, path) -> Path:
     return path
 
 
+def report_bars(checks, out_dir, gpu_name, tag, date, payload):
+    """Print a benchmark's bars (description, passed: True / False / None for not measured, value) and write
+    payload with them to result_path(out_dir, gpu_name, tag, date); returns the path."""
+    for bar, passed, value in checks:
+        print(f"  {'PASS' if passed else 'FAIL' if passed is False else 'n/a '}  {bar}: {value}")
+    bars = [dict(bar=b, passed=ok, value=v) for b, ok, v in checks]
+    return write_json(dict(payload, bars=bars), result_path(out_dir, gpu_name, tag, date))
+
+
 def _flashtile_version():
     from .. import __version__
     return __version__
