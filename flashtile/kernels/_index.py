@@ -9,12 +9,15 @@ So flashtile keeps, next to Triton's cache (<cache dir>/flashtile-index/), one s
 (_launch's key, made stable across processes: the kernel's module and name stand for the kernel object) naming the
 compiled kernel's files in Triton's cache, its signature and the parameter names. A later process's first launch
 with that key (`load`) makes the compiled kernel from those files and builds its launcher (whose library Triton
-caches too), skipping the JIT. The file's name hashes the key with a salt of everything else the kernel depends on:
-flashtile's and Triton's versions, the digest of flashtile's sources, the size and time of Triton's library, Triton's
-cache-invalidating environment variables and the GPU's compute capability. A change of any gives new names, and
-the old files are no longer read. A key whose text would not repeat in another process (an object shown by its
-address) is not indexed. Any failure (a missing file, an API this Triton lacks) falls back to the JIT.
-SETTINGS.fast_launch off or TRITON_INTERPRET: not used (the JIT takes every launch there anyway).
+caches too), skipping the JIT.
+
+The file's name hashes the key with a salt of everything else the kernel depends on: flashtile's and Triton's
+versions, the digest of flashtile's sources, the size and time of Triton's library, Triton's cache-invalidating
+environment variables, the GPU's compute capability, and Triton's debug and instrumentation knobs. A change of any
+gives new names, and the old files are no longer read. The index stands aside where Triton is told to compile anew
+or to dump or override IR, and for a key whose text would not repeat in another process (an object shown by its
+address). Any failure (a missing file, an API this Triton lacks) falls back to the JIT. SETTINGS.fast_launch off or
+TRITON_INTERPRET: not used (the JIT takes every launch there anyway).
 """
 import functools
 import hashlib
@@ -54,9 +57,16 @@ def _stable_text(key):
 
 
 def _path(key, device_index):
+    """The index file of a launch key, or None where the index stands aside: a key that would not repeat, or Triton
+    told to compile anew or to dump or override IR (triton.knobs.compilation)."""
+    compilation = triton.knobs.compilation
+    if compilation.always_compile or compilation.override or compilation.dump_ir:
+        return None
     text = _stable_text(key)
     if text is None:
         return None
+    # Run-time knobs that enter Triton's options, hence its kernels: debug (TRITON_DEBUG) and instrumentation.
+    text += repr((triton.knobs.runtime.debug, compilation.instrumentation_mode))
     name = hashlib.sha256((_salt(torch.cuda.get_device_capability(device_index)) + text).encode()).hexdigest()
     return pathlib.Path(triton.knobs.cache.dir) / _DIR / f"{name[:40]}.json"
 
