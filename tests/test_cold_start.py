@@ -76,6 +76,40 @@ def test_index_keys_name_kernels_and_skip_addresses():
     assert _index._stable_text(key[:3] + ((("hook", object()),),)) is None
 
 
+_KEYS_CHILD = r"""
+import json
+import torch, flashtile
+from flashtile.bench.host import _as_on_hopper, _settings, flashtile_calls
+from flashtile.kernels import _common, _index, _launch
+from flashtile.testing import fast_launch_on_cpu
+with fast_launch_on_cpu(execute=False), _as_on_hopper(), _settings(_common, "INTERPRETING", False):
+    for d in (64, 128):
+        flashtile_calls(1, 128, 4, d, "cpu")["fwd+bwd"]()
+    print(json.dumps(sorted(str(_index._stable_text(k)) for k in _launch._COMPILED)))
+"""
+
+
+def test_launch_keys_repeat_across_processes():
+    """The launch keys of a fwd+bwd as on an H100 (Gluon forward and backward, portable backward kernels; launches
+    stubbed) give the same index text in two processes, none of them left out: the index can find every one."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _KEYS_CHILD], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert runs[0] == runs[1]
+    assert "None" not in runs[0]
+    names = {text.split("'")[1] for text in runs[0]}
+    assert {"flashtile.kernels.hopper_fwd._fwd_kernel", "flashtile.kernels.hopper_bwd._bwd_kernel"} <= names
+
+
+def test_index_stands_aside_when_triton_compiles_anew(monkeypatch):
+    monkeypatch.setattr(triton.knobs.compilation, "always_compile", True)
+    assert _index._path((_fill_kernel, (), (), ()), 0) is None
+
+
 _CHILD = r"""
 import json, threading, sys
 import torch, triton, flashtile
