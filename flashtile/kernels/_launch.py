@@ -11,7 +11,10 @@ compiled and launched the kernel for that key, hands later calls' arguments stra
 launcher. `Bound` is the same launch with everything but the leading arguments fixed, for callers whose own key
 already fixes every specialization (decode's plans): it keeps the compiled kernel and skips even the key. The first
 call of each key, CPU tensors (the interpreter), launch hooks (profilers), SETTINGS.fast_launch off and a GPU that
-is not the current device all take the JIT path, so behaviour there is Triton's own.
+is not the current device all take the JIT path, so behaviour there is Triton's own; except that a key's first
+call on the fast path takes a kernel an earlier process compiled from flashtile's on-disk index (_index.py) without
+the JIT, and indexes the one the JIT returns. `compile_only` makes a thread's launches compile and load without
+running (_ahead.py).
 """
 import contextlib
 import threading
