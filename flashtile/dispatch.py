@@ -31,7 +31,8 @@ _gluon = lazy_module(".kernels._gluon", globals())
 configs = lazy_module(".kernels.configs", globals())
 features = lazy_module(".kernels.features", globals())
 
-# Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's, the backward's.
+# Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's (hopper_fwd.TILE_DIM's keys; that
+# module imports Triton, this one does not), the backward's.
 GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 GLUON_HEAD_DIMS = (64, 128)
 # Head dims at which the Gluon backward's ring has room for a float attn_mask tile (a bool mask fits at both): at
@@ -144,15 +145,13 @@ class GluonHopper(_KernelBackend):
     def decline_forward(self, q, k, v, req, target):
         if not SETTINGS.gluon_forward:
             return "turned off (FLASHTILE_GLUON=0 or SETTINGS.gluon_forward)"
-        if q.shape[-1] in (192, 256):
-            # d192 runs d256's tiles. Offline sm90 compiles: dropout spills 93 stores there, and a [64, 64] mask
-            # tile is narrower than the mask ring's swizzle.
-            if req.attn_bias is not None:
-                return f"an attn_mask at head dim {q.shape[-1]} is not implemented in this forward"
-            if req.dropout_p > 0:
-                return (f"dropout at head dim {q.shape[-1]} is not implemented in this forward (it would spill "
-                        f"registers)")
-        return self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS)
+        reason = self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS)
+        if reason is None and (req.attn_bias is not None or req.dropout_p > 0):
+            from .kernels import hopper_fwd
+            if hopper_fwd.TILE_DIM[q.shape[-1]] in hopper_fwd.NO_MASK_OR_DROPOUT_TILES:
+                what = "an attn_mask" if req.attn_bias is not None else "dropout"
+                return f"{what} at head dim {q.shape[-1]} is not implemented in this forward"
+        return reason
 
     def decline_backward(self, dout, q, k, v, req, target):
         if not SETTINGS.gluon_backward:

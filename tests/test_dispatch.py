@@ -72,8 +72,14 @@ def test_gluon_allow_list_reasons():
     assert "Hopper" in gluon.decline_forward(q, k, v, req, Target("cuda", 80, False))
     assert "CUDA" in gluon.decline_forward(q, k, v, req, Target("cpu", 0, True))
     assert "float16 or bfloat16" in gluon.decline_forward(*(t.float() for t in (q, k, v)), req, H100)
+    q256, k256, v256 = _qkv(d=256)
+    assert gluon.decline_forward(q256, k256, v256, req, H100) is None
+    drop = AttentionRequest(softmax_scale=0.125, dropout_p=0.1)
+    assert "dropout at head dim 256" in gluon.decline_forward(q256, k256, v256, drop, H100)
     q80, k80, v80 = _qkv(d=80)
     assert "head dim" in gluon.decline_forward(q80, k80, v80, req, H100)
+    from flashtile.kernels import hopper_fwd
+    assert set(dispatch.GLUON_FWD_HEAD_DIMS) == set(hopper_fwd.TILE_DIM)
     q96, k96, v96 = _qkv(d=96)  # the forward takes d96 (on d128's tiles), the backward does not
     assert gluon.decline_forward(q96, k96, v96, req, H100) is None
     assert "head dim" in gluon.decline_backward(torch.empty_like(q96), q96, k96, v96, req, H100)

@@ -26,7 +26,8 @@ import sys
 import tempfile
 
 from .decode import log
-from .runner import DEFAULT_OUT, git, report_bars
+from .registry import dist_version
+from .runner import DEFAULT_OUT, commit, report_bars
 
 SHAPE = (4, 4096, 16, 128)  # batch, seqlen, heads, head dim: the first call
 BAR_COLD_S = 5.0
@@ -147,10 +148,9 @@ def main(argv=None, prog=None):
             warm.append(run_child(cache_dir + "/default", args.timeout))
             log(f"warm {i + 1}: {summary(warm[-1])}")
     checks = bars(cold, warm)
-    import importlib.metadata
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": importlib.metadata.version("triton"), "flashtile_commit": git("rev-parse", "HEAD"),
+            "triton": dist_version("triton"), "flashtile_commit": commit(),
             "shape": dict(zip(("batch", "seqlen", "heads", "head_dim"), SHAPE), dtype="bf16", causal=True),
             "argv": sys.argv[1:] if argv is None else list(argv)}
     out_path = report_bars(checks, args.out, meta["gpu"], "cold", meta["date"][:10],

@@ -31,10 +31,8 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -42,7 +40,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .runner import DEFAULT_OUT, git, result_path
+from .registry import dist_version
+from .runner import DEFAULT_OUT, commit, result_path
 
 DEVICE = "cuda"
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -480,24 +479,19 @@ def check_bars(results):
 
 
 def metadata(argv):
-    def version(pkg):
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability())),
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
         "torch": torch.__version__,
-        "triton": version("triton"),
-        "flash_attn": version("flash_attn") or version("flash-attn"),
+        "triton": dist_version("triton"),
+        "flash_attn": dist_version("flash_attn", "flash-attn"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "python": platform.python_version(),
         # The GPU machines get the working tree without .git: pass FLASHTILE_COMMIT there.
-        "flashtile_commit": git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
+        "flashtile_commit": commit(),
         "shape": f"bf16, headdim {HEAD_DIM}, Hq {HEADS}, Hkv {KV_HEADS}, q_len 1, every sequence at the full length",
         "timing": "median of triton.testing.do_bench (L2 cleared before each call)",
         "bytes": "KV bytes = B * kv * Hkv * D * 2 (K and V) * 2 bytes; copy = 2 * 1 GiB per copy_ (read + write)",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 import flashtile
 
-from .runner import DEFAULT_OUT, git, result_path
+from .runner import DEFAULT_OUT, commit, result_path
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -281,7 +280,7 @@ def run(seqlen, heads, head_dim, out_dir, backward=True):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), dtype="bf16", batch=b, heads=h, head_dim=d, seqlen=s,
                 flashtile=flashtile.__version__,
-                flashtile_commit=git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
+                flashtile_commit=commit(),
                 cost_method=f"paired: row and base alternated {ROUNDS}x, medians of do_bench medians (rep 200 ms)")
     # The suite's naming: <date>-<gpu slug>-features[-fwd].json, numbered rather than overwrite an earlier run.
     Path(out_dir).mkdir(parents=True, exist_ok=True)

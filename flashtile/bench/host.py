@@ -29,7 +29,8 @@ import time
 import torch
 
 from .decode import log
-from .runner import DEFAULT_OUT, git, report_bars
+from .registry import dist_version
+from .runner import DEFAULT_OUT, commit, report_bars
 
 # (batch, seqlen, heads, head dim): the tiny shapes.
 SHAPES = ((1, 128, 4, 64), (1, 128, 4, 128))
@@ -196,19 +197,12 @@ def _settings(module, name, value):
 
 
 def metadata(argv, cpu):
-    import importlib.metadata
-
-    def version(pkg):
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": "cpu (launches stubbed)" if cpu else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": version("triton"),
+        "torch": torch.__version__, "triton": dist_version("triton"),
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "flashtile_commit": git("rev-parse", "HEAD"),
+        "flashtile_commit": commit(),
         "timing": "best of the repeats of a loop of back-to-back calls without synchronising: host us per call; "
                   "wall adds the synchronisation after the loop",
         "argv": argv,

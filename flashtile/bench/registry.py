@@ -118,7 +118,8 @@ def _needs_cuda() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device"
 
 
-def _dist_version(*names: str) -> str | None:
+def dist_version(*names: str) -> str | None:
+    """The installed version of the first of these distributions that is installed, or None."""
     for name in names:
         try:
             return importlib.metadata.version(name)
@@ -326,7 +327,7 @@ def _fa4_prepare(q, k, v, causal, scale) -> Prepared:
 PROVIDERS: dict[str, Provider] = {p.name: p for p in [
     Provider("flashtile", "flashtile.flash_attn_func (Gluon on Hopper, else Triton), [B, S, H, D]",
              _flashtile_available, _flashtile_prepare,
-             lambda: _dist_version("flashtile") or getattr(importlib.import_module("flashtile"), "__version__", None)),
+             lambda: dist_version("flashtile") or getattr(importlib.import_module("flashtile"), "__version__", None)),
     Provider("flashtile-triton", "flashtile with its Gluon kernels off (the portable Triton path)",
              _flashtile_available, _flashtile_portable_prepare, lambda: None),
     Provider("sdpa-cudnn", "torch SDPA, SDPBackend.CUDNN_ATTENTION, [B, H, S, D]", _sdpa_available("CUDNN_ATTENTION"),
@@ -337,7 +338,7 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in [
     Provider("flex", "torch FlexAttention, compiled once (dynamic=False), causal as a block mask, [B, H, S, D]",
              _flex_available, _flex_prepare, lambda: torch.__version__),
     Provider("fa2", "flash_attn.flash_attn_func (flash-attn 2.x), [B, S, H, D]", _fa2_available, _fa2_prepare,
-             lambda: _dist_version("flash-attn", "flash_attn")),
+             lambda: dist_version("flash-attn", "flash_attn")),
     Provider("fa4", "flash_attn.cute.flash_attn_func (flash-attn-4, CuTe DSL), [B, S, H, D]", _fa4_available,
-             _fa4_prepare, lambda: _dist_version("flash-attn-4")),
+             _fa4_prepare, lambda: dist_version("flash-attn-4")),
 ]}

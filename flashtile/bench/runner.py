@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -32,7 +31,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .registry import (MODES, PROVIDERS, QUICK_HEADDIMS, QUICK_SEQLENS, STANDARD_HEADDIMS, STANDARD_SEQLENS,
-                       Prepared, Provider, Shape, Unsupported, standard_shapes)
+                       Prepared, Provider, Shape, Unsupported, dist_version, standard_shapes)
 
 # Results go to ./bench-results unless --out says otherwise (a checkout keeps the runs that back its README in
 # benchmarks/results: pass --out benchmarks/results there).
@@ -529,6 +528,12 @@ def checkout_root() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
 
 
+def commit() -> str | None:
+    """The commit measured: the checkout's HEAD, else FLASHTILE_COMMIT (the GPU machines get a copy of the working
+    tree without .git)."""
+    return git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT")
+
+
 def git(*args: str) -> str | None:
     """`git args` in the checkout (None without one, or when git fails)."""
     root = checkout_root()
@@ -551,21 +556,17 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
             versions[name] = registry[name].version()
         except Exception as exc:
             versions[name] = f"unknown ({_error_text(exc)})"
-    try:
-        triton_version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton_version = None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
         "torch": torch.__version__,
-        "triton": triton_version,
+        "triton": dist_version("triton"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None,
         "python": platform.python_version(),
         # The GPU machines get a copy of the working tree without .git: pass FLASHTILE_COMMIT there.
-        "flashtile_commit": git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT"),
+        "flashtile_commit": commit(),
         "flashtile_version": _flashtile_version(),
         "flashtile_dirty": None if status is None else bool(status),
         "dtype": dtype_name,

@@ -71,16 +71,15 @@ if AVAILABLE:
                          mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_store, to_float32,
                          warpgroup_mma, warpgroup_mma_wait)
 
-# Query rows per consumer warpgroup (a work item has NUM_WG of them) and key rows per block.
+# Query rows per consumer warpgroup (a work item has NUM_WG of them).
 WG_M = 64
-BLOCK_N = 128
-# Key rows per block by head dim: d256's [128, 256] K and V blocks would take 128 KB a stage, so it reads 64 rows.
+# Key rows per block by tile width (TILE_DIM): 128, but d256's [128, 256] K and V blocks would take 128 KB a stage,
+# so it reads 64 rows.
 BLOCK_NS = {64: 128, 128: 128, 256: 64}
 # A paged batch's table entries past a row's columns read as this page index, past any cache: TMA fills the copy
 # with zeros (_load_block).
 PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
-HEAD_DIMS = (64, 96, 128, 192, 256)
-# The tile width each head dim runs at: d96 and d192 run d128's and d256's kernels over columns zero-filled past the
+# The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at: d96 and d192 run d128's and d256's kernels over columns zero-filled past the
 # head dim (TMA fills them on loads and clips them on stores; _store_o masks them): their q K^T gain zero terms,
 # their P V zero output columns, which nothing stores.
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
@@ -93,8 +92,12 @@ STAGES = {64: 3, 128: 2, 256: 2}
 # TFLOP/s at S4k / S16k against the previous kernel (2 warpgroups, 1 buffer, causal one program per tile):
 # plain d64 477 / 492 vs 441 / 446; causal d64 412 / 441 vs 386 / 444 (3 warpgroups there: 388 / 449);
 # causal d128 553 / 627 vs 528 / 611; plain d128 626 / 638 vs 624 / 642 (2 buffers: +1-2% in two other runs).
+# d256 takes d128's schedules with one query buffer (STAGES above), not tuned apart.
 CONFIGS = {(64, False): (3, 2, True), (64, True): (2, 2, True), (128, False): (2, 2, False), (128, True): (2, 1, True),
            (256, False): (2, 1, False), (256, True): (2, 1, True)}
+# Tile widths whose forward takes neither an attn_mask nor dropout (offline sm90 compiles): at 256 a [64, 64] mask
+# tile is narrower than the mask ring's 128-byte swizzle, and dropout spills 93 stores.
+NO_MASK_OR_DROPOUT_TILES = (256,)
 # Registers per thread of the two worker consumers when there are three (16 warps: 512 per thread slot in all; the
 # producer's warpgroup keeps 24, the first consumer gets what is left, 168).
 CONSUMER_REGS_3WG = tl.constexpr(160)
