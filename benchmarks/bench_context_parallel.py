@@ -14,7 +14,9 @@ What it measures (issue 27's closing checks), all in bf16, B1 H16 d128 unless to
 - the link: point-to-point bandwidth and latency between neighbours and all-to-all time, the inputs of the scaling
   model in docs/distributed.md.
 FLOPs: fwd 4·B·H·S²·D / 2 for causal (the whole sequence's), fwd+bwd 3.5x; per GPU: divided by the world size.
-Step time: per iteration the slowest rank's, median over iterations; the providers of one size take turns
+Step time: per iteration the slowest rank's, median over iterations, timed twice: back to back with the host
+running ahead, as a training loop and do_bench run (the headline, `ms`), and with every iteration starting on an
+idle GPU after a barrier (`ms_synced`: adds the call's launch latency). The providers of one size take turns
 --rounds times (default 3) and each reports its median round, since the GPUs' clocks drift as they warm. Rank 0
 prints a table (each bar marked ok or BELOW BAR) and writes <out>/<date>-<gpu>-context-parallel-w<W>.json after
 each section. On a cold Triton cache the
@@ -93,9 +95,30 @@ def _timed(step):
     return start.elapsed_time(end)
 
 
+def _stream_times(step, iters):
+    """ms of each of `iters` back-to-back steps, the host never waiting for the GPU (do_bench's way): CUDA events
+    around each step on the current stream, one synchronisation after the loop. A step's time is then the GPU's
+    time from the end of the step before to the end of this one (its kernels, its waits for transfers, any idle
+    the host leaves), without the launch latency of a GPU that drained first."""
+    if DEVICE != "cuda":
+        return [_timed(step) for _ in range(iters)]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        step()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+
 def time_step(step):
-    """Median (over iterations) of the slowest rank's time of step() in ms, the iteration count, and the peak
-    memory allocated during the steps beyond what was allocated before them (bytes; 0 on the CPU)."""
+    """(stream ms, iteration count, peak bytes, synced ms) of step():
+    - stream: the median over back-to-back iterations (_stream_times) of the slowest rank's step time: the
+      throughput of a training loop, whose host runs ahead of its GPU; the headline number, as do_bench's;
+    - synced: the median over iterations that each start on an idle GPU after a barrier (CUDA events around one
+      step, then a synchronisation) of the slowest rank's: adds each call's latency from the host to its first
+      kernel;
+    - peak: the memory allocated during the steps beyond what was allocated before them (bytes; 0 on the CPU)."""
     step()
     _sync()
     dist.barrier()
@@ -105,12 +128,15 @@ def time_step(step):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    times = []
+    synced = []
     for _ in range(iters):
         dist.barrier()
-        times.append(_timed(step))
+        synced.append(_timed(step))
+    _sync()
+    dist.barrier()
+    stream = _stream_times(step, iters)
     peak = torch.cuda.max_memory_allocated() - base if cuda else 0
-    return statistics.median(_slowest(times)), iters, peak
+    return statistics.median(_slowest(stream)), iters, peak, statistics.median(_slowest(synced))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -222,12 +248,16 @@ def speed(args, rank, world):
             else:
                 ms = statistics.median(t[0] for t in timings[name])
                 per_gpu = causal_flops(args.batch, args.heads, seqlen * ranks, args.dim) / ranks
+                synced = statistics.median(t[3] for t in timings[name])
                 row.update(ms=ms, ms_rounds=[t[0] for t in timings[name]], iters=timings[name][0][1],
-                           tflops_per_gpu=per_gpu / ms / 1e9, peak_gib=max(t[2] for t in timings[name]) / GiB)
+                           tflops_per_gpu=per_gpu / ms / 1e9, peak_gib=max(t[2] for t in timings[name]) / GiB,
+                           ms_synced=synced, ms_synced_rounds=[t[3] for t in timings[name]],
+                           tflops_per_gpu_synced=per_gpu / synced / 1e9)
             rows.append(row)
             if rank == 0:
                 print(f"  {name:15s} {seqlen // 1024:3d}k/GPU  " + (f"{row['ms']:9.2f} ms {row['tflops_per_gpu']:6.1f} "
-                      f"TFLOP/s/GPU  peak {row['peak_gib']:.2f} GiB" if "ms" in row else row["error"]),
+                      f"TFLOP/s/GPU (synced {row['ms_synced']:.2f} ms)  peak {row['peak_gib']:.2f} GiB" if "ms" in row
+                      else row["error"]),
                       file=sys.stderr, flush=True)
     return rows
 
@@ -344,13 +374,13 @@ def link(rank, world):
         def exchange():
             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
                 w.wait()
-        ms, _, _ = time_step(exchange)
+        ms = time_step(exchange)[0]
         result[f"p2p_{label}_ms"] = ms
         if label == "bandwidth":
             result["p2p_GBps"] = send.numel() * 2 / ms / 1e6
     x = torch.ones(big, dtype=torch.bfloat16, device=DEVICE)
     y = torch.empty_like(x)
-    ms, _, _ = time_step(lambda: dist.all_to_all_single(y, x))
+    ms = time_step(lambda: dist.all_to_all_single(y, x))[0]
     result.update(all_to_all_ms=ms, all_to_all_bytes=x.numel() * 2, all_to_all_GBps=x.numel() * 2 * (world - 1) / world / ms / 1e6)
     return result
 
@@ -379,7 +409,8 @@ def _table(results):
         line = f"{s // 1024:4d}k/GPU"
         if base and zig:
             ratio, bar = zig["tflops_per_gpu"] / base["tflops_per_gpu"], SPEED_BAR.get(s, SPEED_BAR_DEFAULT)
-            line += f"  zigzag/1-GPU {ratio:.3f} (>= {bar}: {_mark(ratio >= bar)})"
+            synced = zig["tflops_per_gpu_synced"] / base["tflops_per_gpu_synced"]
+            line += f"  zigzag/1-GPU {ratio:.3f} (>= {bar}: {_mark(ratio >= bar)}; synced calls {synced:.3f})"
         if zig and tcp:
             ratio = tcp["ms"] / zig["ms"]
             line += f"  torch-CP time/zigzag {ratio:.3f} (>= {TORCH_CP_BAR}: {_mark(ratio >= TORCH_CP_BAR)})"
