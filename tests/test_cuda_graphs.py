@@ -59,7 +59,8 @@ def _qkv(b, sq, sk, h, hk, d, dtype, grad=False):
     return q, k, v
 
 
-# d64 and d128 take the Hopper Gluon kernels at these lengths, d256 and fp16 d40 the portable ones.
+# d64 and d128 take the Hopper Gluon kernels at these lengths, d256 the Gluon forward and the portable backward,
+# fp16 d40 the portable kernels.
 FWD_CASES = [
     (2, 1024, 1024, 8, 2, 128, True, torch.bfloat16),
     (1, 777, 1500, 4, 4, 64, True, torch.float16),

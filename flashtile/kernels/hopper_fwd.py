@@ -163,6 +163,7 @@ if AVAILABLE:
         LAZY: gl.constexpr
         DROPOUT: gl.constexpr
         PAGE: gl.constexpr
+        PAD_D: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
         o_layout: gl.constexpr
@@ -171,7 +172,7 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                     BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, dtype):
+                     BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, dtype):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -192,6 +193,7 @@ if AVAILABLE:
             self.LAZY = gl.constexpr(LAZY)
             self.DROPOUT = gl.constexpr(DROPOUT)
             self.PAGE = gl.constexpr(PAGE)
+            self.PAD_D = gl.constexpr(PAD_D)
             self.dtype = gl.constexpr(dtype)
             s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
             o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -894,15 +896,18 @@ if AVAILABLE:
         tma_store(o_desc, [i_b, row0, i_h, 0], o_buf.reshape([1, o_buf.shape[0], 1, o_buf.shape[1]]))
 
     @gluon.jit
-    def _store_o(out, o, item, row, o_layout: gl.constexpr):
-        """Store a warpgroup's output rows (those below the item's seqlen_q) from registers, and of their columns
-        those below the head dim: out is contiguous, so its head stride is the head dim (TILE_DIM pads d96 and
-        d192 tiles to d128 and d256)."""
+    def _store_o(out, o, item, row, o_layout: gl.constexpr, PAD_D: gl.constexpr):
+        """Store a warpgroup's output rows (those below the item's seqlen_q) from registers; PAD_D: of their
+        columns only those below the head dim (TILE_DIM pads d96 and d192 tiles to d128 and d256; out is
+        contiguous, so its head stride is the head dim)."""
         o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
         o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
                  + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1) + gl.expand_dims(o_cols, 0))
-        gl.store(o_ptr, o, mask=gl.expand_dims(o_rows < item.seqlen_q, 1) & gl.expand_dims(o_cols < out.stride_oh, 0))
+        mask = gl.expand_dims(o_rows < item.seqlen_q, 1)
+        if PAD_D:
+            mask = mask & gl.expand_dims(o_cols < out.stride_oh, 0)
+        gl.store(o_ptr, o, mask=mask)
 
     @gluon.jit
     def _consumer_item(prog, tile, it):
@@ -1008,13 +1013,13 @@ if AVAILABLE:
                     _stage_o(acc.to(cfg.dtype), prog.smem.o.index(rows.part), out.o_desc, item.t_b,
                              item.q_start + rows.row_start, item.i_h)
                 else:
-                    _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout)
+                    _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout, cfg.PAD_D)
             else:
                 _stage_o(acc.to(cfg.dtype), prog.smem.o.index(rows.part), out.o_desc, item.t_b,
                          item.q_start + rows.row_start, item.i_h)
         else:
             # No staging buffer (its shared memory holds attn_mask tiles, or out is float32: distributed/_local.py).
-            _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout)
+            _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout, cfg.PAD_D)
         return bc
 
     @gluon.jit
@@ -1119,7 +1124,7 @@ if AVAILABLE:
                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
                     BIAS: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr,
                     QBUF: gl.constexpr, VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr,
-                    PAGE: gl.constexpr):
+                    PAGE: gl.constexpr, PAD_D: gl.constexpr):
         """One program per SM (persistent) walking work items; the partitions and their roles are the module
         docstring's. strides, mask, band, scales and heads: the named tuples _Strides, _Mask, _Band, _Scales, _Heads;
         lists: a bool attn_mask's block lists (_Lists); pages: a paged batch's block table (_Pages). Constexprs:
@@ -1128,14 +1133,15 @@ if AVAILABLE:
         of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of BLOCK_M // NUM_WG
         rows; DYNAMIC: the global counter's schedule; QBUF query buffers; LAZY: LAZY_MAX's steps (_finish_step);
         PAGE: a paged varlen batch's page size (0: none), K and V then read page by page through the block table
-        (_load_block)."""
+        (_load_block); PAD_D: the tile is wider than the head dim (TILE_DIM), so stores from registers mask the
+        columns past it (_store_o)."""
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
         gl.static_assert(PAGE == 0 or (VARLEN and (PAGE % BLOCK_N == 0 or BLOCK_N % PAGE == 0)))
         gl.static_assert(not LAZY or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
         cfg = FwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS,
-                        STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, q_desc.dtype)
+                        STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, q_desc.dtype)
         # (The tuples' fields are read where they are passed: an assignment would turn the ones Triton specialized
         # into constants, integer arguments equal to 1, into runtime values.)
         prog = FwdProgram(
@@ -1473,6 +1479,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
         HEAD_DIM=tile_d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES[tile_d], MASK_RIGHT=req.mask_right,
         MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page),
+        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page,
+        PAD_D=tile_d != head_dim),
         dict(num_warps=4))
     return plan
