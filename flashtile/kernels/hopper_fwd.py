@@ -135,6 +135,8 @@ _Heads = collections.namedtuple("_Heads", "num_heads head_group group_size")
 _Lists = collections.namedtuple("_Lists", "counts idx")
 # A paged batch's block table, its row stride and columns (a placeholder and zeros without one).
 _Pages = collections.namedtuple("_Pages", "table stride cols")
+# The features' tensors: ALiBi's slopes, the sinks, dropout's Philox key (a placeholder where a feature is off).
+_Extras = collections.namedtuple("_Extras", "alibi sinks seed")
 
 if AVAILABLE:
     @aggregate
@@ -1118,7 +1120,7 @@ if AVAILABLE:
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, Alibi, Sinks, Seed, lists,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, extras, lists,
                     strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles, pages, HEAD_DIM: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
@@ -1127,7 +1129,8 @@ if AVAILABLE:
                     PAGE: gl.constexpr, PAD_D: gl.constexpr):
         """One program per SM (persistent) walking work items; the partitions and their roles are the module
         docstring's. strides, mask, band, scales and heads: the named tuples _Strides, _Mask, _Band, _Scales, _Heads;
-        lists: a bool attn_mask's block lists (_Lists); pages: a paged batch's block table (_Pages). Constexprs:
+        extras: the features' tensors (_Extras); lists: a bool attn_mask's block lists (_Lists); pages: a paged
+        batch's block table (_Pages). Constexprs:
         MASK_RIGHT, the band's right bound i + diag_offset (causal, or a right window folded into the offset);
         MASK_LEFT, its left bound i + left_offset; BIAS 0 none, 1 a float attn_mask, 2 a bool one (tiles in a ring
         of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of BLOCK_M // NUM_WG
@@ -1150,8 +1153,8 @@ if AVAILABLE:
             FwdOut(o_desc, Out, strides.out_b, strides.out_s, strides.out_h, Lse, strides.lse_b, strides.lse_h),
             _fwd_smem(cfg, bias_desc), FwdWork(n_tiles, n_m, heads.num_heads, heads.head_group),
             FwdBand(seqlen_q, band.seqlen_k, band.diag_offset, band.left_offset),
-            FwdMods(scales.qk_scale, Alibi, strides.alibi_b, band.alibi_offset, scales.mod_unit, scales.pre_scale,
-                    Sinks, Seed, scales.drop_threshold, scales.drop_keep),
+            FwdMods(scales.qk_scale, extras.alibi, strides.alibi_b, band.alibi_offset, scales.mod_unit,
+                    scales.pre_scale, extras.sinks, extras.seed, scales.drop_threshold, scales.drop_keep),
             FwdLists(lists.counts, lists.idx, mask.lists_b, mask.lists_h, mask.lists_cols))
         if NUM_WG == 3:
             # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
@@ -1373,8 +1376,9 @@ class GluonFwdPlan:
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
-                    lse if req.alibi_slopes is None else req.alibi_slopes, lse if req.sinks is None else req.sinks,
-                    req.seed if req.dropout_p > 0 else lse, _Lists(counts, indices), *self.groups, _Pages(*table))
+                    _Extras(lse if req.alibi_slopes is None else req.alibi_slopes,
+                            lse if req.sinks is None else req.sinks, req.seed if req.dropout_p > 0 else lse),
+                    _Lists(counts, indices), *self.groups, _Pages(*table))
         return out, lse
 
 
