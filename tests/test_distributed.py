@@ -542,3 +542,29 @@ def test_add_rounded(monkeypatch, dtype, kernel):
             assert torch.equal(got, ref)
         wide = torch.randn(shape[:-1] + (2 * shape[-1],), generator=gen)[..., ::2]  # not contiguous
         assert torch.equal(_merge.add_rounded(wide, b, dtype), torch.add(wide, b).to(dtype))
+
+
+def test_context_parallel_bench_times_each_step_both_ways(tmp_path, monkeypatch):
+    """benchmarks/bench_context_parallel.py's time_step on a one-process gloo group: the back-to-back loop and the
+    synced one each run the step `iters` times after one warm-up and one sizing call, and both give times."""
+    import importlib.util
+    import sys
+
+    import torch.distributed as dist
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "bench_context_parallel.py")
+    spec = importlib.util.spec_from_file_location("bench_context_parallel_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repo root first
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "TARGET_S", 0.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        calls = []
+        stream_ms, iters, peak, synced_ms = bench.time_step(lambda: calls.append(1))
+        assert iters == 3 and len(calls) == 2 + 2 * iters
+        assert stream_ms >= 0 and synced_ms >= 0 and peak == 0
+        assert len(bench._stream_times(lambda: None, 4)) == 4
+    finally:
+        dist.destroy_process_group()
