@@ -72,7 +72,12 @@ def forward(q, k, v, req: AttentionRequest, on_new_plan=None):
     """(out, lse fp32) of one request, no autograd: unpack, then the backend dispatch chooses (on_new_plan: see
     dispatch.forward)."""
     q, k, v = unpack(q, k, v)
-    return dispatch.forward(q, k, v, _device_offsets(req, q, k), on_new_plan=on_new_plan)
+    return dispatch.forward(q, k, v, _device_offsets(req, q, k), out_dtype=out_dtype(q, req), on_new_plan=on_new_plan)
+
+
+def out_dtype(q, req):
+    """The output's dtype: q's, bfloat16 for the FP8 forward (float8 q, k, v with req.descale), None for q's."""
+    return torch.bfloat16 if req.descale is not None else None
 
 
 def backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, bias_requires_grad=False):
@@ -121,7 +126,7 @@ def _attn_bwd_op(dout, q, k, v, out, lse, dlse, bias_requires_grad, *fields, **n
 def _attn_fwd_fake(q, k, v, *fields, **named):
     req = AttentionRequest.unflatten(fields, named)
     q, k, v = unpack(q, k, v)
-    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=out_dtype(q, req) or q.dtype)
     if req.varlen:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:

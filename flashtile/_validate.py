@@ -4,6 +4,8 @@ import math
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The FP8 forward's inputs (q, k and v together, with their descale factors).
+FP8_DTYPE = torch.float8_e4m3fn
 # Head dims: multiples of 8 (16-byte rows in half precision, what TMA and vector loads need) up to 512 (past 256
 # the tiles shrink to fit registers and shared memory: supported, not fast).
 HEAD_DIM_MULTIPLE = 8
@@ -15,10 +17,28 @@ def _check_tensor(name, t):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
 
 
-def check_qkv(q, k, v, layout="bshd"):
+def _check_dtype(name, t, fp8):
+    if fp8:
+        if t.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} has dtype {t.dtype}; with q_descale, k_descale or v_descale (or float8 inputs) "
+                            f"q, k and v must all be float8_e4m3fn: quantize all three, or pass 16-bit inputs "
+                            f"without descale factors.")
+        return
+    if t.dtype in SUPPORTED_DTYPES:
+        return
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        raise TypeError(f"{name} has dtype {t.dtype}; 8-bit inputs are float8_e4m3fn q, k and v together (the FP8 "
+                        f"forward of flash_attn_func and flash_attn_varlen_func, with q_descale, k_descale, "
+                        f"v_descale): quantize all three with .to(torch.float8_e4m3fn).")
+    raise TypeError(f"{name} has dtype {t.dtype}; flashtile supports float16, bfloat16 and float32: "
+                    f"convert it with .to(torch.bfloat16) (or float16/float32).")
+
+
+def check_qkv(q, k, v, layout="bshd", fp8=False):
     """Validate attention inputs. layout "bshd": (batch, seqlen, heads, headdim), flash-attn's;
     "bhsd": (batch, heads, seqlen, headdim), torch SDPA's; "thd": (total_seqlen, heads, headdim), the varlen
-    packing (treated as one batch entry here). Returns nothing; raises TypeError/ValueError."""
+    packing (treated as one batch entry here). fp8: the FP8 forward's inputs, float8_e4m3fn. Returns nothing;
+    raises TypeError/ValueError."""
     names = ("query", "key", "value") if layout == "bhsd" else ("q", "k", "v")
     dims = {"bshd": "(batch, seqlen, heads, headdim)", "bhsd": "(batch, heads, seqlen, headdim)",
             "thd": "(total_seqlen, heads, headdim)"}[layout]
@@ -33,9 +53,7 @@ def check_qkv(q, k, v, layout="bshd"):
         q, k, v = (t.unsqueeze(0) for t in (q, k, v))
         layout = "bshd"
     for name, t in zip(names, (q, k, v)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; flashtile supports float16, bfloat16 and float32: "
-                            f"convert it with .to(torch.bfloat16) (or float16/float32).")
+        _check_dtype(name, t, fp8)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{names[0]}, {names[1]}, {names[2]} must share one dtype, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}; convert them to one dtype with .to(...).")
@@ -149,6 +167,19 @@ def check_alibi(alibi_slopes, q, batch, heads):
         if alibi_slopes.stride(-1) != 1:
             alibi_slopes = alibi_slopes.contiguous()
     return alibi_slopes
+
+
+def check_descales(descales, q, batch, kv_heads):
+    """The FP8 forward's factors: (q_descale, k_descale, v_descale), each None (1) or fp32 (batch, kv_heads).
+    Returns them as one fp32 (batch, kv_heads, 3) tensor (AttentionRequest.descale)."""
+    parts = []
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if t is None:
+            parts.append(torch.ones((batch, kv_heads), dtype=torch.float32, device=q.device))
+            continue
+        _check_fp32_vector(name, t, q, [(batch, kv_heads)], "one factor per batch entry and kv head, FA3's layout")
+        parts.append(t)
+    return torch.stack(parts, dim=-1)
 
 
 def check_sinks(sinks, q, heads):

@@ -12,8 +12,8 @@ from . import _ops, _values, dispatch
 from . import reference
 from .reference.dropout import dropout_mask
 from .request import AttentionRequest, unbounded_window
-from ._validate import (_check_tensor, check_alibi, check_attn_mask, check_dropout, check_paged, check_qkv,
-                        check_sinks, check_softcap, check_varlen, check_window, resolve_scale)
+from ._validate import (_check_tensor, check_alibi, check_attn_mask, check_descales, check_dropout, check_paged,
+                        check_qkv, check_sinks, check_softcap, check_varlen, check_window, resolve_scale)
 
 _ARGS_DOC = """
         dropout_p: float in [0, 1), default 0.0. Dropout on the attention probabilities (Philox in the kernel,
@@ -203,24 +203,76 @@ def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
 
 @_with_docs("(batch, seqlen_q, nheads, headdim_v)", "(batch, nheads, seqlen_q)")
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None, q_descale=None,
+                    k_descale=None, v_descale=None):
     """Exact attention, flash-attn compatible.
 
     Arguments:
-        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32, CUDA (or CPU, see the README).
-        k: (batch, seqlen_k, nheads_k, headdim). v: (batch, seqlen_k, nheads_k, headdim_v). nheads must be a
-            multiple of nheads_k: grouped-query attention, query head h uses key/value head
-            h // (nheads // nheads_k) (nheads_k = 1 is MQA). Head dims: multiples of 8 up to 512; headdim_v may
-            differ from headdim (MLA: 192 and 128). The last dimension must be contiguous; any other strides work.
+        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32 (or float8_e4m3fn: q_descale below),
+            CUDA (or CPU, see the README). k: (batch, seqlen_k, nheads_k, headdim). v: (batch, seqlen_k,
+            nheads_k, headdim_v). nheads must be a multiple of nheads_k: grouped-query attention, query head h uses
+            key/value head h // (nheads // nheads_k) (nheads_k = 1 is MQA). Head dims: multiples of 8 up to 512;
+            headdim_v may differ from headdim (MLA: 192 and 128). The last dimension must be contiguous; any other
+            strides work.
 {args}
+        q_descale, k_descale, v_descale: float32 (batch, nheads_k), keyword-only, default None (1). FP8 forward
+            (FA3's arguments), for inference: q, k, v are then float8_e4m3fn, all three, and each holds its values
+            divided by its factor (per batch entry and kv head; a query head takes its kv head's q factor). Scores
+            are softmax_scale * q_descale * k_descale * (q @ k^T) and the output is v_descale times the weighted
+            sum, accumulated in float32; out is bfloat16. The scores' products are exact (the float8 values are
+            multiplied in bfloat16 without rounding), P is rounded to bfloat16 before P @ V. Forward only: with
+            inputs that require grad under grad mode it raises NotImplementedError, and dropout_p must be 0. Runs
+            the portable Triton kernel (the Hopper kernels take 16-bit inputs).
 
 {returns}
 
 {checks}
     """
+    descales = (q_descale, k_descale, v_descale)
+    if _fp8_call(q, descales):
+        return _flash_fp8(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          return_attn_probs, sinks)
     check_qkv(q, k, v, layout="bshd")  # before _flash, which would read k = None as packed inputs
     return _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                   sinks, q.shape[-1], deterministic, checked=True)
+
+
+def _fp8_call(q, descales):
+    """Whether a call takes the FP8 forward: float8 q, or any descale factor given (check_qkv then insists on
+    float8_e4m3fn q, k and v)."""
+    return (isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn) or any(d is not None for d in descales)
+
+
+def _check_fp8_options(dropout_p, q, k, v, sinks):
+    _check_inference_only(dropout_p, (q, k, v, sinks), "float8 inputs: the FP8 forward is for inference",
+                          "the FP8 forward (float8_e4m3fn q, k, v) has no backward: run it under torch.no_grad() / "
+                          "torch.inference_mode(), or detach q, k, v (and sinks); train with 16-bit inputs.")
+
+
+def _fp8_request_scale(descale, scale):
+    """(descale, scale > 0): the kernels take a positive scale, so a negative one moves its sign into q's factors
+    and a zero one zeroes them (scores 0 under scale 1), the float8 tensors being left as they are."""
+    if scale > 0:
+        return descale, scale
+    if scale < 0:
+        descale[..., 0].neg_()
+        return descale, -scale
+    descale[..., 0].zero_()
+    return descale, 1.0
+
+
+def _flash_fp8(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               return_attn_probs, sinks):
+    """flash_attn_func's FP8 forward: float8_e4m3fn q, k, v with their descale factors (AttentionRequest.descale)."""
+    check_qkv(q, k, v, layout="bshd", fp8=True)
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    scale, dropout_p, fields = _flash_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, sinks, head_dim, batch, heads, seqlen_q, seqlen_k)
+    _check_fp8_options(dropout_p, q, k, v, fields["sinks"])
+    descale, scale = _fp8_request_scale(check_descales(descales, q, batch, kv_heads), scale)
+    out, lse, _ = _attention(q, k, v, scale, diagonal_offset=seqlen_k - seqlen_q, descale=descale, **fields)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def _check_packed(name, t, count, rank):
@@ -272,11 +324,15 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, return_attn_probs, sinks, head_dim, deterministic, block_table=None,
-            seqused_k=None):
+            seqused_k=None, descales=None):
     qq, kk, vv = _ops.unpack(q, k, v)
     paged = block_table is not None
+    fp8 = descales is not None
+    if fp8 and paged:
+        raise ValueError("float8 inputs with block_table (a paged cache) are not supported: pass contiguous "
+                         "float8_e4m3fn k and v without block_table, or a 16-bit paged cache.")
     if not paged:
-        check_qkv(qq, kk, vv, layout="thd")
+        check_qkv(qq, kk, vv, layout="thd", fp8=fp8)
     cu_q, cu_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, qq)
     batch = cu_q.numel() - 1
     if paged:
@@ -294,6 +350,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if paged:
         _check_paged_options(dropout_p, q, k, v, fields["sinks"])
         fields.update(block_table=block_table, seqused_k=seqused_k)
+    if fp8:
+        _check_fp8_options(dropout_p, q, k, v, fields["sinks"])
+        descale, scale = _fp8_request_scale(check_descales(descales, qq, batch, kk.shape[1]), scale)
+        fields.update(descale=descale)
     out, lse, req = _attention(q, k, v, scale, dropout_p=dropout_p, deterministic=deterministic, cu_seqlens_q=cu_q,
                                cu_seqlens_k=cu_k, max_seqlen_q=longest_q, max_seqlen_k=longest_k, **fields)
     if return_attn_probs:
@@ -316,22 +376,26 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
 
 
 def _check_paged_options(dropout_p, q, k, v, sinks):
-    """A paged call is inference: no dropout, nothing that asks for a gradient."""
+    _check_inference_only(dropout_p, (q, k, v, sinks), "block_table: paged keys/values are for inference",
+                          "backward through a paged cache (flash_attn_varlen_func with block_table) is not "
+                          "supported: run it under torch.no_grad() / torch.inference_mode(), or detach q, k, v (and "
+                          "sinks); for training, gather the pages into contiguous k, v and call "
+                          "flash_attn_varlen_func without block_table.")
+
+
+def _check_inference_only(dropout_p, tensors, dropout_reason, grad_message):
+    """Calls that are inference (a paged cache, float8 inputs): no dropout, nothing that asks for a gradient."""
     if dropout_p > 0:
-        raise ValueError(f"dropout_p={dropout_p} with block_table: paged keys/values are for inference; pass "
-                         f"dropout_p=0.0.")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        raise NotImplementedError("backward through a paged cache (flash_attn_varlen_func with block_table) is not "
-                                  "supported: run it under torch.no_grad() / torch.inference_mode(), or detach "
-                                  "q, k, v (and sinks); for training, gather the pages into contiguous k, v and "
-                                  "call flash_attn_varlen_func without block_table.")
+        raise ValueError(f"dropout_p={dropout_p} with {dropout_reason}; pass dropout_p=0.0.")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(grad_message)
 
 
 @_with_docs("(total_q, nheads, headdim_v)", "(nheads, total_q)")
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
-                           seqused_k=None):
+                           seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
     """Attention over a batch of sequences of different lengths, concatenated (no padding), flash-attn compatible.
 
     Arguments:
@@ -353,6 +417,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             CUDA (pointer loads).
         seqused_k: int32 (batch,), keyword-only, default None; with block_table only. Sequence b's number of keys,
             overriding cu_seqlens_k (whose values are then not used), as in flash-attn.
+        q_descale, k_descale, v_descale: float32 (batch, nheads_k), keyword-only, default None (1): the FP8
+            forward, as flash_attn_func's, one factor per sequence and kv head (not with block_table).
 
 {returns}
 
@@ -362,14 +428,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if seqused_k is not None and block_table is None:
         raise ValueError("seqused_k is supported together with block_table (paged keys/values); for contiguous k, v "
                          "pass cu_seqlens_k with the lengths to use (and only those rows), or add block_table.")
+    descales = (q_descale, k_descale, v_descale)
+    fp8 = _fp8_call(q, descales)
     if block_table is None:
-        check_qkv(q, k, v, layout="thd")  # before _varlen, which would read k = None as packed inputs
+        check_qkv(q, k, v, layout="thd", fp8=fp8)  # before _varlen, which would read k = None as packed inputs
     else:
         _check_tensor("k", k)
         _check_tensor("v", v)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks, q.shape[-1], deterministic,
-                   block_table, seqused_k)
+                   block_table, seqused_k, descales if fp8 else None)
 
 
 @_with_docs("(total, nheads, headdim)", "(nheads, total)")

@@ -94,6 +94,8 @@ class AttentionRequest(_Fields):
         caches): key j of sequence b is row j % page_size of page block_table[b, j // page_size]. seqused_k: int32
         (B,) key counts of a paged batch (None: cu_seqlens_k's lengths). Forward only.
     deterministic: the backward must give bit-identical gradients run to run.
+    descale: float8_e4m3fn q, k, v (forward only): fp32 (B, Hk, 3) factors, q's, k's and v's, per batch entry (or
+        sequence) and kv head: the values are the stored ones times their factor; out is bfloat16.
     """
     softmax_scale: float
     diagonal_offset: int = dataclasses.field(default=0, metadata={"schema": "SymInt"})
@@ -112,6 +114,7 @@ class AttentionRequest(_Fields):
     block_table: Optional[torch.Tensor] = None
     seqused_k: Optional[torch.Tensor] = None
     deterministic: bool = False
+    descale: Optional[torch.Tensor] = None
 
     # Inputs of the forward op that can take a gradient besides q, k, v (the op's backward returns them in this
     # order after the q/k/v gradients).
@@ -165,6 +168,8 @@ class AttentionRequest(_Fields):
             parts.append(f"paged ({self.block_table.shape[1]} pages per sequence)")
         if self.deterministic:
             parts.append("deterministic")
+        if self.descale is not None:
+            parts.append("fp8 (descaled)")
         return ", ".join(parts) or "plain"
 
 

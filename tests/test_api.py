@@ -383,7 +383,9 @@ _REQUIRED = inspect.Parameter.empty
     pytest.param(flashtile.flash_attn_func,
                  [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED), ("dropout_p", 0.0), ("softmax_scale", None),
                   ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
-                  ("deterministic", False), ("return_attn_probs", False), ("sinks", None)], id="flash_attn_func"),
+                  ("deterministic", False), ("return_attn_probs", False), ("sinks", None),
+                  # keyword-only: FA3's FP8 factors
+                  ("q_descale", None), ("k_descale", None), ("v_descale", None)], id="flash_attn_func"),
     # torch.nn.functional.scaled_dot_product_attention (torch >= 2.5)
     pytest.param(flashtile.scaled_dot_product_attention,
                  [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED), ("attn_mask", None),

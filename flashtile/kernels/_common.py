@@ -82,6 +82,7 @@ class Flags(NamedTuple):
     DBIAS: bool = False  # the dQ kernel also writes dS, the gradient of a float bias
     PAGED: bool = False  # keys and values read through a block table (Paged; the forward only)
     PAGE_SIZE: int = 0  # rows per page (PAGED)
+    FP8: bool = False  # float8_e4m3fn q, k, v with their descale factors (the forward only)
 
 
 class Config(NamedTuple):

@@ -32,6 +32,7 @@ class KernelArgs:
     seed: torch.Tensor
     dropout_threshold: int
     paged: Optional[Paged]
+    descale: torch.Tensor  # FP8: fp32 (B, Hk, 3) factors of q, k, v
 
 
 class Features:
@@ -65,7 +66,7 @@ class Features:
         """The constexpr flags, for the launch cache's key."""
         req = self.req
         return (req.mask_left, req.mask_right, req.softcap > 0, req.alibi_slopes is not None, self.bias_kind,
-                req.sinks is not None, req.dropout_p > 0, req.varlen, req.paged)
+                req.sinks is not None, req.dropout_p > 0, req.varlen, req.paged, req.descale is not None)
 
     def _bias_tma_ok(self, use_tma, seqlen_q, seqlen_k):
         """Whether attn_mask tiles can be TMA loads: a Hopper launch, full (not broadcast) query and key dims with
@@ -122,7 +123,7 @@ class Features:
                       HAS_ALIBI=self.req.alibi_slopes is not None, BIAS=self.bias_kind,
                       BIAS_TMA=self._bias_tma_ok(use_tma, seqlen_q, seqlen_k), HAS_SINKS=self.req.sinks is not None,
                       DROPOUT=self.req.dropout_p > 0, VARLEN=self.req.varlen, PAGED=self.req.paged,
-                      PAGE_SIZE=kv[0].shape[1] if self.req.paged else 0)
+                      PAGE_SIZE=kv[0].shape[1] if self.req.paged else 0, FP8=self.req.descale is not None)
         if self.req.varlen:
             cu = CuSeqlens(self.req.cu_seqlens_q, self.req.cu_seqlens_k, q.shape[0], total_k)
         else:
@@ -133,7 +134,8 @@ class Features:
             sinks=self.req.sinks if self.req.sinks is not None else placeholder,
             seed=self.req.seed if self.req.dropout_p > 0 else seed_placeholder,
             dropout_threshold=dropout_threshold(self.req.dropout_p),
-            paged=self.paged_args(*(kv or (None, None)), seqlen_k))
+            paged=self.paged_args(*(kv or (None, None)), seqlen_k),
+            descale=self.req.descale if self.req.descale is not None else placeholder)
 
     def block_lists(self, block_m, block_n, transpose, seqlen_q, seqlen_k, mark_full=False):
         """For a bool attn_mask, which tiles to visit: per (batch|1, head|1, resident block), the number of

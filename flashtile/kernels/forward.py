@@ -80,6 +80,8 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
                                    CFG.BLOCK_N, CFG.BLOCK_D, FEAT.PAGE_SIZE)
         else:
             b_k = _load_tile(prog.k_view, start_n, CFG.HEAD_DIM, CFG.BLOCK_N, CFG.BLOCK_D, CFG.USE_TMA)
+        if FEAT.FP8:
+            b_k = b_k.to(tl.bfloat16)  # float8 values are exact in bfloat16
         b_s = _mma(b_q, tl.trans(b_k), None, CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_N], unscaled
         bias = 0.0
         if FEAT.BIAS:
@@ -112,6 +114,8 @@ def _attn_fwd_inner(acc, l_i, m_i, prog, lo, hi, MASKED: tl.constexpr, FEAT: tl.
                                         CFG.BLOCK_N, FEAT.PAGE_SIZE)
         else:
             b_v = _load_tile(prog.v_view, start_n, CFG.HEAD_DIM_V, CFG.BLOCK_N, CFG.BLOCK_DV, CFG.USE_TMA)
+        if FEAT.FP8:
+            b_v = b_v.to(tl.bfloat16)  # P is rounded to bfloat16 below, as for 16-bit inputs
         acc = _mma(b_p.to(b_v.dtype), b_v, acc * alpha[:, None], CFG.PRECISION, CFG.DOT_UPCAST)  # [BLOCK_M, BLOCK_DV]
         m_i = m_new
     return acc, l_i, m_i
@@ -143,10 +147,25 @@ def _attn_fwd_epilogue(acc, l_i, m_i, Sinks, i_h, dropout, FEAT: tl.constexpr):
 
 
 @triton.jit
+def _fp8_factors(Descale, b_q, scale, i_b, i_hk, heads):
+    """FP8: the query tile in bfloat16 (float8 values are exact there), the scale times q's and k's factors of
+    (batch entry, kv head) i_b, i_hk (Descale: fp32 [B, Hk, 3]), and v's factor, which the output takes. The
+    kernel takes the row max before scaling, so its scale must be positive: a negative product of the factors
+    moves its sign into the query tile (exact), a zero one zeroes the tile under a unit factor (every score 0)."""
+    p_factor = Descale + (i_b.to(tl.int64) * (heads.num_heads // heads.group_size) + i_hk) * 3
+    factor = tl.load(p_factor) * tl.load(p_factor + 1)
+    sign = tl.where(factor > 0, 1.0, tl.where(factor < 0, -1.0, 0.0))
+    b_q = (b_q.to(tl.float32) * sign).to(tl.bfloat16)
+    factor = tl.where(factor == 0, 1.0, tl.abs(factor))
+    return b_q, Scale(scale.sm_scale * factor, scale.qk_scale * factor, scale.softcap), tl.load(p_factor + 2)
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, scale, alibi, bias, blocks, Sinks,
-                     dropout, paged, FEAT: tl.constexpr, CFG: tl.constexpr):
+                     Descale, dropout, paged, FEAT: tl.constexpr, CFG: tl.constexpr):
     """One program per (query block, batch * head). Argument groups: Strides above; the others are _common's
-    (CuSeqlens, Seq, Heads, Band, Scale, Alibi, Bias, Blocks, Dropout, Paged; constexprs Flags and Config)."""
+    (CuSeqlens, Seq, Heads, Band, Scale, Alibi, Bias, Blocks, Dropout, Paged; constexprs Flags and Config).
+    Descale: FP8's factors (_fp8_factors)."""
     i_m, i_bh, i_b, i_h, i_hk, starts, seq = _query_block(heads, cu_seqlens, seq, FEAT, CFG.BLOCK_M)
     table_row = 0
     if FEAT.PAGED:  # keys are the sequence's first cache slots, read through its block-table row
@@ -165,6 +184,9 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, s
             seed = tl.load(dropout.seed)
 
         b_q = _load_tile(q_view, start_m, CFG.HEAD_DIM, CFG.BLOCK_M, CFG.BLOCK_D, CFG.USE_TMA)
+        v_factor = 1.0
+        if FEAT.FP8:
+            b_q, scale, v_factor = _fp8_factors(Descale, b_q, scale, i_b, i_hk, heads)
         m_i = tl.full([CFG.BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([CFG.BLOCK_M], tl.float32)
         acc = tl.zeros([CFG.BLOCK_M, CFG.BLOCK_DV], tl.float32)
@@ -192,6 +214,8 @@ def _attn_fwd_kernel(Q, K, V, Out, Lse, strides, seq, cu_seqlens, heads, band, s
                                                 CFG)
 
         acc, lse = _attn_fwd_epilogue(acc, l_i, m_i, Sinks, i_h, dropout, FEAT)
+        if FEAT.FP8:
+            acc = acc * v_factor
         _store_tile(o_view, acc.to(Out.dtype.element_ty), start_m, CFG.HEAD_DIM_V, CFG.BLOCK_M, CFG.BLOCK_DV,
                     CFG.USE_TMA)
         o_m = start_m + tl.arange(0, CFG.BLOCK_M)
@@ -238,7 +262,7 @@ class FwdPlan:
             configs._set_tma_allocator(self.device)
         strides, seq, heads, band, scale = self.groups
         return self.launch(stream, q, k, v, out, lse, strides, seq, fargs.cu_seqlens, heads, band, scale, fargs.alibi,
-                           fargs.bias, blocks or fargs.no_blocks, fargs.sinks,
+                           fargs.bias, blocks or fargs.no_blocks, fargs.sinks, fargs.descale,
                            Dropout(fargs.seed, *self.dropout_scalars), fargs.paged), out, lse
 
 
@@ -295,7 +319,7 @@ def plan_forward(q, k, v, req: AttentionRequest, out_dtype=None):
     out_shape = (q.shape[0], q.shape[1], v.shape[-1]) if req.varlen else q.shape[:3] + v.shape[-1:]
     # The output, allocated contiguous by the plan, joins the TMA check as a tensor without storage.
     spec = configs.launch_spec(q, (q, k, v, torch.empty(out_shape, dtype=out_dtype, device="meta")),
-                               tma=not req.paged)  # paged K/V: pointer loads
+                               tma=not req.paged and req.descale is None)  # paged K/V, float8: pointer loads
     bias_kind = Features(req).bias_kind
     candidates = configs.forward_candidates(head_dim, req.mask_right, q.dtype, spec, bias_kind, req.softcap > 0,
                                             req.paged)

@@ -36,9 +36,30 @@ def _sequences(req):
     return [(b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
 
 
+def _dequantized(q, k, v, req):
+    """An FP8 request's q, k, v as float32 values: the stored float8 ones times their factors (req.descale, per batch
+    entry or sequence and kv head; a query head takes its kv head's factor). Other requests' inputs as they are."""
+    if req.descale is None:
+        return q, k, v
+    group = q.shape[-2] // k.shape[-2]
+
+    def scaled(t, index, cu):
+        factor = req.descale[..., index]  # (B, Hk)
+        if t is q:
+            factor = factor.repeat_interleave(group, dim=1)
+        if req.varlen:  # rows of sequence b take row b's factors
+            return t.float() * factor.repeat_interleave(cu[1:] - cu[:-1], dim=0)[:, :, None]
+        return t.float() * factor[:, None, :, None]
+
+    return (scaled(q, 0, req.cu_seqlens_q), scaled(k, 1, req.cu_seqlens_k), scaled(v, 2, req.cu_seqlens_k))
+
+
 def forward(q, k, v, req):
-    """(out in q's dtype, lse fp32) of the request; differentiable by autograd (not used: backward below). A paged
-    request's pages are gathered into contiguous keys first (reference.kvcache.gather_pages)."""
+    """(out in q's dtype (bfloat16 for float8 inputs), lse fp32) of the request; differentiable by autograd (not
+    used: backward below). A paged request's pages are gathered into contiguous keys first
+    (reference.kvcache.gather_pages); an FP8 request's inputs are dequantized first (_dequantized)."""
+    out_dtype = torch.bfloat16 if req.descale is not None else q.dtype
+    q, k, v = _dequantized(q, k, v, req)
     if req.paged:
         k, v, cu_k = gather_pages(k, v, req.block_table, req.cu_seqlens_k, req.seqused_k)
         req = dataclasses.replace(req, cu_seqlens_k=cu_k, block_table=None, seqused_k=None)
@@ -56,14 +77,14 @@ def forward(q, k, v, req):
 
     if not req.varlen:
         out, lse = one(q, k, v, req.alibi_slopes, 0, req.diagonal_offset)
-        return out.to(q.dtype), lse.float()
+        return out.to(out_dtype), lse.float()
     outs, lses = [], []
     for b, rq, rk in _sequences(req):
         offset = (rk.stop - rk.start) - (rq.stop - rq.start)
         out, lse = one(q[None, rq], k[None, rk], v[None, rk], _slopes(req, b), b, offset)
         outs.append(out[0])
         lses.append(lse[0])
-    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=-1).float()
+    return torch.cat(outs).to(out_dtype), torch.cat(lses, dim=-1).float()
 
 
 def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad):
