@@ -166,6 +166,22 @@ def test_fp8_varlen_against_float64(poison):
         row_q, row_k = row_q + sq, row_k + sk
 
 
+def test_fp8_under_torch_compile():
+    """fullgraph torch.compile (aot_eager) sees the op, whose fake output is bfloat16, and gives the eager bits."""
+    torch._dynamo.reset()
+    try:
+        q8, k8, v8, qd, kd, vd = _inputs(1, 16, 24, 2, 1, 32, seed=13)
+
+        def call(q, k, v, qd, kd, vd):
+            return flashtile.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q8, k8, v8, qd, kd, vd)
+        assert compiled.dtype == torch.bfloat16
+        assert torch.equal(compiled, call(q8, k8, v8, qd, kd, vd))
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_forward_on_gpu(causal):
