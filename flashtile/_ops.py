@@ -76,7 +76,8 @@ def forward(q, k, v, req: AttentionRequest, on_new_plan=None):
 
 
 def out_dtype(q, req):
-    """The output's dtype: q's, bfloat16 for the FP8 forward (float8 q, k, v with req.descale), None for q's."""
+    """The output's dtype where it is not q's: bfloat16 for the FP8 forward (float8 q, k, v with req.descale);
+    None otherwise (q's)."""
     return torch.bfloat16 if req.descale is not None else None
 
 

@@ -79,9 +79,10 @@ BLOCK_NS = {64: 128, 128: 128, 256: 64}
 # A paged batch's table entries past a row's columns read as this page index, past any cache: TMA fills the copy
 # with zeros (_load_block).
 PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
-# The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at: d96 and d192 run d128's and d256's kernels over columns zero-filled past the
-# head dim (TMA fills them on loads and clips them on stores; _store_o masks them): their q K^T gain zero terms,
-# their P V zero output columns, which nothing stores.
+# The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at:
+# d96 and d192 run d128's and d256's kernels over columns zero-filled past the head dim (TMA fills them on loads and
+# clips them on stores; _store_o masks them, PAD_D): their q K^T gain zero terms, their P V zero output columns,
+# which nothing stores.
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, two query buffers and the output buffer (32 KB each) use
 # 224 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 96 KB, and up to 72 KB more.
