@@ -279,9 +279,12 @@ def _subgroup_member(rank, members, group, device):
 _SPECIAL = {"bf16-error-ratio": _bf16_error_ratio, "subgroup": _subgroup}
 
 
-def _worker(rank, world, port, case_names, bad_names, results, backend="gloo"):
+def _worker(rank, world, port, case_names, bad_names, results, backend="gloo", lead=None):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_NO_MULTICAST)
+    if lead is not None:  # cut the first step's first piece at these small sizes too (_ring.split_lead)
+        from flashtile.distributed import _ring
+        _ring.LEAD = lead
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="flashtile: CPU tensors run")
     device = "cpu"
@@ -323,8 +326,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawn(world, case_names, bad_names, interpret, backend="gloo"):
-    """Run the cases on `world` gloo processes; {name: [per-rank traceback or None]}."""
+# The test sizes' lead cut (_ring.split_lead): a part of 2 rows or more, cut anywhere.
+_SMALL_LEAD = (2, 1)
+
+
+def _spawn(world, case_names, bad_names, interpret, backend="gloo", lead=None):
+    """Run the cases on `world` gloo processes; {name: [per-rank traceback or None]}. lead: _ring.LEAD there."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -335,7 +342,7 @@ def _spawn(world, case_names, bad_names, interpret, backend="gloo"):
         os.environ.pop("TRITON_INTERPRET", None)
     try:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, case_names, bad_names, results, backend))
+        procs = [ctx.Process(target=_worker, args=(r, world, port, case_names, bad_names, results, backend, lead))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -363,15 +370,16 @@ def _spawn(world, case_names, bad_names, interpret, backend="gloo"):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def reports(request):
+    """Two ranks with the production lead cut (no cut at these sizes), three with every first piece cut."""
     world = request.param
     names = [c.name for c in CASES] + ["subgroup"]
-    result = _spawn(world, names, BAD_CASES, interpret=False)
+    result = _spawn(world, names, BAD_CASES, interpret=False, lead=_SMALL_LEAD if world == 3 else None)
     return world, result
 
 
 @pytest.fixture(scope="module")
 def interpreter_reports():
-    return _spawn(2, INTERPRETER_CASES, [], interpret=True)
+    return _spawn(2, INTERPRETER_CASES, [], interpret=True, lead=_SMALL_LEAD)
 
 
 def _assert_ok(report, name):
@@ -495,6 +503,69 @@ def test_varlen_pieces_compute_exactly_the_visible_pairs(causal, window):
             for ks in range(world):
                 got = _pieces_visible(layout.pieces(qs, ks, mask, "cpu"), n)
                 assert torch.equal(got, truth[qs * n:(qs + 1) * n, ks * n:(ks + 1) * n]), (bounds, world, qs, ks)
+
+
+@pytest.mark.parametrize("causal,window", [(False, _W), (True, _W), (True, (3, 0)), (False, (2, 4))])
+def test_split_lead_computes_the_same_pairs(causal, window):
+    """split_lead cuts the first piece at a query row into two that compute exactly its pairs (none dropped, none
+    twice), keeps the other pieces, and leaves a packed piece or one too small as it is."""
+    global _PIECE_MASK
+    from flashtile.distributed._plan import Mask, Piece, VarlenLayout
+    from flashtile.distributed._ring import split_lead
+    mask = Mask.of(causal, window)
+    _PIECE_MASK = (mask.left, mask.right)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        n_q, n_k = (int(x) for x in torch.randint(2, 24, (2,), generator=gen))
+        offset = int(torch.randint(-6, 6, (1,), generator=gen))
+        if mask.classify(n_q, n_k, offset) == 0:
+            continue
+        first = Piece(0, n_q, 0, n_k, offset, mask.classify(n_q, n_k, offset) == 2)
+        other = Piece(0, n_q, 0, n_k, offset, first.masked)  # stands for the step's later pieces
+        n = max(n_q, n_k)
+        cut = split_lead([first, other], mask, lead=(2, 1))
+        assert cut[-1] == other and all(p.varlen is None for p in cut)
+        assert torch.equal(_pieces_visible(cut[:-1], n), _pieces_visible([first], n))
+        if len(cut) == 3:
+            assert cut[0].q1 == cut[1].q0 and cut[0].q0 == 0 and cut[1].q1 == n_q
+        assert split_lead([first], mask, lead=(n_q + 1, 1)) == [first]
+    packed = VarlenLayout((0, 6, 16), 2).pieces(0, 0, mask, "cpu")
+    assert split_lead(packed, mask, lead=(2, 1)) == packed
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_merge_into_rounds_once(monkeypatch, dst_dtype, kernel):
+    """merge_into writes the merge of (acc, lse) and (blk, lse_blk) into views of another tensor, rounded to its
+    dtype as it is stored, the same values as the float32 merge in place (merge_) then cast; rows no side has
+    reached get -inf and 0, never NaN; the accumulator's unread rows may hold anything."""
+    from flashtile.distributed import _local, _merge
+    from flashtile.kernels import configs
+    if kernel and not configs.INTERPRETING:
+        pytest.skip("the Triton pass runs in the interpreter (TRITON_INTERPRET=1) or on a GPU")
+    monkeypatch.setattr(_local, "use_kernels", lambda t: kernel)
+    gen = torch.Generator().manual_seed(4)
+    b, n, h, d = 2, 37, 3, 24
+    acc, blk = torch.randn(b, n, h, d, generator=gen), torch.randn(b, n, h, d, generator=gen)
+    lse, lse_blk = torch.randn(b, h, n, generator=gen), torch.randn(b, h, n, generator=gen)
+    lse[:, :, :5] = float("-inf")
+    acc[:, :5] = float("nan")  # never read: the accumulator has not reached these rows
+    lse_blk[:, :, 3:8] = float("-inf")
+    ref_acc, ref_lse = acc.clone(), lse.clone()
+    _merge.merge_(ref_acc, ref_lse, blk, lse_blk)
+    big = torch.full((b, n + 9, h, d), 7.0, dtype=dst_dtype)
+    big_lse = torch.full((b, h, n + 9), 7.0)
+    _merge.merge_into(big[:, 4:4 + n], big_lse[:, :, 4:4 + n], acc, lse, blk, lse_blk)
+    got = big[:, 4:4 + n].float()
+    assert not got.isnan().any() and (got[:, 3:5] == 0).all() and torch.isneginf(big_lse[:, :, 4 + 3:4 + 5]).all()
+    assert torch.equal(big_lse[:, :, 4:4 + n], ref_lse)
+    assert (big[:, :4] == 7).all() and (big[:, 4 + n:] == 7).all()  # nothing outside the view
+    ref = ref_acc.to(dst_dtype).float()
+    if kernel and dst_dtype == torch.bfloat16:  # the interpreter truncates to bfloat16 (test_add_rounded)
+        step = torch.finfo(dst_dtype).eps * ref.abs().clamp_min(torch.finfo(dst_dtype).tiny)
+        assert ((got - ref).abs() <= step).all()
+    else:
+        assert torch.equal(got, ref)
 
 
 # GPUs: NCCL between two GPUs of one host.

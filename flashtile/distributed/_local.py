@@ -83,12 +83,14 @@ def block_forward(q, k, v, block: Block):
         return dispatch.forward(q, k, v, req, out_dtype=torch.float32)  # a plan after the first call
 
 
-def block_backward(dout, q, k, v, out, lse, dlse, block: Block):
+def block_backward(dout, q, k, v, out, lse, dlse, block: Block, buffers=(None, None, None)):
     """(dq, dk, dv) in float32: the block's share of the gradients, given the final out and lse of q's rows (and
-    dlse, the gradient reaching lse, or None). dk and dv sum over the query heads of each kv head."""
+    dlse, the gradient reaching lse, or None). dk and dv sum over the query heads of each kv head. buffers: float32
+    tensors shaped like q, k, v (any strides, e.g. rows of an accumulator) to write them into, None: fresh ones."""
     req = block.request()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) if b is None else b
+                  for t, b in zip((q, k, v), buffers))
     if not use_kernels(q):  # the reference, on float32 copies: its gradients come in the inputs' dtype
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
         dispatch.choose_backward(dout, q, k, v, req).backward(dout, q, k, v, out, lse, dlse, req, False,

@@ -4,7 +4,7 @@ W ranks; at step s rank r holds the key/value block of rank (r - s) mod W, compu
 own queries, and passes the block on to rank r + 1 while the next one arrives from rank r - 1.
 
 Forward (docs/derivation.md, ch. 7): each piece returns (out_i, lse_i) over its keys, both float32; they are
-merged in float32 (_merge.merge_),
+merged in float32 (_merge.merge_into),
     lse = log(exp(lse) + exp(lse_i)),   out = exp(lse_old - lse) * out + exp(lse_i - lse) * out_i,
 and rounded to the inputs' dtype once at the end, so the error does not grow with W.
 
@@ -24,8 +24,8 @@ import torch
 
 from . import _comm
 from ._local import Block, block_backward, block_forward
-from ._merge import add_rounded, merge_
-from ._plan import Mask, Piece
+from ._merge import add_rounded, merge_into
+from ._plan import FULL, MASKED, SKIP, Mask, Piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,82 +82,172 @@ def _unpack(t, piece: Piece):
     return t.unsqueeze(0) if piece.varlen is not None else t
 
 
-def _covers_all_rows(plan: RingPlan, n_rows):
-    """Whether every local query row is in some piece (else the rows no piece reaches must start at 0)."""
-    reached = 0
-    for lo, hi in sorted((p.q0, p.q1) for pieces in plan.steps for p in pieces):
-        if lo > reached:
-            return False
-        reached = max(reached, hi)
-    return reached >= n_rows
+# The first step's first piece is cut in two (split_lead) when its part has at least LEAD[0] query rows, at a
+# multiple of LEAD[1]: the exchange of the step's block is posted after the first part, and NCCL's transfer kernel
+# gets SMs when that part's persistent programs retire, instead of waiting for the whole step (docs/distributed.md,
+# "The first exchange").
+LEAD = (1024, 128)
 
 
-def _fresh_result(q, head_dim_v, plan: RingPlan):
-    """A float32 running output and its LSE (-inf: no key seen yet) for the local queries."""
-    alloc = torch.empty if _covers_all_rows(plan, q.shape[1]) else torch.zeros
-    out = alloc(q.shape[:-1] + (head_dim_v,), dtype=torch.float32, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
-    return out, lse
+def split_lead(pieces, mask: Mask, lead=None):
+    """pieces with the first one cut at a query row into two pieces (the part above it: a quarter of the first's
+    work under a causal mask, a quarter of its rows without one), or unchanged when it is packed (varlen) or the
+    part would be smaller than lead[0] (default LEAD) rows."""
+    min_rows, granule = lead or LEAD
+    if not pieces or pieces[0].varlen is not None:
+        return list(pieces)
+    first = pieces[0]
+    n_q, n_k = first.q1 - first.q0, first.k1 - first.k0
+    rows = (n_q // 2 if first.masked else n_q // 4) // granule * granule
+    if rows < min_rows:
+        return list(pieces)
+    parts = []
+    for q0, q1, offset in ((first.q0, first.q0 + rows, first.offset), (first.q0 + rows, first.q1, first.offset + rows)):
+        kind = mask.classify(q1 - q0, n_k, offset) if first.masked else FULL
+        if kind != SKIP:
+            parts.append(Piece(q0, q1, first.k0, first.k1, offset, kind == MASKED, None, first.seq_ids))
+    return parts + list(pieces[1:])
 
 
-def _forward_piece(q, kv, piece, plan, out, lse):
-    """(out, lse) with one piece's partial result merged in (out None: none yet)."""
+def _disjoint_from(piece: Piece, others):
+    return all(p.q1 <= piece.q0 or p.q0 >= piece.q1 for p in others)
+
+
+class _Running:
+    """The running (out, lse) of the local query rows, in float32, as disjoint row segments (lo, hi, out, lse):
+    a piece's result becomes the segment of the rows no earlier piece reached (a view of the block's output: no
+    copy) and is merged into the segments of the rows reached before. finish() assembles the call's output in q's
+    dtype and its LSE; a merge marked `final` (the last one of its rows) writes into them directly, so that the
+    rounding costs no pass of its own."""
+
+    def __init__(self, q, head_dim_v):
+        self.segments = []
+        self.shape = q.shape[:-1] + (head_dim_v,)
+        self.dtype, self.device = q.dtype, q.device
+        self.out = self.lse = None  # the call's result, allocated by the first final merge (or finish)
+        self.done = []  # row ranges already in it
+
+    def _result(self):
+        if self.out is None:
+            batch, n_rows, heads = self.shape[:3]
+            self.out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.lse = torch.empty((batch, heads, n_rows), dtype=torch.float32, device=self.device)
+        return self.out, self.lse
+
+    def add(self, q0, q1, out_i, lse_i, final=False):
+        """Fold a piece's (out_i, lse_i) over local query rows [q0, q1) in."""
+        fresh, cursor = [], q0
+        for lo, hi, out, lse in sorted(self.segments, key=lambda seg: seg[0]):
+            a, b = max(lo, q0), min(hi, q1)
+            if a >= b:
+                continue
+            if cursor < a:
+                fresh.append((cursor, a, out_i[:, cursor - q0:a - q0], lse_i[:, :, cursor - q0:a - q0]))
+            acc, acc_lse = out[:, a - lo:b - lo], lse[:, :, a - lo:b - lo]
+            dst, dst_lse = acc, acc_lse
+            if final:
+                result, result_lse = self._result()
+                dst, dst_lse = result[:, a:b], result_lse[:, :, a:b]
+                self.done.append((a, b))
+            merge_into(dst, dst_lse, acc, acc_lse, out_i[:, a - q0:b - q0], lse_i[:, :, a - q0:b - q0])
+            cursor = b
+        if cursor < q1:
+            fresh.append((cursor, q1, out_i[:, cursor - q0:], lse_i[:, :, cursor - q0:]))
+        self.segments += fresh
+
+    def finish(self):
+        """(out in q's dtype, lse float32) of every local row; rows no piece reached get 0 and -inf."""
+        n_rows = self.shape[1]
+        if self.out is None and len(self.segments) == 1 and self.segments[0][:2] == (0, n_rows):
+            _, _, out, lse = self.segments[0]
+            return out.to(self.dtype), lse
+        result, result_lse = self._result()
+        reached = 0
+        for lo, hi, out, lse in sorted(self.segments, key=lambda seg: seg[0]):
+            if lo > reached:
+                result[:, reached:lo].zero_()
+                result_lse[:, :, reached:lo].fill_(float("-inf"))
+            for a, b in _subtract((lo, hi), self.done):
+                result[:, a:b].copy_(out[:, a - lo:b - lo])
+                result_lse[:, :, a:b].copy_(lse[:, :, a - lo:b - lo])
+            reached = hi
+        if reached < n_rows:
+            result[:, reached:].zero_()
+            result_lse[:, :, reached:].fill_(float("-inf"))
+        return result, result_lse
+
+
+def _subtract(span, ranges):
+    """The parts of row range span outside every range of `ranges`."""
+    parts = [span]
+    for a, b in ranges:
+        parts = [piece for lo, hi in parts for piece in ((lo, min(hi, a)), (max(lo, b), hi)) if piece[0] < piece[1]]
+    return parts
+
+
+def _forward_piece(q, kv, piece, plan, running, final):
+    """Compute one piece and fold its partial result into `running` (final: its merges are the rows' last)."""
     out_i, lse_i = block_forward(_rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
                                  _block(plan.options, piece))
-    out_i, lse_i = _unpack(out_i, piece), _unpack(lse_i, piece)
-    if out is None and piece.q0 == 0 and piece.q1 == q.shape[1] and out_i.is_contiguous():
-        # The first partial result, over every row: it is the running result as it stands (a merge into an empty
-        # one would copy it). Causal rings start so, with the rank's own keys.
-        return out_i, lse_i
-    if out is None:
-        out, lse = _fresh_result(q, kv[1].shape[-1], plan)
-    merge_(out[:, piece.q0:piece.q1], lse[:, :, piece.q0:piece.q1], out_i, lse_i)
-    return out, lse
+    q0, q1 = (0, q.shape[1]) if piece.varlen is not None else (piece.q0, piece.q1)
+    running.add(q0, q1, _unpack(out_i, piece), _unpack(lse_i, piece), final)
 
 
 def ring_forward(q, k, v, plan: RingPlan):
     """(out in q's dtype, lse fp32, the key/value block held last) of the local queries over the whole ring. The
     block held last is rank + 1's (the rank's own with one rank): the backward starts with it."""
     comm = plan.comm
-    out = lse = None
+    running = _Running(q, v.shape[-1])
     kv = (k, v)
     # The first step computes the rank's own block before the ranks compare their arguments (plan.agree), so that
     # the GPU works while the host compares them and posts the first exchange. That exchange then goes from a side
-    # stream that waits only for what was queued before the first step (`ready`), so it still travels during it.
-    ready = _comm.queued_event(q) if plan.agree is not None else None
+    # stream that waits only for what was queued before the first step (`ready`), so it still travels during it;
+    # it is posted after the step's first piece, which split_lead cuts short, so that NCCL's kernel finds SMs
+    # free early in the step.
+    agree = plan.agree
+    ready = _comm.queued_event(q) if agree is not None else None
     for step, pieces in enumerate(plan.steps):
-        first = step == 0 and plan.agree is not None
-        pending = _comm.RingExchange(comm, kv) if step + 1 < comm.world and not first else None
-        try:
-            for piece in pieces:
-                out, lse = _forward_piece(q, kv, piece, plan, out, lse)
-        except Exception as error:  # noqa: BLE001 - every rank hears of it before any transfer, then it is raised
-            if first:
-                plan.agree(error)
-            raise
-        if first:
-            plan.agree()
-            if step + 1 < comm.world:
-                pending = _comm.RingExchange(comm, kv, after=ready)
+        more = step + 1 < comm.world
+        pending = _comm.RingExchange(comm, kv) if more and agree is None else None
+        last = step + 1 == len(plan.steps)
+        if step == 0 and more:
+            pieces = split_lead(pieces, plan.options.mask)
+        for i, piece in enumerate(pieces):
+            try:
+                _forward_piece(q, kv, piece, plan, running, last and _disjoint_from(piece, pieces[i + 1:]))
+            except Exception as error:  # noqa: BLE001 - every rank hears of it before any transfer, then it is raised
+                if agree is not None:
+                    agree(error)
+                raise
+            if agree is not None:  # after the first piece
+                agree, pending = None, _agree_and_post(plan, kv, ready, more)
+        if agree is not None:  # a first step with no piece
+            agree, pending = None, _agree_and_post(plan, kv, ready, more)
         if pending is not None:
             kv = tuple(pending.wait())
-    if out is None:
-        out, lse = _fresh_result(q, v.shape[-1], plan)
-    return out.to(q.dtype), lse, kv
+    out, lse = running.finish()
+    return out, lse, kv
 
 
-def _add_rows(acc, grad, lo, hi, like):
-    """acc[:, lo:hi] += grad; acc None: the first contribution, taken as it is when it covers every row (the block
-    gradients are fresh float32 tensors), else copied into a float32 tensor shaped like `like` whose other rows are
-    zeroed (one pass over the rows instead of zeros and an addition)."""
+def _agree_and_post(plan: RingPlan, kv, ready, more):
+    """Compare the ranks' arguments, then post the first exchange (None if there is none)."""
+    plan.agree()
+    return _comm.RingExchange(plan.comm, kv, after=ready) if more else None
+
+
+def _zeroed_outside(like, lo, hi):
+    """A float32 tensor shaped like `like` whose rows outside [lo, hi) are zero: an accumulator whose first
+    contribution, over rows [lo, hi), a kernel writes straight into it (no copy)."""
+    acc = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    acc[:, :lo].zero_()
+    acc[:, hi:].zero_()
+    return acc
+
+
+def _add_rows(acc, grad, lo, hi):
+    """acc[:, lo:hi] += grad; acc None: grad (the first contribution, over every row) is the accumulator."""
     if acc is None:
-        if lo == 0 and hi == like.shape[1]:
-            return grad
-        acc = torch.empty(like.shape, dtype=torch.float32, device=like.device)
-        acc[:, :lo].zero_()
-        acc[:, hi:].zero_()
-        acc[:, lo:hi].copy_(grad)
-        return acc
+        return grad
     acc[:, lo:hi] += grad
     return acc
 
@@ -167,43 +257,62 @@ def _covers(parts, n):
     return parts[0] if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == n else None
 
 
-def _piece_backward(dout, dlse, q, kv, out, lse, piece, options):
-    """(dq, dk, dv) of one piece, float32, in [B, rows, H, D] (a packed piece's with B = 1), and its key rows."""
+def _piece_backward(dout, dlse, q, kv, out, lse, piece, options, buffers):
+    """(dq, dk, dv) of one piece, float32, in [B, rows, H, D] (a packed piece's with B = 1), written into
+    `buffers` where given (views of accumulators; None: fresh tensors)."""
     grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
                            _rows(out, piece), _lse_rows(lse, piece), None if dlse is None else _lse_rows(dlse, piece),
-                           _block(options, piece))
-    k0, k1 = (0, kv[0].shape[1]) if piece.varlen is not None else (piece.k0, piece.k1)
-    return tuple(_unpack(g, piece) for g in grads), (k0, k1)
+                           _block(options, piece), buffers)
+    return tuple(_unpack(g, piece) for g in grads)
 
 
-def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options, dq_dtype=None):
-    """One step's pieces: returns dq with their query gradients added (dq None: none yet) and this step's key
-    gradients as a list of (first key row, last + 1, dk, dv) parts of the key block. dq_dtype: the last step's,
-    where dq comes back in that dtype (dq plus one piece over every row: added and rounded in one pass)."""
-    parts = []
+def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options, dq_dtype=None, fresh_keys=False):
+    """One step's pieces: returns dq with their query gradients added (dq None: none yet), the key accumulators
+    (dk, dv) the step's first piece wrote into (fresh_keys: the step starts them, no accumulator travelled here;
+    None where it did not) and this step's other key gradients as a list of (first key row, last + 1, dk, dv)
+    parts of the key block. An accumulator's first contribution that covers only some rows is written by the
+    kernel straight into its rows, the others zeroed. dq_dtype: the last step's, where dq comes back in that dtype
+    (dq plus one piece over every row: added and rounded in one pass)."""
+    parts, keys = [], None
+    n_q, n_k = q.shape[1], kv[0].shape[1]
     for piece in pieces:
-        (dq_i, dk_i, dv_i), (k0, k1) = _piece_backward(dout, dlse, q, kv, out, lse, piece, options)
-        parts.append((k0, k1, dk_i, dv_i))
-        q0, q1 = (0, q.shape[1]) if piece.varlen is not None else (piece.q0, piece.q1)
-        if dq_dtype is not None and dq is not None and len(pieces) == 1 and (q0, q1) == (0, q.shape[1]):
-            return add_rounded(dq, dq_i, dq_dtype), parts
-        dq = _add_rows(dq, dq_i, q0, q1, q)
+        q0, q1, k0, k1 = (0, n_q, 0, n_k) if piece.varlen is not None else (piece.q0, piece.q1, piece.k0, piece.k1)
+        buffers = [None, None, None]
+        if dq is None and (q0, q1) != (0, n_q):
+            dq = _zeroed_outside(q, q0, q1)
+            buffers[0] = dq[:, q0:q1]
+        if fresh_keys and keys is None and not parts and (k0, k1) != (0, n_k):
+            keys = tuple(_zeroed_outside(t, k0, k1) for t in kv)
+            buffers[1:] = keys[0][:, k0:k1], keys[1][:, k0:k1]
+        dq_i, dk_i, dv_i = _piece_backward(dout, dlse, q, kv, out, lse, piece, options, buffers)
+        if buffers[1] is None:
+            parts.append((k0, k1, dk_i, dv_i))
+        if buffers[0] is not None:
+            continue
+        if dq_dtype is not None and dq is not None and len(pieces) == 1 and (q0, q1) == (0, n_q):
+            return add_rounded(dq, dq_i, dq_dtype), keys, parts
+        dq = _add_rows(dq, dq_i, q0, q1)
     if dq_dtype is not None and dq is not None:
         dq = dq.to(dq_dtype)
-    return dq, parts
+    return dq, keys, parts
 
 
 def _fold(acc, parts, kv, dtypes=None):
-    """The key block's (dk, dv): acc (the float32 accumulators that travelled here, or None) with this step's parts
-    added in their rows, in float32; dtypes: the last step's (k's and v's), where they come back rounded to them
-    (acc plus one part over every row: added and rounded in one pass)."""
+    """The key block's (dk, dv): acc (the float32 accumulators that travelled here or the step started, or None)
+    with this step's parts added in their rows, in float32; dtypes: the last step's (k's and v's), where they come
+    back rounded to them (acc plus one part over every row: added and rounded in one pass)."""
     whole = _covers(parts, kv[0].shape[1])
     if dtypes is not None and acc is not None and whole is not None:
         return add_rounded(acc[0], whole[2], dtypes[0]), add_rounded(acc[1], whole[3], dtypes[1])
     dk, dv = acc if acc is not None else (None, None)
     for k0, k1, dk_i, dv_i in parts:
-        dk = _add_rows(dk, dk_i, k0, k1, kv[0])
-        dv = _add_rows(dv, dv_i, k0, k1, kv[1])
+        if dk is None and (k0, k1) != (0, kv[0].shape[1]):
+            dk, dv = (_zeroed_outside(t, k0, k1) for t in kv)
+            dk[:, k0:k1].copy_(dk_i)
+            dv[:, k0:k1].copy_(dv_i)
+            continue
+        dk = _add_rows(dk, dk_i, k0, k1)
+        dv = _add_rows(dv, dv_i, k0, k1)
     if dk is None:
         dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=kv[0].device)
         dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=kv[1].device)
@@ -228,9 +337,9 @@ def ring_backward(dout, dlse, q, k, v, out, lse, last_kv, plan: RingPlan):
     for turn, step in enumerate(reversed(range(world))):  # plan.steps[step]: against rank - step's block
         pending = _comm.RingExchange(comm, kv, reverse=True) if turn + 2 < world else None
         last = turn + 1 == world
-        dq, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, plan.steps[step], plan.options,
-                                   q.dtype if last else None)
-        dk, dv = _fold(None if travelling is None else travelling.wait(), parts, kv,
+        dq, keys, parts = _step_backward(dout, dlse, q, kv, out, lse, dq, plan.steps[step], plan.options,
+                                         q.dtype if last else None, fresh_keys=travelling is None)
+        dk, dv = _fold(keys if travelling is None else travelling.wait(), parts, kv,
                        (k.dtype, v.dtype) if last else None)
         if turn + 1 < world:
             travelling = _comm.RingExchange(comm, (dk, dv), reverse=True)
