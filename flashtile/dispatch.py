@@ -35,6 +35,9 @@ features = lazy_module(".kernels.features", globals())
 # module imports Triton, this one does not), the backward's.
 GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 GLUON_HEAD_DIMS = (64, 128)
+# The head dims whose float8_e4m3fn forward runs on the Gluon kernel (interface.flash_attn_func's q_descale, ...):
+# d128's float8 rows are 128 bytes, the kernel's swizzle width; the others run the portable kernel.
+GLUON_FP8_HEAD_DIMS = (128,)
 # Head dims at which the Gluon backward's ring has room for a float attn_mask tile (a bool mask fits at both): at
 # d128 a [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
 # 64 KB more than the 194 KB in use.
@@ -103,10 +106,10 @@ class _KernelBackend:
 class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
     summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 96, 128, 192 or "
-               "256 (the forward), 64 or 128 (the backward)")
+               "256 (the forward), 64 or 128 (the backward); float8_e4m3fn forward at head dim 128")
 
     @staticmethod
-    def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS):
+    def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS, fp8=False):
         if not _gluon.AVAILABLE:
             return "this Triton has no Gluon dialect (triton.experimental.gluon); Triton >= 3.5 has it"
         if target.device != "cuda":
@@ -114,8 +117,8 @@ class GluonHopper(_KernelBackend):
                 " (Triton's interpreter cannot run Gluon kernels)" if target.interpreting else "")
         if target.arch // 10 != 9:
             return f"needs a Hopper GPU (sm_90); this one is sm_{target.arch}"
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"needs float16 or bfloat16 inputs, got {q.dtype}"
+        if q.dtype not in (torch.float16, torch.bfloat16) and not (fp8 and q.dtype == torch.float8_e4m3fn):
+            return f"needs float16 or bfloat16{' or float8_e4m3fn' if fp8 else ''} inputs, got {q.dtype}"
         if q.shape[-1] not in head_dims or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
             return (f"needs head dim {' or '.join(map(str, head_dims))} for q, k and v alike, got {q.shape[-1]} / "
                     f"{k.shape[-1]} / {v.shape[-1]}")
@@ -145,13 +148,27 @@ class GluonHopper(_KernelBackend):
     def decline_forward(self, q, k, v, req, target):
         if not SETTINGS.gluon_forward:
             return "turned off (FLASHTILE_GLUON=0 or SETTINGS.gluon_forward)"
-        reason = self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS)
+        reason = self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS, fp8=True)
+        if reason is None and q.dtype == torch.float8_e4m3fn:
+            return self._decline_fp8(q, req)
         if reason is None and (req.attn_bias is not None or req.dropout_p > 0):
             from .kernels import hopper_fwd
             if hopper_fwd.TILE_DIM[q.shape[-1]] in hopper_fwd.NO_MASK_OR_DROPOUT_TILES:
                 what = "an attn_mask" if req.attn_bias is not None else "dropout"
                 return f"{what} at head dim {q.shape[-1]} is not implemented in this forward"
         return reason
+
+    @staticmethod
+    def _decline_fp8(q, req):
+        """Why the forward does not take float8 inputs with these options (None: it does)."""
+        if q.shape[-1] not in GLUON_FP8_HEAD_DIMS:
+            return f"float8 inputs at head dim {q.shape[-1]} (it takes {GLUON_FP8_HEAD_DIMS})"
+        unsupported = [name for name, on in (("a paged cache", req.paged), ("softcap", req.softcap > 0),
+                                             ("ALiBi", req.alibi_slopes is not None),
+                                             ("an attn_mask", req.attn_bias is not None)) if on]
+        if unsupported:
+            return f"float8 inputs with {unsupported[0]} are not implemented in this forward"
+        return None
 
     def decline_backward(self, dout, q, k, v, req, target):
         if not SETTINGS.gluon_backward:

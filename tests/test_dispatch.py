@@ -97,6 +97,28 @@ def test_gluon_allow_list_reasons():
     assert "dropout" in gluon.decline_backward(torch.empty_like(qs), qs, ks, vs, with_bias, H100)
 
 
+def test_gluon_fp8_allow_list():
+    """float8_e4m3fn inputs take the Hopper forward at head dim 128 without a paged cache, softcap, ALiBi or an
+    attn_mask (the portable kernel takes the rest, with its reason named), and never the Hopper backward."""
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv(d=128))
+    gluon = dispatch.GluonHopper()
+    descale = torch.ones(2, 2, 3)
+    req = AttentionRequest(softmax_scale=0.125, window_right=0, descale=descale)
+    assert gluon.decline_forward(q, k, v, req, H100) is None
+    assert dispatch.choose_forward(q, k, v, req, H100).name == "gluon-hopper"
+    windowed = AttentionRequest(softmax_scale=0.125, window_left=100, window_right=3, descale=descale,
+                                sinks=torch.zeros(4))
+    assert gluon.decline_forward(q, k, v, windowed, H100) is None
+    for name, fields in (("softcap", dict(softcap=5.0)), ("ALiBi", dict(alibi_slopes=torch.rand(4))),
+                         ("attn_mask", dict(attn_bias=torch.zeros(2, 4, 256, 256, dtype=torch.bool)))):
+        other = AttentionRequest(softmax_scale=0.125, descale=descale, **fields)
+        assert name in gluon.decline_forward(q, k, v, other, H100), name
+        assert dispatch.choose_forward(q, k, v, other, H100).name == "triton"
+    q64, k64, v64 = (t.to(torch.float8_e4m3fn) for t in _qkv(d=64))
+    assert "head dim 64" in gluon.decline_forward(q64, k64, v64, req, H100)
+    assert "float16 or bfloat16" in gluon.decline_backward(torch.empty_like(q), q, k, v, req, H100)
+
+
 def test_portable_and_reference():
     q, k, v = _qkv(1, 8, 8, 2, 2, 16, torch.float32)
     req = AttentionRequest(softmax_scale=0.25)

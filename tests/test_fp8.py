@@ -182,12 +182,44 @@ def test_fp8_under_torch_compile():
         torch._dynamo.reset()
 
 
+def _fp8_p_pipeline(q8, k8, v8, qd, kd, vd, scale, causal, window=(-1, -1), sinks=None):
+    """Plain PyTorch at the Hopper FP8 kernel's precision, the yardstick of its error: scores and softmax in float32
+    from the dequantized values, the probabilities rounded to float8_e4m3fn before they multiply V (float32 sums
+    over the unrounded ones), bfloat16 out. [B, S, H, D] float8 inputs, (B, Hk) factors; sinks: (H,) logits."""
+    q, k, v = (_dequantized(t, f).float() for t, f in ((q8, qd), (k8, kd), (v8, vd)))
+    h, hk = q.shape[2], k.shape[2]
+    k, v = (t.repeat_interleave(h // hk, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    sq, sk = s.shape[-2:]
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    left, right = window[0], 0 if causal else window[1]
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    s = s.masked_fill(~visible, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.float()[None, :, None, None])
+    m = torch.where(torch.isinf(m), 0.0, m)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        l = l + torch.exp(sinks.float()[None, :, None, None] - m)
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(FP8).float(), v) / l.transpose(1, 2).clamp_min(1e-30)
+    return out.to(torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_forward_on_gpu(causal):
+def test_fp8_portable_forward_on_gpu(monkeypatch, causal):
     """The portable kernel's FP8 path on a GPU (compiled, not interpreted): B2 S1000 H8/2 d128 against float64."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from flashtile._settings import SETTINGS
+    monkeypatch.setattr(SETTINGS, "gluon_forward", False)
     q8, k8, v8, qd, kd, vd = _inputs(2, 1000, 1000, 8, 2, 128, seed=21)
     out = flashtile.flash_attn_func(*(t.cuda() for t in (q8, k8, v8)), causal=causal, q_descale=qd.cuda(),
                                     k_descale=kd.cuda(), v_descale=vd.cuda())
@@ -195,3 +227,85 @@ def test_fp8_forward_on_gpu(causal):
                                              window_size=(-1, 0 if causal else -1))
     assert out.dtype == torch.bfloat16
     assert_close("out", out.cpu(), ref, plain, torch.bfloat16)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_transposed_v_for_the_hopper_kernel(varlen):
+    """The Hopper FP8 forward's copy of V with the keys contiguous (hopper_fwd._transposed_v, a Triton kernel):
+    the same bytes as torch's permuted copy, rows padded to 16 keys outside the view; odd key counts, a
+    non-contiguous V."""
+    from flashtile.kernels import configs, hopper_fwd
+    if not configs.INTERPRETING:
+        pytest.skip("runs the Triton kernel in the interpreter (TRITON_INTERPRET=1)")
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(3, 203, 2, 2 * 128, generator=gen).to(FP8)
+    v = wide[..., :128] if not varlen else wide[0, :, :, :128]  # rows and heads strided
+    vt = hopper_fwd._transposed_v(v, varlen)
+    v4 = v.unsqueeze(0) if varlen else v
+    assert vt.shape == (v4.shape[0], v4.shape[2], v4.shape[3], v4.shape[1]) and vt.stride(-2) == 208
+    assert torch.equal(vt.view(torch.uint8), v4.permute(0, 2, 3, 1).contiguous().view(torch.uint8))
+
+
+GLUON_CASES = [
+    # (b, sq, sk, h, hk, d, causal, window, sinks)
+    pytest.param(2, 1000, 1000, 8, 2, 128, True, (-1, -1), False, id="d128-causal-gqa"),
+    pytest.param(2, 1000, 1000, 8, 2, 128, False, (-1, -1), False, id="d128-gqa"),
+    pytest.param(1, 777, 1290, 4, 4, 128, True, (-1, -1), False, id="d128-causal-sq<sk"),
+    pytest.param(1, 1290, 777, 4, 1, 128, True, (-1, -1), False, id="d128-causal-sq>sk-mqa"),
+    pytest.param(2, 1033, 1033, 4, 2, 64, True, (-1, -1), False, id="d64-causal"),
+    pytest.param(1, 517, 1500, 4, 2, 64, False, (-1, -1), False, id="d64-sq<sk"),
+    pytest.param(1, 900, 900, 4, 2, 128, False, (200, 57), True, id="d128-window-sinks"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,window,sinks", GLUON_CASES)
+def test_fp8_gluon_forward_on_gpu(poison, b, sq, sk, h, hk, d, causal, window, sinks):
+    """The Hopper (Gluon) kernel's FP8 forward at d128 (d64: the portable kernel, which the dispatch must pick
+    there): float8 products, P rounded to float8 for P V, bfloat16 out; odd sizes, Sq != Sk both ways, GQA/MQA, a
+    window with sinks. Judged by the design's rule with, as plain PyTorch, the same computation at the Gluon
+    kernel's precision (_fp8_p_pipeline), against the float64 attention of the dequantized values."""
+    from flashtile import dispatch
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    q8, k8, v8, qd, kd, vd = _inputs(b, sq, sk, h, hk, d, seed=sq + 7 * sk + d)
+    sink_logits = torch.randn(h, generator=torch.Generator().manual_seed(3)) if sinks else None
+    args = [t.cuda() for t in (q8, k8, v8)]
+    req = AttentionRequest(softmax_scale=d ** -0.5, diagonal_offset=sk - sq, window_right=0 if causal else window[1],
+                           window_left=window[0], descale=torch.ones(b, hk, 3, device="cuda"),
+                           sinks=None if sink_logits is None else sink_logits.cuda())
+    expected = "gluon-hopper" if d in dispatch.GLUON_FP8_HEAD_DIMS else "triton"
+    assert dispatch.choose_forward(*args, req).name == expected
+    out, lse, _ = flashtile.flash_attn_func(*args, causal=causal, window_size=window, q_descale=qd.cuda(),
+                                            k_descale=kd.cuda(), v_descale=vd.cuda(), return_attn_probs=True,
+                                            sinks=None if sink_logits is None else sink_logits.cuda())
+    assert out.dtype == torch.bfloat16 and not out.isnan().any() and not lse.isnan().any()
+    kw = dict(window_size=(window[0], 0 if causal else window[1]))
+    if sinks:
+        kw["sinks"] = sink_logits.double()
+    ref, ref_lse = naive_attention(*(_dequantized(t, f) for t, f in ((q8, qd), (k8, kd), (v8, vd))),
+                                   softmax_scale=d ** -0.5, **kw)
+    plain = _fp8_p_pipeline(q8, k8, v8, qd, kd, vd, d ** -0.5, causal, window, sink_logits)
+    assert_close("out", out.cpu(), ref, plain, torch.bfloat16)
+    # Hopper's float8 tensor cores add the products at less than float32 precision (the scores of a 1000-key row
+    # came within 4e-3 of float64 here, where bfloat16 inputs give ~1e-5): LSE is held to 1e-2.
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_fp8_gluon_factors_of_any_sign_on_gpu():
+    """The Hopper kernel's FP8 factors per (batch entry, kv head): negative, zero and positive ones at once give
+    the float64 attention of the dequantized values (a zero q or k factor: uniform attention; a zero v factor: 0)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    q8, k8, v8, qd, kd, vd = _inputs(2, 600, 700, 4, 2, 128, seed=5)
+    qd[0, 0], kd[0, 1], qd[1, 1], vd[1, 0] = -qd[0, 0], 0.0, -qd[1, 1], 0.0
+    kd[1, 1] = -kd[1, 1]
+    out = flashtile.flash_attn_func(*(t.cuda() for t in (q8, k8, v8)), causal=True, q_descale=qd.cuda(),
+                                    k_descale=kd.cuda(), v_descale=vd.cuda())
+    ref, _ = naive_attention(*(_dequantized(t, f) for t, f in ((q8, qd), (k8, kd), (v8, vd))),
+                             softmax_scale=128 ** -0.5, window_size=(-1, 0))
+    plain = _fp8_p_pipeline(q8, k8, v8, qd, kd, vd, 128 ** -0.5, True)
+    assert not out.isnan().any()
+    assert_close("out", out.cpu(), ref, plain, torch.bfloat16)
+    assert (out[1, :, 0:2] == 0).all()  # v's factor 0 for kv head 0 of entry 1 (query heads 0 and 1)

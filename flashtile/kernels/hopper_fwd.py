@@ -46,7 +46,9 @@ inputs' dtype, or a bool mask) comes by TMA through a ring of its own, one [64, 
 a bool mask walks the list of key blocks it does not hide entirely (Features.block_lists), and blocks it leaves
 entirely visible load no tile. Varlen batches (packed sequences) take the same loops, their items listed by
 ``varlen_tile_map``. Dropout zeroes P after its row sums, with the portable kernels' Philox bits
-(_gluon.dropout_tile_keep). ``supports`` is the dispatch rule,
+(_gluon.dropout_tile_keep). Float8 inputs (``FP8``, d128) take the same loops on float8 tensor cores: V arrives
+transposed (``_load_vt``), P goes through shared memory (``_stage_p``), and each item's factors scale its scores
+and output (``_fp8_item``). ``supports`` is the dispatch rule,
 and tests/test_gluon.py and tests/test_gluon_features.py compare the two kernels on the GPU. Gluon does not run
 in Triton's interpreter, so this module only compiles on a Hopper GPU; importing it anywhere is safe.
 """
@@ -107,6 +109,9 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 # H100/H200 block may use, what is left beside the barriers).
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
+# The float8 forward's (K/V ring depth, query buffers) at d128: 16 KB per K or V block and 16 KB per query tile,
+# beside two 8 KB P buffers (_stage_p).
+FP8_RING = (2, 2)
 # LAZY_MAX (SETTINGS.lazy_max, on by default): without an attn_mask, a left window or ALiBi, on two warpgroups, blocks
 # after a work item's first take their exponentials against the rows' reference from earlier blocks, with no row
 # maximum and no rescale of O, unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards
@@ -137,7 +142,7 @@ _Lists = collections.namedtuple("_Lists", "counts idx")
 # A paged batch's block table, its row stride and columns (a placeholder and zeros without one).
 _Pages = collections.namedtuple("_Pages", "table stride cols")
 # The features' tensors: ALiBi's slopes, the sinks, dropout's Philox key (a placeholder where a feature is off).
-_Extras = collections.namedtuple("_Extras", "alibi sinks seed")
+_Extras = collections.namedtuple("_Extras", "alibi sinks seed descale")
 
 if AVAILABLE:
     @aggregate
@@ -167,6 +172,7 @@ if AVAILABLE:
         DROPOUT: gl.constexpr
         PAGE: gl.constexpr
         PAD_D: gl.constexpr
+        FP8: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
         o_layout: gl.constexpr
@@ -197,12 +203,19 @@ if AVAILABLE:
             self.DROPOUT = gl.constexpr(DROPOUT)
             self.PAGE = gl.constexpr(PAGE)
             self.PAD_D = gl.constexpr(PAD_D)
+            # float8 inputs (FP8): wgmma's K step is 32 elements instead of 16, a register operand packs 4 of them
+            # per 32 bits instead of 2, and both shared operands are K-major (V comes transposed: _load_vt).
+            fp8 = dtype.primitive_bitwidth == 8
+            self.FP8 = gl.constexpr(fp8)
             self.dtype = gl.constexpr(dtype)
-            s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-            o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+            k_step = 32 if fp8 else 16
+            s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, BLOCK_N, k_step])
+            o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, HEAD_DIM, k_step])
             self.s_layout = gl.constexpr(s_layout)
             self.o_layout = gl.constexpr(o_layout)
-            self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+            self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if fp8 else 2))
             self.row_layout = gl.constexpr(gl.SliceLayout(1, s_layout))
 
     # The aggregates below group what the partitions share; FwdProgram holds them all. Their field order is not
@@ -247,8 +260,9 @@ if AVAILABLE:
         """The forward's shared memory: query tiles (q: QBUF buffers of NUM_WG [PART_M, HEAD_DIM] parts), K and V
         blocks (STAGES of [BLOCK_N, HEAD_DIM]), output staging tiles (o), attn_mask tiles (b: BSTAGES slots of
         NUM_WG [PART_M, BLOCK_N] parts), the work items the producer hands over (tile: per query buffer the item's
-        index, and under VARLEN its ITEM_FIELDS), _wg_max's buffers (flag), and the rings' barriers. Buffers and
-        rings a launch does not use alias used ones and are never read."""
+        index, and under VARLEN its ITEM_FIELDS), _wg_max's buffers (flag), the rings' barriers, and under FP8 each
+        consumer's float8 P ([PART_M, BLOCK_N], _stage_p). Buffers and rings a launch does not use alias used ones
+        and are never read."""
         q: gl.shared_memory_descriptor
         k: gl.shared_memory_descriptor
         v: gl.shared_memory_descriptor
@@ -260,6 +274,7 @@ if AVAILABLE:
         k_bar: Ring
         v_bar: Ring
         b_bar: Ring
+        p: gl.shared_memory_descriptor
 
     @aggregate
     class FwdWork:
@@ -283,7 +298,8 @@ if AVAILABLE:
     class FwdMods:
         """The scores' modifications and what the epilogue adds: qk_scale, mod_unit and pre_scale of mod_scalars;
         ALiBi's slopes (Alibi, stride_alibi_b; the distance is |i + alibi_offset - j|); Sinks; dropout's Philox key
-        Seed, its threshold and keep probability drop_keep = 1 - p."""
+        Seed, its threshold and keep probability drop_keep = 1 - p; FP8's factors Descale (fp32 [B, Hk, 3]: q's,
+        k's and v's of each batch entry and kv head, _fp8_item)."""
         qk_scale: Value
         Alibi: gl.tensor
         stride_alibi_b: Value
@@ -294,6 +310,7 @@ if AVAILABLE:
         Seed: gl.tensor
         drop_threshold: Value
         drop_keep: Value
+        Descale: gl.tensor
 
     @aggregate
     class FwdLists:
@@ -558,7 +575,10 @@ if AVAILABLE:
             if j > 0:
                 blk, partial = _block_at(j_lo, j - 1, idx_row, cfg.BIAS == 2)
                 col = blk * cfg.BLOCK_N
-                _load_block(cfg, smem.v, smem.v_bar, producer.v_desc, c + j - 1, item, col, i_hk, producer)
+                if cfg.FP8:
+                    _load_vt(cfg, smem.v, smem.v_bar, producer.v_desc, c + j - 1, item, col, i_hk)
+                else:
+                    _load_block(cfg, smem.v, smem.v_bar, producer.v_desc, c + j - 1, item, col, i_hk, producer)
         return c + n_blocks, bc, it + 1
 
     @gluon.jit
@@ -595,6 +615,16 @@ if AVAILABLE:
                     tma_load(desc, [gl.sum(gl.where(offs == p, pages, 0), 0), 0, i_hk, 0], ring.full.index(slot),
                              buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]).slice(p * cfg.PAGE, cfg.PAGE,
                                                                                              1))
+
+    @gluon.jit
+    def _load_vt(cfg, buf, ring, desc, i, item, col, i_hk):
+        """FP8: load the value block at col of kv head i_hk, transposed ([HEAD_DIM, BLOCK_N], keys contiguous), as
+        the V ring's i-th use. float8 wgmma reads both shared operands K-major, and for P V the keys are the K
+        dimension: the descriptor is over the call's transposed copy of V ([B, Hk, D, Sk], plan.start)."""
+        slot = ring.wait_empty(i)
+        mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
+        tma_load(desc, [item.t_b, i_hk, 0, item.k_start + col], ring.full.index(slot),
+                 buf.index(slot).reshape([1, 1, cfg.HEAD_DIM, cfg.BLOCK_N]))
 
     @gluon.jit
     def _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF: gl.constexpr):
@@ -646,6 +676,7 @@ if AVAILABLE:
             bc += 1
         s = _score_mod(s, col0, rows.arow, rows.slope, mods.pre_scale, b, mods.mod_unit, cfg.SOFTCAP,
                        cfg.HAS_ALIBI, BIAS_MOD)
+        qk_scale = mods.qk_scale
         KEEP_NEG_INF: gl.constexpr = cfg.MASK_LEFT | (cfg.BIAS != 0)
         if mask:
             keep = _visible(s, rows.row, col0, rows.seqlen_k, rows.diag_offset, rows.left_offset, cfg.MASK_RIGHT,
@@ -653,10 +684,9 @@ if AVAILABLE:
             if cfg.BIAS == 2:
                 keep = keep & (_read_bias(cfg, smem, bc, s, rows.part, True) != 0)
                 bc += 1
-            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, mods.qk_scale,
-                                               KEEP_NEG_INF)
+            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, KEEP_NEG_INF)
         else:
-            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, mods.qk_scale, KEEP_NEG_INF)
+            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF)
         return p, alpha, m_n, l_n, bc
 
     @gluon.jit
@@ -744,11 +774,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _issue_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr = True):
-        """Rescale O by the alpha of P's block (RESCALE), then issue O += P V_i (the V ring's i-th use)."""
+        """Rescale O by the alpha of P's block (RESCALE), then issue O += P V_i (the V ring's i-th use; float8 P:
+        the slot holds V_i transposed, _load_vt)."""
         if RESCALE:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
         slot = smem.v_bar.wait_full(i)
-        return warpgroup_mma(p, smem.v.index(slot), acc, is_async=True)
+        if p.dtype.primitive_bitwidth == 8:
+            return warpgroup_mma(p, smem.v.index(slot).permute((1, 0)), acc, is_async=True)
+        else:
+            return warpgroup_mma(p, smem.v.index(slot), acc, is_async=True)
 
     @gluon.jit
     def _read_bias(cfg, smem, i, s, part: gl.constexpr, RELEASE: gl.constexpr):
@@ -829,8 +863,25 @@ if AVAILABLE:
         smem.v_bar.release(c + j - 1)
         if cfg.DROPOUT:
             p = _drop(p, rows.row, blk * cfg.BLOCK_N, drop)
-        p = gl.convert_layout(p.to(q.dtype), cfg.dot_a)
+        p = _stage_p(cfg, smem, p, rows.part)
         return p, alpha, acc, m_i, l_i, bc
+
+    @gluon.jit
+    def _stage_p(cfg, smem, p, part: gl.constexpr):
+        """P in the inputs' dtype as the A operand of P V: in registers (dot_a), or under FP8 in this warpgroup's
+        shared buffer, which the previous P V has finished reading (every step retires its own). Float8 P stays
+        out of registers because Triton 3.6 cannot keep an 8-bit register operand alive through wgmma's wait (the
+        wait's register constraints stop at 16 bits), and a register operand not kept alive may be overwritten
+        while the tensor cores read it (the module docstring's fact 2)."""
+        if cfg.FP8:
+            buf = smem.p.index(part)
+            buf.store(p.to(cfg.dtype))
+            # The product reads P through the async proxy, issued once every warp of the warpgroup has stored.
+            fence_async_shared()
+            thread_barrier()
+            return buf
+        else:
+            return gl.convert_layout(p.to(cfg.dtype), cfg.dot_a)
 
     @gluon.jit
     def _last_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr):
@@ -852,7 +903,7 @@ if AVAILABLE:
         p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask, bc)
         if cfg.DROPOUT:
             p = _drop(p, rows.row, blk * cfg.BLOCK_N, drop)
-        p = gl.convert_layout(p.to(q.dtype), cfg.dot_a)
+        p = _stage_p(cfg, smem, p, rows.part)
         for j in range(1, n_blocks):
             s_tok, bc = _issue_scores(cfg, smem, q, c + j, s_zero, bc, rows.part)
             p, alpha, acc, m_i, l_i, bc = _finish_step(cfg, smem, mods, rows, drop, q, s_tok, s_zero, j, c, bc, p,
@@ -976,12 +1027,19 @@ if AVAILABLE:
         m_i = gl.full([cfg.PART_M], float("-inf"), gl.float32, layout=cfg.row_layout)
         l_i = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
         acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM], gl.float32, layout=cfg.o_layout)
+        mods = prog.mods
+        v_factor = 1.0
+        if cfg.FP8:
+            mods, v_factor, q_sign = _fp8_item(prog, item)
         if n_blocks > 0:
             if cfg.BIAS == 1 and not cfg.SOFTCAP:
                 _scale_q(q, prog.mods.pre_scale)
+            if cfg.FP8:
+                if q_sign != 1.0:
+                    _scale_q(q, q_sign)  # (rare) a negative or zero product of q's and k's factors
             q_empty = prog.smem.q_bar.empty.index(qb)
             drop = Dropout(seed, item.i_b * prog.work.num_heads + item.i_h, prog.mods.drop_threshold)
-            acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, prog.mods, rows, drop, q, q_empty, c, bc, n_blocks, acc,
+            acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, mods, rows, drop, q, q_empty, c, bc, n_blocks, acc,
                                              m_i, l_i, s_zero)
         else:
             mbarrier.arrive(prog.smem.q_bar.empty.index(qb), count=1)
@@ -1003,7 +1061,11 @@ if AVAILABLE:
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
         if cfg.DROPOUT:
             l_safe = l_safe * prog.mods.drop_keep  # 1 - p: the kept probabilities are scaled by 1 / (1 - p)
-        acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, cfg.o_layout)), 1)
+        if cfg.FP8:
+            # v's factor (any sign or 0) times the weighted sum: one multiply per row, with the division.
+            acc = acc * gl.expand_dims(gl.convert_layout(v_factor / l_safe, gl.SliceLayout(1, cfg.o_layout)), 1)
+        else:
+            acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, cfg.o_layout)), 1)
         # (Varlen: lse is [H, total_q], stride_lb 0; the sequence's rows start at q_start.)
         lse_base = (out.Lse + item.i_b.to(gl.int64) * out.stride_lb + item.i_h.to(gl.int64) * out.stride_lh
                     + item.q_start)
@@ -1024,6 +1086,22 @@ if AVAILABLE:
             # No staging buffer (its shared memory holds attn_mask tiles, or out is float32: distributed/_local.py).
             _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout, cfg.PAD_D)
         return bc
+
+    @gluon.jit
+    def _fp8_item(prog, item):
+        """FP8: the scores' modifications of one item with the product f of q's and k's factors of its (batch
+        entry, kv head) in qk_scale, v's factor, and the sign the query tile takes (mods.Descale: fp32 [B, Hk, 3]).
+        The softmax takes the row maximum before scaling, so the scale must be positive: a negative f moves its
+        sign into the tile and a zero one zeroes it under a unit factor (every score 0), both exact in float8."""
+        mods = prog.mods
+        num_kv_heads = prog.work.num_heads // prog.producer.group_size
+        p_factor = mods.Descale + (item.i_b.to(gl.int64) * num_kv_heads + item.i_h // prog.producer.group_size) * 3
+        f = gl.load(p_factor) * gl.load(p_factor + 1)
+        q_sign = gl.where(f > 0, 1.0, gl.where(f < 0, -1.0, 0.0))
+        f = gl.where(f == 0, 1.0, gl.abs(f))
+        return (FwdMods(mods.qk_scale * f, mods.Alibi, mods.stride_alibi_b, mods.alibi_offset, mods.mod_unit,
+                        mods.pre_scale, mods.Sinks, mods.Seed, mods.drop_threshold, mods.drop_keep, mods.Descale),
+                gl.load(p_factor + 2), q_sign)
 
     @gluon.jit
     def _softmax_partition(prog, part: gl.constexpr):
@@ -1068,14 +1146,22 @@ if AVAILABLE:
     @gluon.jit
     def _fwd_smem(cfg, bias_desc):
         """Allocate the forward's shared memory (FwdSmem) and initialize its barriers."""
-        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                    element_bitwidth=cfg.dtype.primitive_bitwidth, rank=2)
         q_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG * cfg.QBUF, cfg.PART_M, cfg.HEAD_DIM], layout)
         k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
-        v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
+        if cfg.FP8:
+            v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.HEAD_DIM, cfg.BLOCK_N], layout)
+        else:
+            v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
         if cfg.STAGE_O:
             o_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG, cfg.PART_M, cfg.HEAD_DIM], layout)
         else:
             o_smem = q_smem  # not read: the epilogue stores from registers
+        if cfg.FP8:
+            p_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG, cfg.PART_M, cfg.BLOCK_N], layout)
+        else:
+            p_smem = q_smem  # not read: P stays in registers
         # Per query buffer, the item's index (dynamic schedule), and with VARLEN its fields (_hand_over).
         tile_smem = gl.allocate_shared_memory(gl.int32, [cfg.QBUF * ITEM_FIELDS if cfg.VARLEN else cfg.QBUF, 1],
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -1116,7 +1202,7 @@ if AVAILABLE:
         else:
             bias_smem, b_bar = k_smem, k_bar  # not read
         return FwdSmem(q_smem, k_smem, v_smem, o_smem, bias_smem, tile_smem, flag_smem, Ring(q_full, q_empty, cfg.QBUF),
-                       k_bar, Ring(v_full, v_empty, cfg.STAGES), b_bar)
+                       k_bar, Ring(v_full, v_empty, cfg.STAGES), b_bar, p_smem)
 
     # seqlen_q and n_m are not specialized on the value 1: with both constant, a warpgroup's "rows past Sq" branch
     # (_skip_blocks) is decided at compile time and Triton 3.6's lowering fails on the dead partition body.
@@ -1155,7 +1241,8 @@ if AVAILABLE:
             _fwd_smem(cfg, bias_desc), FwdWork(n_tiles, n_m, heads.num_heads, heads.head_group),
             FwdBand(seqlen_q, band.seqlen_k, band.diag_offset, band.left_offset),
             FwdMods(scales.qk_scale, extras.alibi, strides.alibi_b, band.alibi_offset, scales.mod_unit,
-                    scales.pre_scale, extras.sinks, extras.seed, scales.drop_threshold, scales.drop_keep),
+                    scales.pre_scale, extras.sinks, extras.seed, scales.drop_threshold, scales.drop_keep,
+                    extras.descale),
             FwdLists(lists.counts, lists.idx, mask.lists_b, mask.lists_h, mask.lists_cols))
         if NUM_WG == 3:
             # 16 warps: the worker consumers get CONSUMER_REGS_3WG, the first one what the others leave.
@@ -1196,7 +1283,53 @@ def _descriptor(t, rows, cols):
     """A 4-D TMA descriptor over a [B, S, H, D] tensor with its own strides, one [rows, cols] tile of one (batch,
     head) per copy: rows past S and columns past D (cols = TILE_DIM[D]) are zero-filled on loads and dropped on
     stores, whatever the layout."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], _layout(16, 4))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], _layout(8 * t.element_size(), 4))
+
+
+def _vt_descriptor(vt, head_dim, block_n):
+    """FP8: a 4-D TMA descriptor over V transposed ([B, Hk, D, Sk], keys contiguous; _transposed_v), one
+    [head_dim, block_n] tile of one (batch, kv head) per copy: keys past Sk are zero-filled (their P is 0, and
+    0 times what lies past the end could be a NaN)."""
+    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, head_dim, block_n], _layout(8, 4))
+
+
+@triton.jit
+def _transpose_v_kernel(V, Vt, seqlen, num_heads, stride_vb, stride_vs, stride_vh, stride_tb, stride_th, stride_td,
+                        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Vt[b, h, :, s] = V[b, s, h, :] for BLOCK_S keys of one (batch, head) per program (bytes: float8 read as
+    uint8). Both sides move whole rows: the load along the head dim, the store along the keys."""
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // num_heads).to(tl.int64)
+    i_h = (i_bh % num_heads).to(tl.int64)
+    keys = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, HEAD_DIM)
+    x = tl.load(V + i_b * stride_vb + i_h * stride_vh + keys.to(tl.int64)[:, None] * stride_vs + dims[None, :],
+                mask=keys[:, None] < seqlen)
+    tl.store(Vt + i_b * stride_tb + i_h * stride_th + dims.to(tl.int64)[:, None] * stride_td + keys[None, :],
+             tl.trans(x), mask=keys[None, :] < seqlen)
+
+
+# Keys per program of the transposed copy: a [128, D] tile of bytes.
+_TRANSPOSE_KEYS = 128
+
+
+def _transposed_v(v, varlen):
+    """V as [B, Hk, D, Sk] with the keys contiguous, for the FP8 forward's P V (float8 wgmma takes its shared
+    operands K-major only): one pass per call over B * Sk * Hk * D bytes (_transpose_v_kernel; torch's copy of the
+    permuted view took ~0.22 ms for 32 MB on an H100). Rows are padded to 16 keys (TMA strides are multiples of 16
+    bytes); the view excludes the padding. Varlen: [1, Hk, D, total_k]."""
+    v4 = v.unsqueeze(0) if varlen else v
+    batch, seqlen_k, num_kv_heads, head_dim = v4.shape
+    padded = torch.empty((batch, num_kv_heads, head_dim, -(-seqlen_k // 16) * 16), dtype=v.dtype, device=v.device)
+    vt = padded[..., :seqlen_k]
+    if v.device.type == "meta" or v4.numel() == 0:
+        return vt
+    assert v4.stride(-1) == 1 and head_dim == triton.next_power_of_2(head_dim)
+    src, dst = v4.view(torch.uint8), padded.view(torch.uint8)
+    grid = (triton.cdiv(seqlen_k, _TRANSPOSE_KEYS), batch * num_kv_heads)
+    _launch.launch(_transpose_v_kernel, grid, (src, dst, seqlen_k, num_kv_heads, *src.stride()[:3], *dst.stride()[:3]),
+                   dict(HEAD_DIM=head_dim, BLOCK_S=_TRANSPOSE_KEYS), v.device.index, num_warps=4)
+    return vt
 
 
 def bias_descriptor(bias, rows, cols):
@@ -1350,7 +1483,7 @@ class GluonFwdPlan:
     kernel (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), makes this call's
     descriptors and feature tensors, and launches."""
     __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "dynamic", "block_m",
-                 "block_n", "varlen", "lists", "o_from_q", "paged")
+                 "block_n", "varlen", "lists", "o_from_q", "paged", "fp8")
 
     def run(self, q, k, v, req):
         """(out, lse) of a call with this plan's key."""
@@ -1375,10 +1508,13 @@ class GluonFwdPlan:
             tile_map = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, q.shape[0], self.block_m, req.mask_right,
                                        req.seqused_k)[0]
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
+        if self.fp8:
+            v = _transposed_v(v, self.varlen)
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     _Extras(lse if req.alibi_slopes is None else req.alibi_slopes,
-                            lse if req.sinks is None else req.sinks, req.seed if req.dropout_p > 0 else lse),
+                            lse if req.sinks is None else req.sinks, req.seed if req.dropout_p > 0 else lse,
+                            lse if req.descale is None else req.descale),
                     _Lists(counts, indices), *self.groups, _Pages(*table))
         return out, lse
 
@@ -1390,6 +1526,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     diagonal_offset = req.diagonal_offset
     plan = GluonFwdPlan()
     plan.out_dtype, plan.device, plan.varlen, plan.paged = out_dtype, q.device, varlen, req.paged
+    plan.fp8 = q.dtype == torch.float8_e4m3fn  # (bfloat16 out: stored from registers, o_from_q)
     page = k.shape[1] if req.paged else 0  # paged: k, v are [pages, page size, Hk, D] caches
     if varlen:
         # Packed [total, H, D] sequences (kernel note at _varlen_item): 4-D views [1, total, H, D] for the
@@ -1422,6 +1559,9 @@ def _fwd_plan(q, k, v, req, out_dtype):
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
     plan.descs = tuple(_descriptor(_meta(t), rows, tile_d) for t, rows in ((q4, WG_M), (k4, kv_rows), (v4, kv_rows),
                                                                             (q4 if plan.o_from_q else o4, WG_M)))
+    if plan.fp8:
+        plan.descs = plan.descs[:2] + (_vt_descriptor(_transposed_v(_meta(v), varlen), tile_d, block_n), ) \
+            + plan.descs[3:]
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (req.window_right if req.mask_right else 0)
@@ -1444,6 +1584,10 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # visits (made per call: Features.block_lists).
     bias_mul_b, bias_mul_h = 0, 0
     qbuf, stage_o = _smem_plan(tile_d, num_wg, qbuf, 0)
+    stages = STAGES[tile_d]
+    if plan.fp8:
+        # Float8 tiles take half the shared memory: a deeper K/V ring and two query buffers fit (FP8_RING).
+        stages, qbuf = FP8_RING
     count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
         bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, block_n)[1:]
@@ -1469,8 +1613,9 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
     # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
     # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
+    # Nor with float8 P (FP8), whose largest value is 448.
     lazy = (SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
-            and num_wg == 2)
+            and num_wg == 2 and not plan.fp8)
     qk_scale, pre_scale, mod_unit = mod_scalars(req.softmax_scale, req.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not req.softcap > 0)
     plan.groups = (_Strides(*out_strides, *lse_strides, stride_alibi_b),
@@ -1481,7 +1626,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
     # work items than programs).
     plan.launch = _launch.Bound(_fwd_kernel, (min(n_tiles, _num_sms(q.device.index)), ), (), dict(
-        HEAD_DIM=tile_d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES[tile_d], MASK_RIGHT=req.mask_right,
+        HEAD_DIM=tile_d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, MASK_RIGHT=req.mask_right,
         MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
         DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page,
