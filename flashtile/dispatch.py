@@ -35,6 +35,9 @@ features = lazy_module(".kernels.features", globals())
 # module imports Triton, this one does not), the backward's.
 GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 GLUON_HEAD_DIMS = (64, 128)
+# (q/k head dim, v head dim) pairs whose forward runs on the Gluon kernel although they differ: MLA's 192/128
+# (DeepSeek's prefill), on d256's tiles for Q and K and d128's for V.
+GLUON_FWD_SPLIT_DIMS = ((192, 128),)
 # The head dims whose float8_e4m3fn forward runs on the Gluon kernel (interface.flash_attn_func's q_descale, ...):
 # d128's float8 rows are 128 bytes, the kernel's swizzle width; the others run the portable kernel.
 GLUON_FP8_HEAD_DIMS = (128,)
@@ -109,7 +112,7 @@ class GluonHopper(_KernelBackend):
                "256 (the forward), 64 or 128 (the backward); float8_e4m3fn forward at head dim 128")
 
     @staticmethod
-    def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS, fp8=False):
+    def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS, fp8=False, split=()):
         if not _gluon.AVAILABLE:
             return "this Triton has no Gluon dialect (triton.experimental.gluon); Triton >= 3.5 has it"
         if target.device != "cuda":
@@ -119,9 +122,12 @@ class GluonHopper(_KernelBackend):
             return f"needs a Hopper GPU (sm_90); this one is sm_{target.arch}"
         if q.dtype not in (torch.float16, torch.bfloat16) and not (fp8 and q.dtype == torch.float8_e4m3fn):
             return f"needs float16 or bfloat16{' or float8_e4m3fn' if fp8 else ''} inputs, got {q.dtype}"
-        if q.shape[-1] not in head_dims or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-            return (f"needs head dim {' or '.join(map(str, head_dims))} for q, k and v alike, got {q.shape[-1]} / "
-                    f"{k.shape[-1]} / {v.shape[-1]}")
+        dims = (q.shape[-1], v.shape[-1])
+        if q.shape[-1] not in head_dims or k.shape[-1] != q.shape[-1] or (v.shape[-1] != q.shape[-1]
+                                                                          and dims not in split):
+            pairs = "".join(f" (or {a} for q and k with {b} for v)" for a, b in split)
+            return (f"needs head dim {' or '.join(map(str, head_dims))} for q, k and v alike{pairs}, got "
+                    f"{q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}")
         if not configs._tma_ok((q, k, v)):
             return ("needs 16-byte aligned data pointers and strides (TMA descriptors); call .contiguous() on "
                     "q, k, v")
@@ -148,7 +154,8 @@ class GluonHopper(_KernelBackend):
     def decline_forward(self, q, k, v, req, target):
         if not SETTINGS.gluon_forward:
             return "turned off (FLASHTILE_GLUON=0 or SETTINGS.gluon_forward)"
-        reason = self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS, fp8=True)
+        reason = self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS, fp8=True,
+                                      split=GLUON_FWD_SPLIT_DIMS)
         if reason is None and q.dtype == torch.float8_e4m3fn:
             return self._decline_fp8(q, req)
         if reason is None and (req.attn_bias is not None or req.dropout_p > 0):

@@ -80,6 +80,11 @@ def test_gluon_allow_list_reasons():
     assert "head dim" in gluon.decline_forward(q80, k80, v80, req, H100)
     from flashtile.kernels import hopper_fwd
     assert set(dispatch.GLUON_FWD_HEAD_DIMS) == set(hopper_fwd.TILE_DIM)
+    qm, km, _ = _qkv(d=192)
+    vm = _qkv(d=128)[2]  # MLA: q and k at 192, v at 128 take the forward, not the backward
+    assert gluon.decline_forward(qm, km, vm, req, H100) is None
+    assert "head dim" in gluon.decline_backward(torch.empty_like(qm), qm, km, vm, req, H100)
+    assert "192 for q and k with 128 for v" in gluon.decline_forward(qm, km, _qkv(d=64)[2], req, H100)
     q96, k96, v96 = _qkv(d=96)  # the forward takes d96 (on d128's tiles), the backward does not
     assert gluon.decline_forward(q96, k96, v96, req, H100) is None
     assert "head dim" in gluon.decline_backward(torch.empty_like(q96), q96, k96, v96, req, H100)

@@ -72,6 +72,31 @@ def test_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dt
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
 
 
+MLA_SHAPES = [
+    # b, sq, sk, h, hk, causal, dtype: q and k at head dim 192, v at 128 (MLA's prefill)
+    (2, 1000, 1100, 4, 2, True, torch.bfloat16),
+    (1, 1500, 777, 4, 4, False, torch.float16),
+    (1, 1, 777, 2, 1, True, torch.bfloat16),
+    (2, 3000, 3100, 16, 16, True, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,causal,dtype", MLA_SHAPES,
+                         ids=[f"B{b}-Sq{sq}-Sk{sk}-H{h}-Hk{hk}-{'causal' if c else 'full'}-{str(t)[6:]}"
+                              for b, sq, sk, h, hk, c, t in MLA_SHAPES])
+def test_mla_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, causal, dtype):
+    """MLA's head dims (q, k 192; v 128): the Gluon forward (Q and K on d256's tiles, V and the output on d128's)
+    and the portable backward, which reads its LSE, against float64."""
+    q, k, _ = make_qkv(b, sq, sk, h, hk, 192, dtype, device=DEVICE, seed=sq + sk)
+    v = torch.randn((b, sk, hk, 128), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sk)).to(dtype)
+    v.requires_grad_()
+    dout = torch.randn((b, sq, h, 128), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sq)).to(dtype)
+    got = _fwd_bwd(q, k, v, dout, causal)
+    assert got[0].shape == (b, sq, h, 128)
+    assert len(spy) == 1 and len(bwd_spy) == 0, "MLA: the Gluon forward and the portable backward"
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, 192 ** -0.5, causal, sk - sq)
+
+
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_matches_portable_kernel(monkeypatch, causal, d):

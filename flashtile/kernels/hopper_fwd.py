@@ -149,9 +149,11 @@ if AVAILABLE:
     class FwdConfig:
         """A launch's compile-time choices (the kernel's constexprs, documented at _fwd_kernel; BSTAGES is
         BIAS_STAGES) and the layouts that follow from them: s_layout for a warpgroup's [PART_M, BLOCK_N] scores,
-        o_layout for its [PART_M, HEAD_DIM] output, dot_a for P as the register operand of P V, row_layout for
-        per-row values."""
+        o_layout for its [PART_M, HEAD_DIM_V] output, dot_a for P as the register operand of P V, row_layout for
+        per-row values. HEAD_DIM is Q's and K's tile width, HEAD_DIM_V V's and the output's (the same but for MLA's
+        192/128)."""
         HEAD_DIM: gl.constexpr
+        HEAD_DIM_V: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
         PART_M: gl.constexpr
@@ -180,9 +182,11 @@ if AVAILABLE:
         row_layout: gl.constexpr
 
         @gluon.constexpr_function
-        def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+        def __init__(self, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                     HAS_SINKS,
                      BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, dtype):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+            self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
             self.PART_M = gl.constexpr(BLOCK_M // NUM_WG)
@@ -212,7 +216,7 @@ if AVAILABLE:
             s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_N, k_step])
             o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, HEAD_DIM, k_step])
+                                                 instr_shape=[16, HEAD_DIM_V, k_step])
             self.s_layout = gl.constexpr(s_layout)
             self.o_layout = gl.constexpr(o_layout)
             self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if fp8 else 2))
@@ -592,7 +596,7 @@ if AVAILABLE:
             slot = ring.wait_empty(i)
             mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
             tma_load(desc, [item.t_b, item.k_start + col, i_hk, 0], ring.full.index(slot),
-                     buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
+                     buf.index(slot).reshape([1, cfg.BLOCK_N, 1, buf.shape[2]]))
         else:
             # The table entries are read before the wait for a free slot, so their latency hides behind it.
             row = producer.Table + item.i_b.to(gl.int64) * producer.stride_table
@@ -603,7 +607,7 @@ if AVAILABLE:
                 slot = ring.wait_empty(i)
                 mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
                 tma_load(desc, [page, col % cfg.PAGE, i_hk, 0], ring.full.index(slot),
-                         buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]))
+                         buf.index(slot).reshape([1, cfg.BLOCK_N, 1, buf.shape[2]]))
             else:
                 n_pages: gl.constexpr = cfg.BLOCK_N // cfg.PAGE
                 offs = gl.arange(0, n_pages, layout=gl.BlockedLayout([1], [32], [1], [0]))
@@ -613,7 +617,7 @@ if AVAILABLE:
                 mbarrier.expect(ring.full.index(slot), n_pages * desc.block_type.nbytes)
                 for p in gl.static_range(n_pages):
                     tma_load(desc, [gl.sum(gl.where(offs == p, pages, 0), 0), 0, i_hk, 0], ring.full.index(slot),
-                             buf.index(slot).reshape([1, cfg.BLOCK_N, 1, cfg.HEAD_DIM]).slice(p * cfg.PAGE, cfg.PAGE,
+                             buf.index(slot).reshape([1, cfg.BLOCK_N, 1, buf.shape[2]]).slice(p * cfg.PAGE, cfg.PAGE,
                                                                                              1))
 
     @gluon.jit
@@ -624,7 +628,7 @@ if AVAILABLE:
         slot = ring.wait_empty(i)
         mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
         tma_load(desc, [item.t_b, i_hk, 0, item.k_start + col], ring.full.index(slot),
-                 buf.index(slot).reshape([1, 1, cfg.HEAD_DIM, cfg.BLOCK_N]))
+                 buf.index(slot).reshape([1, 1, cfg.HEAD_DIM_V, cfg.BLOCK_N]))
 
     @gluon.jit
     def _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF: gl.constexpr):
@@ -1026,7 +1030,7 @@ if AVAILABLE:
         cfg = prog.cfg
         m_i = gl.full([cfg.PART_M], float("-inf"), gl.float32, layout=cfg.row_layout)
         l_i = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
-        acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM], gl.float32, layout=cfg.o_layout)
+        acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM_V], gl.float32, layout=cfg.o_layout)
         mods = prog.mods
         v_factor = 1.0
         if cfg.FP8:
@@ -1151,11 +1155,11 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG * cfg.QBUF, cfg.PART_M, cfg.HEAD_DIM], layout)
         k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
         if cfg.FP8:
-            v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.HEAD_DIM, cfg.BLOCK_N], layout)
+            v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.HEAD_DIM_V, cfg.BLOCK_N], layout)
         else:
-            v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
+            v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM_V], layout)
         if cfg.STAGE_O:
-            o_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG, cfg.PART_M, cfg.HEAD_DIM], layout)
+            o_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG, cfg.PART_M, cfg.HEAD_DIM_V], layout)
         else:
             o_smem = q_smem  # not read: the epilogue stores from registers
         if cfg.FP8:
@@ -1209,8 +1213,9 @@ if AVAILABLE:
     @gluon.jit(do_not_specialize=["seqlen_q", "n_m"])
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Counter, TileMap, extras, lists,
                     strides, mask, seqlen_q, band, scales, heads, n_m, n_tiles, pages, HEAD_DIM: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                    MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
+                    HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    MASK_RIGHT: gl.constexpr, MASK_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                    HAS_SINKS: gl.constexpr,
                     BIAS: gl.constexpr, STAGE_O: gl.constexpr, NUM_WG: gl.constexpr, DYNAMIC: gl.constexpr,
                     QBUF: gl.constexpr, VARLEN: gl.constexpr, LAZY: gl.constexpr, DROPOUT: gl.constexpr,
                     PAGE: gl.constexpr, PAD_D: gl.constexpr):
@@ -1223,15 +1228,15 @@ if AVAILABLE:
         of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of BLOCK_M // NUM_WG
         rows; DYNAMIC: the global counter's schedule; QBUF query buffers; LAZY: LAZY_MAX's steps (_finish_step);
         PAGE: a paged varlen batch's page size (0: none), K and V then read page by page through the block table
-        (_load_block); PAD_D: the tile is wider than the head dim (TILE_DIM), so stores from registers mask the
+        (_load_block); PAD_D: V's tile is wider than its head dim (TILE_DIM), so stores from registers mask the
         columns past it (_store_o)."""
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
         gl.static_assert(PAGE == 0 or (VARLEN and (PAGE % BLOCK_N == 0 or BLOCK_N % PAGE == 0)))
         gl.static_assert(not LAZY or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
-        cfg = FwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI, HAS_SINKS, BIAS,
-                        STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, q_desc.dtype)
+        cfg = FwdConfig(HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI,
+                        HAS_SINKS, BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, q_desc.dtype)
         # (The tuples' fields are read where they are passed: an assignment would turn the ones Triton specialized
         # into constants, integer arguments equal to 1, into runtime values.)
         prog = FwdProgram(
@@ -1532,10 +1537,11 @@ def _fwd_plan(q, k, v, req, out_dtype):
         # Packed [total, H, D] sequences (kernel note at _varlen_item): 4-D views [1, total, H, D] for the
         # descriptors, lse [H, total_q]; each item adds its sequence's own Sk - Sq to the offsets below.
         total_q, num_heads, head_dim = q.shape
+        head_dim_v = v.shape[-1]
         num_kv_heads = k.shape[-2]
         batch = req.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = req.max_seqlen_q, req.max_seqlen_k
-        plan.out_shape, plan.lse_shape = (total_q, num_heads, head_dim), (num_heads, total_q)
+        plan.out_shape, plan.lse_shape = (total_q, num_heads, head_dim_v), (num_heads, total_q)
         diagonal_offset = 0
         out = torch.empty(plan.out_shape, dtype=out_dtype, device="meta")  # allocated contiguous by run
         q4, k4, v4, o4 = (t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v, out))
@@ -1543,8 +1549,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
         lse_strides = (0, total_q)
     else:
         batch, seqlen_q, num_heads, head_dim = q.shape
-        seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-        plan.out_shape, plan.lse_shape = (batch, seqlen_q, num_heads, head_dim), (batch, num_heads, seqlen_q)
+        seqlen_k, num_kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
+        plan.out_shape, plan.lse_shape = (batch, seqlen_q, num_heads, head_dim_v), (batch, num_heads, seqlen_q)
         out = torch.empty(plan.out_shape, dtype=out_dtype, device="meta")
         q4, k4, v4, o4 = q, k, v, out
         out_strides = out.stride()[:3]
@@ -1554,13 +1560,15 @@ def _fwd_plan(q, k, v, req, out_dtype):
     plan.o_from_q = out_dtype != q.dtype
     # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
     # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
-    tile_d = TILE_DIM[head_dim]
+    # V and the output have their own tile width where their head dim differs (MLA's 192/128: GLUON_FWD_SPLIT_DIMS).
+    tile_d, tile_dv = TILE_DIM[head_dim], TILE_DIM[head_dim_v]
     block_n = plan.block_n = BLOCK_NS[tile_d]
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
-    plan.descs = tuple(_descriptor(_meta(t), rows, tile_d) for t, rows in ((q4, WG_M), (k4, kv_rows), (v4, kv_rows),
-                                                                            (q4 if plan.o_from_q else o4, WG_M)))
+    plan.descs = tuple(_descriptor(_meta(t), rows, cols) for t, rows, cols in (
+        (q4, WG_M, tile_d), (k4, kv_rows, tile_d), (v4, kv_rows, tile_dv),
+        (q4 if plan.o_from_q else o4, WG_M, tile_dv)))
     if plan.fp8:
-        plan.descs = plan.descs[:2] + (_vt_descriptor(_transposed_v(_meta(v), varlen), tile_d, block_n), ) \
+        plan.descs = plan.descs[:2] + (_vt_descriptor(_transposed_v(_meta(v), varlen), tile_dv, block_n), ) \
             + plan.descs[3:]
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
@@ -1626,10 +1634,10 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
     # work items than programs).
     plan.launch = _launch.Bound(_fwd_kernel, (min(n_tiles, _num_sms(q.device.index)), ), (), dict(
-        HEAD_DIM=tile_d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, MASK_RIGHT=req.mask_right,
+        HEAD_DIM=tile_d, HEAD_DIM_V=tile_dv, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, MASK_RIGHT=req.mask_right,
         MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
         DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page,
-        PAD_D=tile_d != head_dim),
+        PAD_D=tile_dv != head_dim_v),
         dict(num_warps=4))
     return plan
