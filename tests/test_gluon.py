@@ -41,7 +41,7 @@ SHAPES = [
     # More work items than SMs: each program of the persistent kernel loops over several tiles.
     (2, 3000, 3100, 16, 4, 128, False, torch.bfloat16),
     (2, 2100, 1900, 16, 8, 64, False, torch.float16),
-    # Head dims 96, 192 and 256 take the Gluon forward (d96 on d128's tiles and d192 on d256's, zero-filled past the
+    # Head dims 96, 192 and 256 take the Gluon forward (d96 on d128's tiles and d192's V on d256's, zero-filled past the
     # head dim; d256 with 64-row key blocks) and the portable backward, which reads its LSE.
     (2, 1000, 1100, 4, 2, 96, True, torch.bfloat16),
     (1, 777, 1500, 4, 2, 96, False, torch.float16),

@@ -81,11 +81,16 @@ BLOCK_NS = {64: 128, 128: 128, 256: 64}
 # A paged batch's table entries past a row's columns read as this page index, past any cache: TMA fills the copy
 # with zeros (_load_block).
 PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
-# The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at:
-# d96 and d192 run d128's and d256's kernels over columns zero-filled past the head dim (TMA fills them on loads and
-# clips them on stores; _store_o masks them, PAD_D): their q K^T gain zero terms, their P V zero output columns,
-# which nothing stores.
+# The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at
+# (the configuration tables' key, and V's and the output's width): d96 and d192 run d128's and d256's kernels over
+# columns zero-filled past the head dim (TMA fills them on loads and clips them on stores; _store_o masks them,
+# PAD_D): their P V gains zero output columns, which nothing stores, and d96's q K^T zero terms (d192's Q and K
+# come in chunks of their own width: QK_TILE_DIM).
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
+# Q's and K's width where it differs from TILE_DIM: d192's 192 columns, read as three 64-column chunks (the
+# descriptors' tile width QK_CHUNK; Gluon's shapes are powers of two) whose products add up (FwdConfig.QK_CHUNKS).
+QK_TILE_DIM = {192: 192}
+QK_CHUNK = 64
 # Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, two query buffers and the output buffer (32 KB each) use
 # 224 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 96 KB, and up to 72 KB more.
 # d256: 2 stages of 64-row K and V blocks (128 KB) and one query buffer (64 KB); its output is stored from
@@ -154,6 +159,9 @@ if AVAILABLE:
         192/128)."""
         HEAD_DIM: gl.constexpr
         HEAD_DIM_V: gl.constexpr
+        QK_W: gl.constexpr
+        QK_CHUNKS: gl.constexpr
+        QK_SLOTS: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
         PART_M: gl.constexpr
@@ -183,10 +191,16 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                     HAS_SINKS,
-                     BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, dtype):
+                     HAS_SINKS, BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, dtype, QK_W):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.HEAD_DIM_V = gl.constexpr(HEAD_DIM_V)
+            # Q and K arrive in QK_CHUNKS column chunks of QK_W (the descriptors' tile width): one, or three of 64
+            # at head dim 192, whose 192-column tile Gluon cannot hold (its shapes are powers of two).
+            self.QK_W = gl.constexpr(QK_W)
+            self.QK_CHUNKS = gl.constexpr(HEAD_DIM // QK_W)
+            # Row blocks of a Q or K buffer (QK_CHUNKS rounded up to a power of two; one of four left unused at
+            # head dim 192, the shared memory of d256's padded tiles).
+            self.QK_SLOTS = gl.constexpr(1 << (HEAD_DIM // QK_W - 1).bit_length())
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
             self.PART_M = gl.constexpr(BLOCK_M // NUM_WG)
@@ -553,18 +567,21 @@ if AVAILABLE:
             # The consumers read the item's index once its query tile has arrived (the barrier's completion
             # orders this store before their read); they are done with this slot's previous index (q_empty).
             _hand_over(smem.tile, qb, tile, item, cfg.VARLEN)
-        mbarrier.expect(smem.q_bar.full.index(qb), cfg.NUM_WG * producer.q_desc.block_type.nbytes)
+        mbarrier.expect(smem.q_bar.full.index(qb), cfg.NUM_WG * cfg.QK_CHUNKS * producer.q_desc.block_type.nbytes)
         for part in gl.static_range(cfg.NUM_WG):
-            tma_load(producer.q_desc, [item.t_b, item.q_start + item.start_m + part * cfg.PART_M, item.i_h, 0],
-                     smem.q_bar.full.index(qb),
-                     smem.q.index(qb * cfg.NUM_WG + part).reshape([1, cfg.PART_M, 1, cfg.HEAD_DIM]))
+            for ch in gl.static_range(cfg.QK_CHUNKS):
+                tma_load(producer.q_desc,
+                         [item.t_b, item.q_start + item.start_m + part * cfg.PART_M, item.i_h, ch * cfg.QK_W],
+                         smem.q_bar.full.index(qb),
+                         _tma_chunk(smem.q.index(qb * cfg.NUM_WG + part), ch, cfg.PART_M, cfg.QK_CHUNKS))
         # K runs one block ahead of V, the order the consumers use them in: step j reads K_j (and its bias
         # tile) and V_{j-1}.
         for j in range(n_blocks + 1):
             if j < n_blocks:
                 blk, partial = _block_at(j_lo, j, idx_row, cfg.BIAS == 2)
                 col = blk * cfg.BLOCK_N
-                _load_block(cfg, smem.k, smem.k_bar, producer.k_desc, c + j, item, col, i_hk, producer)
+                _load_block(cfg, smem.k, smem.k_bar, producer.k_desc, c + j, item, col, i_hk, producer,
+                            cfg.QK_CHUNKS)
                 if cfg.BIAS != 0:
                     if partial:
                         # One attn_mask tile per consumer warpgroup: its PART_M rows, this block's keys.
@@ -586,17 +603,21 @@ if AVAILABLE:
         return c + n_blocks, bc, it + 1
 
     @gluon.jit
-    def _load_block(cfg, buf, ring, desc, i, item, col, i_hk, producer):
+    def _load_block(cfg, buf, ring, desc, i, item, col, i_hk, producer, CHUNKS: gl.constexpr = 1):
         """Load the key block at col (K or V: its buffers, ring and descriptor) of the item's kv head i_hk as the
-        ring's i-th use. Paged (PAGE > 0): the descriptor is over the [pages, PAGE, Hk, D] cache, one copy per page
-        the block spans (PAGE < BLOCK_N) or one from within a page; a table entry past the row's columns becomes
-        a page past the cache, which the copy fills with zeros (the block's rows past the sequence are masked, and
-        a bad entry reads zeros: the safety policy of docs/safety.md)."""
+        ring's i-th use, in CHUNKS column chunks of the buffers' width (K at head dim 192: FwdConfig.QK_CHUNKS),
+        chunk ch in rows ch * BLOCK_N of the slot's buffer (_chunk). Paged (PAGE > 0): the descriptor is over the
+        [pages, PAGE, Hk, D] cache, one copy per page the block spans (PAGE < BLOCK_N) or one from within a page; a
+        table entry past the row's columns becomes a page past the cache, which the copy fills with zeros (the
+        block's rows past the sequence are masked, and a bad entry reads zeros: the safety policy of
+        docs/safety.md)."""
+        W: gl.constexpr = buf.shape[2]
         if cfg.PAGE == 0:
             slot = ring.wait_empty(i)
-            mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
-            tma_load(desc, [item.t_b, item.k_start + col, i_hk, 0], ring.full.index(slot),
-                     buf.index(slot).reshape([1, cfg.BLOCK_N, 1, buf.shape[2]]))
+            mbarrier.expect(ring.full.index(slot), CHUNKS * desc.block_type.nbytes)
+            for ch in gl.static_range(CHUNKS):
+                tma_load(desc, [item.t_b, item.k_start + col, i_hk, ch * W], ring.full.index(slot),
+                         _tma_chunk(buf.index(slot), ch, cfg.BLOCK_N, CHUNKS))
         else:
             # The table entries are read before the wait for a free slot, so their latency hides behind it.
             row = producer.Table + item.i_b.to(gl.int64) * producer.stride_table
@@ -605,20 +626,45 @@ if AVAILABLE:
                 page = gl.load(row + first, mask=first < producer.table_cols, other=PAGE_PAST_CACHE)
                 page = gl.where(page < 0, PAGE_PAST_CACHE, page)
                 slot = ring.wait_empty(i)
-                mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
-                tma_load(desc, [page, col % cfg.PAGE, i_hk, 0], ring.full.index(slot),
-                         buf.index(slot).reshape([1, cfg.BLOCK_N, 1, buf.shape[2]]))
+                mbarrier.expect(ring.full.index(slot), CHUNKS * desc.block_type.nbytes)
+                for ch in gl.static_range(CHUNKS):
+                    tma_load(desc, [page, col % cfg.PAGE, i_hk, ch * W], ring.full.index(slot),
+                             _tma_chunk(buf.index(slot), ch, cfg.BLOCK_N, CHUNKS))
             else:
                 n_pages: gl.constexpr = cfg.BLOCK_N // cfg.PAGE
                 offs = gl.arange(0, n_pages, layout=gl.BlockedLayout([1], [32], [1], [0]))
                 pages = gl.load(row + first + offs, mask=first + offs < producer.table_cols, other=PAGE_PAST_CACHE)
                 pages = gl.where(pages < 0, PAGE_PAST_CACHE, pages)
                 slot = ring.wait_empty(i)
-                mbarrier.expect(ring.full.index(slot), n_pages * desc.block_type.nbytes)
+                mbarrier.expect(ring.full.index(slot), n_pages * CHUNKS * desc.block_type.nbytes)
                 for p in gl.static_range(n_pages):
-                    tma_load(desc, [gl.sum(gl.where(offs == p, pages, 0), 0), 0, i_hk, 0], ring.full.index(slot),
-                             buf.index(slot).reshape([1, cfg.BLOCK_N, 1, buf.shape[2]]).slice(p * cfg.PAGE, cfg.PAGE,
-                                                                                             1))
+                    for ch in gl.static_range(CHUNKS):
+                        tma_load(desc, [gl.sum(gl.where(offs == p, pages, 0), 0), 0, i_hk, ch * W],
+                                 ring.full.index(slot),
+                                 _tma_chunk(buf.index(slot), ch, cfg.BLOCK_N, CHUNKS, p * cfg.PAGE, cfg.PAGE))
+
+    @gluon.jit
+    def _chunk(buf, ch: gl.constexpr, rows: gl.constexpr, CHUNKS: gl.constexpr):
+        """Column chunk ch of a Q or K tile whose CHUNKS chunks are stacked along the rows of buf (rows each): the
+        whole buffer when there is one."""
+        if CHUNKS == 1:
+            return buf
+        else:
+            return buf.slice(ch * rows, rows)
+
+    @gluon.jit
+    def _tma_chunk(buf, ch: gl.constexpr, rows: gl.constexpr, CHUNKS: gl.constexpr, first: gl.constexpr = 0,
+                   count: gl.constexpr = 0):
+        """_chunk's rows as a TMA copy's [1, rows, 1, W] destination (rows first .. first + count of it, count >
+        0: one page of a paged block). (A sliced buffer cannot be reshaped, so the slice comes last.)"""
+        W: gl.constexpr = buf.shape[1]
+        if CHUNKS == 1:
+            dst = buf.reshape([1, rows, 1, W])
+            if count > 0:
+                dst = dst.slice(first, count, 1)
+            return dst
+        else:
+            return buf.reshape([1, buf.shape[0], 1, W]).slice(ch * rows + first, count if count > 0 else rows, 1)
 
     @gluon.jit
     def _load_vt(cfg, buf, ring, desc, i, item, col, i_hk):
@@ -741,11 +787,23 @@ if AVAILABLE:
         return gl.max(buf.load(layout), 0)
 
     @gluon.jit
-    def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr):
+    def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr, CHUNKS: gl.constexpr = 1):
         """Issue S = Q K_i^T for the program's block i (the K ring's i-th use) into the registers of s_buf:
-        S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read."""
+        S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read. CHUNKS > 1: q holds the query tile's
+        column chunks ([CHUNKS, rows, W]) and each K slot CHUNKS buffers; their products add up."""
         slot = smem.k_bar.wait_full(i)
-        return warpgroup_mma(q, smem.k.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
+        if CHUNKS == 1:
+            return warpgroup_mma(q, smem.k.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
+        else:
+            rows: gl.constexpr = s_buf.shape[0]
+            keys: gl.constexpr = s_buf.shape[1]
+            k = smem.k.index(slot)
+            s = warpgroup_mma(_chunk(q, 0, rows, CHUNKS), _chunk(k, 0, keys, CHUNKS).permute((1, 0)), s_buf,
+                              use_acc=USE_ACC, is_async=True)
+            for ch in gl.static_range(1, CHUNKS):
+                s = warpgroup_mma(_chunk(q, ch, rows, CHUNKS), _chunk(k, ch, keys, CHUNKS).permute((1, 0)), s,
+                                  use_acc=True, is_async=True)
+            return s
 
     @gluon.jit
     def _issue_scores(cfg, smem, q, i, s_zero, bc, part: gl.constexpr):
@@ -755,12 +813,12 @@ if AVAILABLE:
         widening. Returns (the product's token, bc)."""
         if cfg.BIAS == 1 and not cfg.SOFTCAP:
             b = _read_bias(cfg, smem, bc, s_zero, part, False)
-            tok = _issue_s(smem, q, i, to_float32(b), True)
+            tok = _issue_s(smem, q, i, to_float32(b), True, cfg.QK_CHUNKS)
             # The product's issue needed the tile in registers: its read is complete, the slot may be refilled.
             smem.b_bar.release(bc)
             return tok, bc + 1
         else:
-            return _issue_s(smem, q, i, s_zero, False), bc
+            return _issue_s(smem, q, i, s_zero, False, cfg.QK_CHUNKS), bc
 
     @gluon.jit
     def _scale_q(q, factor):
@@ -853,7 +911,7 @@ if AVAILABLE:
             # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
             big = _wg_max(l_blk, smem.flag.index(rows.part * 2 + (c + j) % 2))
             if big > LAZY_LIMIT:
-                s_tok = _issue_s(smem, q, c + j, s_zero, False)
+                s_tok = _issue_s(smem, q, c + j, s_zero, False, cfg.QK_CHUNKS)
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
                 p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask,
                                                        bc)
@@ -1152,8 +1210,10 @@ if AVAILABLE:
         """Allocate the forward's shared memory (FwdSmem) and initialize its barriers."""
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                     element_bitwidth=cfg.dtype.primitive_bitwidth, rank=2)
-        q_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG * cfg.QBUF, cfg.PART_M, cfg.HEAD_DIM], layout)
-        k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.BLOCK_N, cfg.HEAD_DIM], layout)
+        # (Q's and K's column chunks, QK_CHUNKS > 1, are stacked along the rows of a buffer: _chunk.)
+        q_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG * cfg.QBUF, cfg.QK_SLOTS * cfg.PART_M, cfg.QK_W],
+                                           layout)
+        k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.QK_SLOTS * cfg.BLOCK_N, cfg.QK_W], layout)
         if cfg.FP8:
             v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.HEAD_DIM_V, cfg.BLOCK_N], layout)
         else:
@@ -1235,8 +1295,10 @@ if AVAILABLE:
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
         gl.static_assert(PAGE == 0 or (VARLEN and (PAGE % BLOCK_N == 0 or BLOCK_N % PAGE == 0)))
         gl.static_assert(not LAZY or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
+        gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM or (BIAS == 0 and q_desc.dtype.primitive_bitwidth > 8))
         cfg = FwdConfig(HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI,
-                        HAS_SINKS, BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D, q_desc.dtype)
+                        HAS_SINKS, BIAS, STAGE_O, NUM_WG, DYNAMIC, QBUF, VARLEN, LAZY, DROPOUT, PAGE, PAD_D,
+                        q_desc.dtype, q_desc.block_type.shape[3])
         # (The tuples' fields are read where they are passed: an assignment would turn the ones Triton specialized
         # into constants, integer arguments equal to 1, into runtime values.)
         prog = FwdProgram(
@@ -1561,11 +1623,14 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
     # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
     # V and the output have their own tile width where their head dim differs (MLA's 192/128: GLUON_FWD_SPLIT_DIMS).
+    # tile_d keys the configuration tables; Q and K may read narrower chunks of their own width (QK_TILE_DIM).
     tile_d, tile_dv = TILE_DIM[head_dim], TILE_DIM[head_dim_v]
+    tile_qk = QK_TILE_DIM.get(head_dim, tile_d)
+    qk_cols = tile_qk if tile_qk == tile_d else QK_CHUNK
     block_n = plan.block_n = BLOCK_NS[tile_d]
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
     plan.descs = tuple(_descriptor(_meta(t), rows, cols) for t, rows, cols in (
-        (q4, WG_M, tile_d), (k4, kv_rows, tile_d), (v4, kv_rows, tile_dv),
+        (q4, WG_M, qk_cols), (k4, kv_rows, qk_cols), (v4, kv_rows, tile_dv),
         (q4 if plan.o_from_q else o4, WG_M, tile_dv)))
     if plan.fp8:
         plan.descs = plan.descs[:2] + (_vt_descriptor(_transposed_v(_meta(v), varlen), tile_dv, block_n), ) \
@@ -1634,9 +1699,10 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # One program per SM (every banded configuration takes the dynamic schedule, so does every call with more
     # work items than programs).
     plan.launch = _launch.Bound(_fwd_kernel, (min(n_tiles, _num_sms(q.device.index)), ), (), dict(
-        HEAD_DIM=tile_d, HEAD_DIM_V=tile_dv, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, MASK_RIGHT=req.mask_right,
-        MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
-        HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o, NUM_WG=num_wg,
+        HEAD_DIM=tile_qk, HEAD_DIM_V=tile_dv, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        MASK_RIGHT=req.mask_right, MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0,
+        HAS_ALIBI=req.alibi_slopes is not None, HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o,
+        NUM_WG=num_wg,
         DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page,
         PAD_D=tile_dv != head_dim_v),
         dict(num_warps=4))
