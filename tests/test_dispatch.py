@@ -120,6 +120,10 @@ def test_gluon_fp8_allow_list():
         assert name in gluon.decline_forward(q, k, v, other, H100), name
         assert dispatch.choose_forward(q, k, v, other, H100).name == "triton"
     q64, k64, v64 = (t.to(torch.float8_e4m3fn) for t in _qkv(d=64))
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    packed = AttentionRequest(softmax_scale=0.125, descale=descale, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                              max_seqlen_q=156, max_seqlen_k=156)
+    assert "varlen" in gluon.decline_forward(q[0], k[0], v[0], packed, H100)
     assert "head dim 64" in gluon.decline_forward(q64, k64, v64, req, H100)
     assert "float16 or bfloat16" in gluon.decline_backward(torch.empty_like(q), q, k, v, req, H100)
 
