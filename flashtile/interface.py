@@ -219,10 +219,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             (FA3's arguments), for inference: q, k, v are then float8_e4m3fn, all three, and each holds its values
             divided by its factor (per batch entry and kv head; a query head takes its kv head's q factor). Scores
             are softmax_scale * q_descale * k_descale * (q @ k^T) and the output is v_descale times the weighted
-            sum, accumulated in float32; out is bfloat16. The scores' products are exact (the float8 values are
-            multiplied in bfloat16 without rounding), P is rounded to bfloat16 before P @ V. Forward only: with
-            inputs that require grad under grad mode it raises NotImplementedError, and dropout_p must be 0. Runs
-            the portable Triton kernel (the Hopper kernels take 16-bit inputs).
+            sum, accumulated in float32; out is bfloat16. Forward only: with inputs that require grad under grad
+            mode it raises NotImplementedError, and dropout_p must be 0. On Hopper at headdim 128 without softcap,
+            ALiBi or attn_mask it runs the Gluon kernel: float8 tensor-core products, P rounded to float8 before
+            P @ V, V copied transposed once per call. Elsewhere the portable Triton kernel: the float8 values are
+            multiplied in bfloat16 without rounding, and P is rounded to bfloat16 before P @ V.
 
 {returns}
 
@@ -418,7 +419,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         seqused_k: int32 (batch,), keyword-only, default None; with block_table only. Sequence b's number of keys,
             overriding cu_seqlens_k (whose values are then not used), as in flash-attn.
         q_descale, k_descale, v_descale: float32 (batch, nheads_k), keyword-only, default None (1): the FP8
-            forward, as flash_attn_func's, one factor per sequence and kv head (not with block_table).
+            forward, as flash_attn_func's, one factor per sequence and kv head (not with block_table; varlen
+            batches run the portable kernel).
 
 {returns}
 
