@@ -568,7 +568,56 @@ def test_merge_into_rounds_once(monkeypatch, dst_dtype, kernel):
         assert torch.equal(got, ref)
 
 
-# GPUs: NCCL between two GPUs of one host.
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_running_result_folds_pieces_exactly(monkeypatch, kernel):
+    """_ring._Running, the forward's running result: for random pieces over random row ranges in several steps
+    (rows reached by several pieces, by one, or by none; rows a block saw no key of, which block_forward returns
+    as out 0 and LSE -inf), with the last step's merges written into
+    the call's output as ring_forward marks them, the result is the exact float32 merge of every row's
+    contributions (derivation ch. 7), rounded once to the output dtype; rows no piece reached give 0 and -inf."""
+    from flashtile.distributed import _local, _ring
+    from flashtile.kernels import configs
+    from flashtile.reference import merge_partials
+    if kernel and not configs.INTERPRETING:
+        pytest.skip("the Triton pass runs in the interpreter (TRITON_INTERPRET=1) or on a GPU")
+    monkeypatch.setattr(_local, "use_kernels", lambda t: kernel)
+    gen = torch.Generator().manual_seed(6)
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=gen))  # noqa: E731
+    b, h, d = 2, 3, 8
+    for trial in range(12):
+        n = draw(4, 40)
+        q = torch.empty(b, n, h, d, dtype=torch.bfloat16)
+        running = _ring._Running(q, d)
+        steps = [[sorted((draw(0, n), draw(0, n + 1))) for _ in range(draw(0, 3))] for _ in range(draw(1, 4))]
+        contributions = [[] for _ in range(n)]
+        for s_i, pieces in enumerate(steps):
+            pieces = [(lo, hi) for lo, hi in pieces if lo < hi]
+            for i, (lo, hi) in enumerate(pieces):
+                out_i = torch.randn(b, hi - lo, h, d, generator=gen)
+                lse_i = torch.randn(b, h, hi - lo, generator=gen) * 3
+                unseen = torch.rand(hi - lo, generator=gen) < 0.2  # rows that saw no key: out 0, lse -inf
+                lse_i[:, :, unseen] = float("-inf")
+                out_i[:, unseen] = 0.0
+                final = s_i == len(steps) - 1 and all(c1 <= lo or c0 >= hi for c0, c1 in pieces[i + 1:])
+                for r in range(lo, hi):  # copies: the running result merges into its segments in place
+                    contributions[r].append((out_i[:, r - lo].clone(), lse_i[:, :, r - lo].clone()))
+                running.add(lo, hi, out_i, lse_i, final)
+        out, lse = running.finish()
+        assert out.dtype == torch.bfloat16 and out.shape == (b, n, h, d) and lse.shape == (b, h, n)
+        for r in range(n):
+            if not contributions[r]:
+                assert (out[:, r] == 0).all() and torch.isneginf(lse[:, :, r]).all(), (trial, r)
+                continue
+            outs = [o.double().unsqueeze(1) for o, _ in contributions[r]]
+            lses = [x.double().unsqueeze(-1) for _, x in contributions[r]]
+            ref, ref_lse = merge_partials(outs, lses)
+            ref = torch.nan_to_num(ref[:, 0], nan=0.0)
+            torch.testing.assert_close(lse[:, :, r].double(), ref_lse[..., 0], atol=1e-5, rtol=1e-5)
+            step = 2 ** -7 * ref.abs().clamp_min(1e-3) + 1e-5  # one bfloat16 rounding (truncation in the interpreter)
+            assert ((out[:, r].double() - ref).abs() <= 2 * step).all(), (trial, r)
+
+
+# GPUs: NCCL between two GPUs of one host.# GPUs: NCCL between two GPUs of one host.
 GPU_NAMES = [c.name for c in CASES] + ["bf16-error-ratio"]
 GPU_BAD_CASES = ["shape-mismatch", "one-rank-bad-dtype", "options-differ", "cpu-tensors-on-nccl"]
 

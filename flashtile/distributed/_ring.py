@@ -118,7 +118,8 @@ class _Running:
     a piece's result becomes the segment of the rows no earlier piece reached (a view of the block's output: no
     copy) and is merged into the segments of the rows reached before. finish() assembles the call's output in q's
     dtype and its LSE; a merge marked `final` (the last one of its rows) writes into them directly, so that the
-    rounding costs no pass of its own."""
+    rounding costs no pass of its own. A row a block saw no key of comes as out 0 and LSE -inf (block_forward's
+    contract), so a segment taken as it is needs no fix-up."""
 
     def __init__(self, q, head_dim_v):
         self.segments = []
