@@ -246,7 +246,8 @@ def _zeroed_outside(like, lo, hi):
 
 
 def _add_rows(acc, grad, lo, hi):
-    """acc[:, lo:hi] += grad; acc None: grad (the first contribution, over every row) is the accumulator."""
+    """acc[:, lo:hi] += grad; acc None: grad is the first contribution and the accumulator (a first contribution
+    over only some rows never comes here: _step_backward has the kernel write it into a _zeroed_outside one)."""
     if acc is None:
         return grad
     acc[:, lo:hi] += grad
@@ -307,11 +308,6 @@ def _fold(acc, parts, kv, dtypes=None):
         return add_rounded(acc[0], whole[2], dtypes[0]), add_rounded(acc[1], whole[3], dtypes[1])
     dk, dv = acc if acc is not None else (None, None)
     for k0, k1, dk_i, dv_i in parts:
-        if dk is None and (k0, k1) != (0, kv[0].shape[1]):
-            dk, dv = (_zeroed_outside(t, k0, k1) for t in kv)
-            dk[:, k0:k1].copy_(dk_i)
-            dv[:, k0:k1].copy_(dv_i)
-            continue
         dk = _add_rows(dk, dk_i, k0, k1)
         dv = _add_rows(dv, dv_i, k0, k1)
     if dk is None:

@@ -115,7 +115,8 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
 # The float8 forward's (K/V ring depth, query buffers) at d128: 16 KB per K or V block and 16 KB per query tile,
-# beside two 8 KB P buffers (_stage_p).
+# beside two 8 KB P buffers (_stage_p). Rings of 3 and 4 stages fit but ran no faster at 16k on an H100, and one
+# query buffer lost 4% there (docs/design-record.md, "The FP8 forward").
 FP8_RING = (2, 2)
 # LAZY_MAX (SETTINGS.lazy_max, on by default): without an attn_mask, a left window or ALiBi, on two warpgroups, blocks
 # after a work item's first take their exponentials against the rows' reference from earlier blocks, with no row
@@ -275,8 +276,9 @@ if AVAILABLE:
 
     @aggregate
     class FwdSmem:
-        """The forward's shared memory: query tiles (q: QBUF buffers of NUM_WG [PART_M, HEAD_DIM] parts), K and V
-        blocks (STAGES of [BLOCK_N, HEAD_DIM]), output staging tiles (o), attn_mask tiles (b: BSTAGES slots of
+        """The forward's shared memory: query tiles (q: QBUF buffers of NUM_WG [PART_M, HEAD_DIM] parts, at d192 their
+        column chunks stacked along the rows), K and V blocks (STAGES of [BLOCK_N, HEAD_DIM], K chunked likewise; V
+        [BLOCK_N, HEAD_DIM_V], transposed under FP8), output staging tiles (o), attn_mask tiles (b: BSTAGES slots of
         NUM_WG [PART_M, BLOCK_N] parts), the work items the producer hands over (tile: per query buffer the item's
         index, and under VARLEN its ITEM_FIELDS), _wg_max's buffers (flag), the rings' barriers, and under FP8 each
         consumer's float8 P ([PART_M, BLOCK_N], _stage_p). Buffers and rings a launch does not use alias used ones
@@ -726,7 +728,6 @@ if AVAILABLE:
             bc += 1
         s = _score_mod(s, col0, rows.arow, rows.slope, mods.pre_scale, b, mods.mod_unit, cfg.SOFTCAP,
                        cfg.HAS_ALIBI, BIAS_MOD)
-        qk_scale = mods.qk_scale
         KEEP_NEG_INF: gl.constexpr = cfg.MASK_LEFT | (cfg.BIAS != 0)
         if mask:
             keep = _visible(s, rows.row, col0, rows.seqlen_k, rows.diag_offset, rows.left_offset, cfg.MASK_RIGHT,
@@ -734,9 +735,10 @@ if AVAILABLE:
             if cfg.BIAS == 2:
                 keep = keep & (_read_bias(cfg, smem, bc, s, rows.part, True) != 0)
                 bc += 1
-            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale, KEEP_NEG_INF)
+            p, alpha, m_n, l_n = _softmax_core(gl.where(keep, s, float("-inf")), m_i, l_i, mods.qk_scale,
+                                               KEEP_NEG_INF)
         else:
-            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, qk_scale, KEEP_NEG_INF)
+            p, alpha, m_n, l_n = _softmax_core(s, m_i, l_i, mods.qk_scale, KEEP_NEG_INF)
         return p, alpha, m_n, l_n, bc
 
     @gluon.jit
@@ -789,8 +791,8 @@ if AVAILABLE:
     @gluon.jit
     def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr, CHUNKS: gl.constexpr = 1):
         """Issue S = Q K_i^T for the program's block i (the K ring's i-th use) into the registers of s_buf:
-        S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read. CHUNKS > 1: q holds the query tile's
-        column chunks ([CHUNKS, rows, W]) and each K slot CHUNKS buffers; their products add up."""
+        S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read. CHUNKS > 1: the query tile's and each K
+        slot's column chunks are stacked along their buffers' rows (_chunk); their products add up."""
         slot = smem.k_bar.wait_full(i)
         if CHUNKS == 1:
             return warpgroup_mma(q, smem.k.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
@@ -1629,12 +1631,10 @@ def _fwd_plan(q, k, v, req, out_dtype):
     qk_cols = tile_qk if tile_qk == tile_d else QK_CHUNK
     block_n = plan.block_n = BLOCK_NS[tile_d]
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
-    plan.descs = tuple(_descriptor(_meta(t), rows, cols) for t, rows, cols in (
-        (q4, WG_M, qk_cols), (k4, kv_rows, qk_cols), (v4, kv_rows, tile_dv),
-        (q4 if plan.o_from_q else o4, WG_M, tile_dv)))
-    if plan.fp8:
-        plan.descs = plan.descs[:2] + (_vt_descriptor(_transposed_v(_meta(v), varlen), tile_dv, block_n), ) \
-            + plan.descs[3:]
+    v_desc = (_vt_descriptor(_transposed_v(_meta(v), varlen), tile_dv, block_n) if plan.fp8
+              else _descriptor(_meta(v4), kv_rows, tile_dv))
+    plan.descs = (_descriptor(_meta(q4), WG_M, qk_cols), _descriptor(_meta(k4), kv_rows, qk_cols), v_desc,
+                  _descriptor(_meta(q4 if plan.o_from_q else o4), WG_M, tile_dv))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (req.window_right if req.mask_right else 0)
@@ -1659,7 +1659,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     qbuf, stage_o = _smem_plan(tile_d, num_wg, qbuf, 0)
     stages = STAGES[tile_d]
     if plan.fp8:
-        # Float8 tiles take half the shared memory: a deeper K/V ring and two query buffers fit (FP8_RING).
+        # Float8 tiles take half the shared memory: two query buffers at every configuration (FP8_RING).
         stages, qbuf = FP8_RING
     count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
