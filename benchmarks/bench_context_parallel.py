@@ -14,9 +14,16 @@ What it measures (issue 27's closing checks), all in bf16, B1 H16 d128 unless to
 - the link: point-to-point bandwidth and latency between neighbours and all-to-all time, the inputs of the scaling
   model in docs/distributed.md.
 FLOPs: fwd 4·B·H·S²·D / 2 for causal (the whole sequence's), fwd+bwd 3.5x; per GPU: divided by the world size.
-Step time: per iteration the slowest rank's, median over iterations, timed twice: back to back with the host
-running ahead, as a training loop and do_bench run (the headline, `ms`), and with every iteration starting on an
-idle GPU after a barrier (`ms_synced`: adds the call's launch latency). The providers of one size take turns
+Step time, timed three ways:
+- throughput (the headline, `ms`): back to back with the host running ahead, as a training loop runs, the time from
+  the end of the first iteration to the end of the last over the iterations between, on the slowest rank;
+- `ms_median_of_max`: the same iterations, the median over iterations of the slowest rank's time for each. With
+  ranks that wait for each other it counts each iteration's slower side: a rank's iteration ends when its last
+  kernel does, and the rank that waited in one iteration starts the next one late, so the two ranks' times for an
+  iteration vary in opposite directions while their sums do not (docs/distributed.md, "Measured");
+- synced (`ms_synced`): every iteration starting on an idle GPU after a barrier (adds the call's launch latency),
+  median over iterations of the slowest rank's.
+The providers of one size take turns
 --rounds times (default 3) and each reports its median round, since the GPUs' clocks drift as they warm. Rank 0
 prints a table (each bar marked ok or BELOW BAR) and writes <out>/<date>-<gpu>-context-parallel-w<W>.json after
 each section. On a cold Triton cache the
@@ -112,13 +119,16 @@ def _stream_times(step, iters):
 
 
 def time_step(step):
-    """(stream ms, iteration count, peak bytes, synced ms) of step():
-    - stream: the median over back-to-back iterations (_stream_times) of the slowest rank's step time: the
-      throughput of a training loop, whose host runs ahead of its GPU; the headline number, as do_bench's;
+    """(throughput ms, iteration count, peak bytes, synced ms, median-of-max ms) of step():
+    - throughput: over back-to-back iterations (_stream_times), the slowest rank's mean step time from the end of
+      the first iteration to the end of the last: a training loop's, whose host runs ahead of its GPU; the
+      headline number;
     - synced: the median over iterations that each start on an idle GPU after a barrier (CUDA events around one
       step, then a synchronisation) of the slowest rank's: adds each call's latency from the host to its first
       kernel;
-    - peak: the memory allocated during the steps beyond what was allocated before them (bytes; 0 on the CPU)."""
+    - peak: the memory allocated during the steps beyond what was allocated before them (bytes; 0 on the CPU);
+    - median-of-max: the back-to-back iterations' median of the slowest rank's time per iteration (the module
+      docstring says how it differs from the throughput for ranks that wait for each other)."""
     step()
     _sync()
     dist.barrier()
@@ -136,7 +146,8 @@ def time_step(step):
     dist.barrier()
     stream = _stream_times(step, iters)
     peak = torch.cuda.max_memory_allocated() - base if cuda else 0
-    return statistics.median(_slowest(stream)), iters, peak, statistics.median(_slowest(synced))
+    throughput = _slowest([sum(stream[1:]) / (iters - 1)])[0]
+    return throughput, iters, peak, statistics.median(_slowest(synced)), statistics.median(_slowest(stream))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -252,6 +263,8 @@ def speed(args, rank, world):
                 row.update(ms=ms, ms_rounds=[t[0] for t in timings[name]], iters=timings[name][0][1],
                            tflops_per_gpu=per_gpu / ms / 1e9, peak_gib=max(t[2] for t in timings[name]) / GiB,
                            ms_synced=synced, ms_synced_rounds=[t[3] for t in timings[name]],
+                           ms_median_of_max=statistics.median(t[4] for t in timings[name]),
+                           ms_median_of_max_rounds=[t[4] for t in timings[name]],
                            tflops_per_gpu_synced=per_gpu / synced / 1e9)
             rows.append(row)
             if rank == 0:
@@ -410,7 +423,9 @@ def _table(results):
         if base and zig:
             ratio, bar = zig["tflops_per_gpu"] / base["tflops_per_gpu"], SPEED_BAR.get(s, SPEED_BAR_DEFAULT)
             synced = zig["tflops_per_gpu_synced"] / base["tflops_per_gpu_synced"]
-            line += f"  zigzag/1-GPU {ratio:.3f} (>= {bar}: {_mark(ratio >= bar)}; synced calls {synced:.3f})"
+            per_iter = base["ms_median_of_max"] * zig["world"] / zig["ms_median_of_max"]
+            line += (f"  zigzag/1-GPU {ratio:.3f} (>= {bar}: {_mark(ratio >= bar)}; median of max {per_iter:.3f};"
+                     f" synced calls {synced:.3f})")
         if zig and tcp:
             ratio = tcp["ms"] / zig["ms"]
             line += f"  torch-CP time/zigzag {ratio:.3f} (>= {TORCH_CP_BAR}: {_mark(ratio >= TORCH_CP_BAR)})"

@@ -94,16 +94,16 @@ class _KernelBackend:
     def forward(self, q, k, v, req, out_dtype=None):
         return self.plan_forward(q, k, v, req, out_dtype)[1:]
 
-    def plan_backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        """(the plan, what backward returns)."""
+    def plan_backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, dq_addend=None):
+        """(the plan, what backward returns); dq_addend: the Gluon kernel's only (dispatch.backward)."""
         from .kernels import backward as bwd_kernels
         plan, dq, dk, dv, dbias, dsinks = bwd_kernels.plan_backward(
             dout, q, k, v, out, lse, dlse, req, gluon=self.GLUON, grads=(None, None, None) if grads is None
-            else grads[1], bias_grad=bias_requires_grad)
+            else grads[1], bias_grad=bias_requires_grad, dq_addend=dq_addend)
         return plan, _backward_result(grads, dq, dk, dv, dbias, dsinks)
 
-    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads):
-        return self.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)[1]
+    def backward(self, dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, dq_addend=None):
+        return self.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, dq_addend)[1]
 
 
 class GluonHopper(_KernelBackend):
@@ -325,10 +325,34 @@ def _packed_grad_buffers(q, k, v, packed_q, packed_k, v_in):
     return None
 
 
-def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, buffers=None):
+def _backward_unfused_addend(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, buffers, dq_addend):
+    """backward's result with dq_addend on a backend that stores dQ as it computes it (all but the Gluon one): the
+    query gradient into a float32 buffer, then added to dq_addend and rounded into buffers[0], one pass; None when
+    the Gluon backend takes the call (it adds dq_addend itself)."""
+    if buffers is None or dq_addend.dtype != torch.float32 or dq_addend.shape != q.shape:
+        raise ValueError(f"dq_addend must be a float32 tensor shaped like q {tuple(q.shape)}, given with the "
+                         f"gradient buffers; got {dq_addend.dtype} {tuple(dq_addend.shape)}")
+    if getattr(choose_backward(dout, q, k, v, req), "GLUON", False):
+        return None
+    dq = buffers[0]
+    grad = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    grads, dbias, dsinks = backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad,
+                                    (grad,) + tuple(buffers[1:]))
+    torch.add(dq_addend, grad, out=dq)
+    return [dq] + list(grads[1:]), dbias, dsinks
+
+
+def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, buffers=None, dq_addend=None):
     """([dq, dk, dv] or the packed gradients, dbias, dsinks) for possibly packed q, k, v (k None: packed qkv;
     v None: packed kv), on the chosen backend. buffers: (dq, dk, dv) to write (unpacked inputs only; e.g.
-    flashtile.distributed's float32 block gradients), else allocated in the inputs' dtypes."""
+    flashtile.distributed's float32 block gradients), else allocated in the inputs' dtypes. dq_addend (with
+    buffers): None, or a float32 tensor shaped like q that the query gradient is added to, in float32, before it
+    is rounded into buffers[0] (flashtile.distributed's last step: its running dQ plus the step's, rounded once).
+    The Gluon backward adds it in its dQ pass; after the other backends it takes one more pass."""
+    if dq_addend is not None:
+        unfused = _backward_unfused_addend(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, buffers, dq_addend)
+        if unfused is not None:
+            return unfused
     packed_q, packed_k, v_in = q, k, v
     if k is None:
         q, k, v = q.unbind(-3)
@@ -344,11 +368,12 @@ def backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, buffers=Non
         plan = _PLANS.get(key)
         if plan is not None:
             return _backward_result(grads, *plan.run(dout, q, k, v, out, lse, dlse, req,
-                                                     (None, None, None) if grads is None else grads[1]))
+                                                     (None, None, None) if grads is None else grads[1], dq_addend))
     backend = choose_backward(dout, q, k, v, req)
+    extra = () if dq_addend is None else (dq_addend,)  # only the Gluon backend comes here with one
     if key is None or not hasattr(backend, "plan_backward"):
-        return backend.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
-    plan, result = backend.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads)
+        return backend.backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, *extra)
+    plan, result = backend.plan_backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad, grads, *extra)
     _store_plan(key, plan)
     return result
 

@@ -137,6 +137,31 @@ def test_portable_and_reference():
     assert dispatch.choose_forward(q, k, v, req, H100).name == "triton"  # fp32 takes the portable kernels
 
 
+def test_backward_dq_addend_rounds_once():
+    """dispatch.backward's dq_addend (flashtile.distributed's last step) on the backends that store dQ as they
+    compute it (the reference here; the portable kernels under TRITON_INTERPRET=1): dq is the addend plus the float32
+    gradient of the same call, rounded once into the buffer's dtype; dk, dv are untouched by it; a bad addend
+    raises naming its shape."""
+    q, k, v = _qkv(1, 37, 29, 4, 2, 16, torch.float32)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    req = AttentionRequest(softmax_scale=0.25, window_right=0, diagonal_offset=-8)
+    backend = dispatch.choose_backward(dout, q, k, v, req)
+    out, lse = dispatch.choose_forward(q, k, v, req).forward(q, k, v, req)
+    grads32 = [torch.empty(t.shape) for t in (q, k, v)]
+    dispatch.backward(dout, q, k, v, out, lse, None, req, False, buffers=grads32)
+    addend = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)) * 10
+    dq = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    dk, dv = torch.empty(k.shape), torch.empty(v.shape)
+    result = dispatch.backward(dout, q, k, v, out, lse, None, req, False, buffers=(dq, dk, dv), dq_addend=addend)
+    assert result[0][0] is dq
+    assert torch.equal(dq, torch.add(addend, grads32[0], out=torch.empty(q.shape, dtype=torch.bfloat16)))
+    assert not torch.equal(dq, grads32[0].to(torch.bfloat16))
+    assert backend.name in ("reference", "triton")  # both bit-identical run to run
+    assert torch.equal(dk, grads32[1]) and torch.equal(dv, grads32[2])
+    with pytest.raises(ValueError, match="dq_addend must be a float32 tensor shaped like q"):
+        dispatch.backward(dout, q, k, v, out, lse, None, req, False, buffers=(dq, dk, dv), dq_addend=addend[:, 1:])
+
+
 def test_explain():
     q, k, v = _qkv(2, 4096, 4096, 16, 4, 128)
     text = str(flashtile.explain(q, k, v, causal=True, deterministic=True, target=H100))

@@ -666,7 +666,8 @@ def test_add_rounded(monkeypatch, dtype, kernel):
 
 def test_context_parallel_bench_times_each_step_both_ways(tmp_path, monkeypatch):
     """benchmarks/bench_context_parallel.py's time_step on a one-process gloo group: the back-to-back loop and the
-    synced one each run the step `iters` times after one warm-up and one sizing call, and both give times."""
+    synced one each run the step `iters` times after one warm-up and one sizing call, and both give times; the
+    headline is the back-to-back iterations' mean after the first, beside their median."""
     import importlib.util
     import sys
 
@@ -682,9 +683,12 @@ def test_context_parallel_bench_times_each_step_both_ways(tmp_path, monkeypatch)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         calls = []
-        stream_ms, iters, peak, synced_ms = bench.time_step(lambda: calls.append(1))
+        stream_ms, iters, peak, synced_ms, median_ms = bench.time_step(lambda: calls.append(1))
         assert iters == 3 and len(calls) == 2 + 2 * iters
-        assert stream_ms >= 0 and synced_ms >= 0 and peak == 0
+        assert stream_ms >= 0 and synced_ms >= 0 and median_ms >= 0 and peak == 0
         assert len(bench._stream_times(lambda: None, 4)) == 4
+        monkeypatch.setattr(bench, "_stream_times", lambda step, n: [100.0, 1.0, 5.0][:n])
+        stream_ms, iters, _, _, median_ms = bench.time_step(lambda: None)
+        assert (stream_ms, median_ms) == (3.0, 5.0)
     finally:
         dist.destroy_process_group()

@@ -318,3 +318,44 @@ def test_float32_outputs(spy, causal, varlen, d):
     assert ((out32 - out16.float()).abs() <= ulp).all()
     torch.testing.assert_close(lse32, lse16, rtol=0, atol=0)
     assert len(spy) == 2
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_adds_dq_addend(monkeypatch, call_counter, varlen, d):
+    """flashtile.distributed's last step: dispatch.backward's dq_addend is added to dQ in the Gluon backward's dQ
+    pass (the tile pass, or the varlen buffer's copy) and the sum rounded once into dq's dtype; against the same
+    call's float32 gradient plus the addend: within one bfloat16 rounding (dQ's reductions are atomic, so the
+    float32 sums may differ in their last bits). Twice with plans on: the call that builds the plan and one that
+    runs it."""
+    from flashtile.request import AttentionRequest
+    monkeypatch.setattr(SETTINGS, "gluon_backward", True)
+    monkeypatch.setattr(SETTINGS, "fast_launch", True)
+    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", {64: 0, 128: 0})
+    plans = call_counter(hopper_bwd, "gluon_plan")
+    q, k, v = make_qkv(2, 700, 900, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d + varlen, grad=False)
+    fields = dict(softmax_scale=d ** -0.5, window_right=0)
+    if varlen:
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu_q = torch.tensor([0, 700, 1400], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 900, 1800], dtype=torch.int32, device=DEVICE)
+        fields.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=700, max_seqlen_k=900)
+    else:
+        fields.update(diagonal_offset=200)
+    req = AttentionRequest(**fields)
+    gen = torch.Generator(DEVICE).manual_seed(d)
+    dout = torch.randn(q.shape, device=DEVICE, generator=gen).to(torch.bfloat16)
+    addend = torch.randn(q.shape, device=DEVICE, generator=gen) * 4
+    out, lse = dispatch.forward(q, k, v, req)
+    grads32 = [torch.empty(t.shape, device=DEVICE) for t in (q, k, v)]
+    dispatch.backward(dout, q, k, v, out, lse, None, req, False, buffers=grads32)
+    want = addend + grads32[0]
+    for _ in range(2):
+        dq = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        dk, dv = (torch.full(t.shape, float("nan"), device=DEVICE) for t in (k, v))
+        dispatch.backward(dout, q, k, v, out, lse, None, req, False, buffers=(dq, dk, dv), dq_addend=addend)
+        assert ((dq.float() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-5).all()
+        assert ((dq.float() - grads32[0].to(torch.bfloat16).float()).abs().max() > 1e-2)  # the addend is in it
+        torch.testing.assert_close(dk, grads32[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dv, grads32[2], rtol=0, atol=0)
+    assert len(plans) == 2  # the float32 call's plan and the addend call's (its dq is bfloat16): Gluon both times

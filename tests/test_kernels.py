@@ -219,3 +219,10 @@ def test_dq_from_tiles(head_dim):
     dq = torch.full((batch, seqlen_q, heads, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     hopper_bwd.dq_from_tiles(acc, dq, seqlen_q_pad)
     assert torch.equal(dq, expect)
+    # With an addend (the ring's running dQ, here rows of a wider tensor): the tile plus the addend, summed in
+    # float32 and stored in dq's dtype (float32 here, so the expected sum is exact in torch too).
+    wide = torch.randn(batch, seqlen_q, heads, 2 * head_dim, device=DEVICE)
+    addend = wide[..., head_dim:]
+    dq32 = torch.full((batch, seqlen_q, heads, head_dim), float("nan"), device=DEVICE)
+    hopper_bwd.dq_from_tiles(acc, dq32, seqlen_q_pad, addend)
+    assert torch.equal(dq32, full[:, :, :seqlen_q].permute(0, 2, 1, 3) + addend)

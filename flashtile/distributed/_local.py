@@ -83,18 +83,26 @@ def block_forward(q, k, v, block: Block):
         return dispatch.forward(q, k, v, req, out_dtype=torch.float32)  # a plan after the first call
 
 
-def block_backward(dout, q, k, v, out, lse, dlse, block: Block, buffers=(None, None, None)):
-    """(dq, dk, dv) in float32: the block's share of the gradients, given the final out and lse of q's rows (and
-    dlse, the gradient reaching lse, or None). dk and dv sum over the query heads of each kv head. buffers: float32
-    tensors shaped like q, k, v (any strides, e.g. rows of an accumulator) to write them into, None: fresh ones."""
+def block_backward(dout, q, k, v, out, lse, dlse, block: Block, buffers=(None, None, None), dq_addend=None):
+    """(dq, dk, dv): the block's share of the gradients, given the final out and lse of q's rows (and dlse, the
+    gradient reaching lse, or None), in float32. dk and dv sum over the query heads of each kv head. buffers:
+    tensors shaped like q, k, v (any strides, e.g. rows of an accumulator) to write them into, None: fresh float32
+    ones. dq_addend: None, or a float32 tensor shaped like q: dq is then dq_addend plus the block's share, added in
+    float32 and rounded once into buffers[0] (of any float dtype; the Gluon backward adds it in its dQ pass)."""
     req = block.request()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) if b is None else b
                   for t, b in zip((q, k, v), buffers))
     if not use_kernels(q):  # the reference, on float32 copies: its gradients come in the inputs' dtype
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
+        dq = grads[0]
+        if dq_addend is not None:
+            grads = (torch.empty(q.shape, dtype=torch.float32, device=q.device),) + grads[1:]
         dispatch.choose_backward(dout, q, k, v, req).backward(dout, q, k, v, out, lse, dlse, req, False,
                                                               ([], grads))
+        if dq_addend is not None:
+            grads = (torch.add(dq_addend, grads[0], out=dq),) + grads[1:]
         return grads
-    dispatch.backward(dout, q, k, v, out, lse, dlse, req, False, buffers=grads)  # a plan after the first call
+    dispatch.backward(dout, q, k, v, out, lse, dlse, req, False, buffers=grads,  # a plan after the first call
+                      dq_addend=dq_addend)
     return grads

@@ -259,12 +259,13 @@ def _covers(parts, n):
     return parts[0] if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == n else None
 
 
-def _piece_backward(dout, dlse, q, kv, out, lse, piece, options, buffers):
+def _piece_backward(dout, dlse, q, kv, out, lse, piece, options, buffers, dq_addend=None):
     """(dq, dk, dv) of one piece, float32, in [B, rows, H, D] (a packed piece's with B = 1), written into
-    `buffers` where given (views of accumulators; None: fresh tensors)."""
+    `buffers` where given (views of accumulators; None: fresh tensors). dq_addend: None, or the running float32
+    dq of the piece's rows, which dq then adds, rounded once into buffers[0]'s dtype (block_backward)."""
     grads = block_backward(_rows(dout, piece), _rows(q, piece), _rows(kv[0], piece, True), _rows(kv[1], piece, True),
                            _rows(out, piece), _lse_rows(lse, piece), None if dlse is None else _lse_rows(dlse, piece),
-                           _block(options, piece), buffers)
+                           _block(options, piece), buffers, dq_addend)
     return tuple(_unpack(g, piece) for g in grads)
 
 
@@ -274,25 +275,27 @@ def _step_backward(dout, dlse, q, kv, out, lse, dq, pieces, options, dq_dtype=No
     None where it did not) and this step's other key gradients as a list of (first key row, last + 1, dk, dv)
     parts of the key block. An accumulator's first contribution that covers only some rows is written by the
     kernel straight into its rows, the others zeroed. dq_dtype: the last step's, where dq comes back in that dtype
-    (dq plus one piece over every row: added and rounded in one pass)."""
+    (dq plus one piece over every row: the piece's dQ pass adds dq and rounds, block_backward's dq_addend)."""
     parts, keys = [], None
     n_q, n_k = q.shape[1], kv[0].shape[1]
     for piece in pieces:
         q0, q1, k0, k1 = (0, n_q, 0, n_k) if piece.varlen is not None else (piece.q0, piece.q1, piece.k0, piece.k1)
-        buffers = [None, None, None]
+        buffers, addend = [None, None, None], None
         if dq is None and (q0, q1) != (0, n_q):
             dq = _zeroed_outside(q, q0, q1)
             buffers[0] = dq[:, q0:q1]
+        elif dq_dtype is not None and dq is not None and len(pieces) == 1 and (q0, q1) == (0, n_q):
+            addend, buffers[0] = _rows(dq, piece), _rows(torch.empty(q.shape, dtype=dq_dtype, device=q.device), piece)
         if fresh_keys and keys is None and not parts and (k0, k1) != (0, n_k):
             keys = tuple(_zeroed_outside(t, k0, k1) for t in kv)
             buffers[1:] = keys[0][:, k0:k1], keys[1][:, k0:k1]
-        dq_i, dk_i, dv_i = _piece_backward(dout, dlse, q, kv, out, lse, piece, options, buffers)
+        dq_i, dk_i, dv_i = _piece_backward(dout, dlse, q, kv, out, lse, piece, options, buffers, addend)
         if buffers[1] is None:
             parts.append((k0, k1, dk_i, dv_i))
+        if addend is not None:
+            return dq_i, keys, parts
         if buffers[0] is not None:
             continue
-        if dq_dtype is not None and dq is not None and len(pieces) == 1 and (q0, q1) == (0, n_q):
-            return add_rounded(dq, dq_i, dq_dtype), keys, parts
         dq = _add_rows(dq, dq_i, q0, q1)
     if dq_dtype is not None and dq is not None:
         dq = dq.to(dq_dtype)

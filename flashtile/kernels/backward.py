@@ -329,16 +329,17 @@ class BwdPlan:
     __slots__ = ("device", "pad", "rows_shape", "preprocess", "gluon", "dkdv", "dq", "groups", "fargs", "lengths",
                  "use_tma", "tiles", "dropout_scalars", "full_shape", "bias_grad", "dbias_dtype", "delta_scale")
 
-    def run(self, dout, q, k, v, out, lse, dlse, req, grads):
-        """(dq, dk, dv, dbias, dsinks) of a call with this plan's key."""
+    def run(self, dout, q, k, v, out, lse, dlse, req, grads, dq_addend=None):
+        """(dq, dk, dv, dbias, dsinks) of a call with this plan's key (dq_addend: the Gluon kernel's only, see
+        plan_backward)."""
         stream = _launch.stream_for(q.get_device())
-        call = self.prepare(stream, dout, q, k, v, out, lse, dlse, req, grads)
+        call = self.prepare(stream, dout, q, k, v, out, lse, dlse, req, grads, dq_addend)
         if self.gluon is None:
             self.launch_dkdv(stream, call)
             self.launch_dq(stream, call)
         return self.finish(call)
 
-    def prepare(self, stream, dout, q, k, v, out, lse, dlse, req, grads):
+    def prepare(self, stream, dout, q, k, v, out, lse, dlse, req, grads, dq_addend=None):
         """Allocate the call's buffers and launch the preprocess (and the Gluon kernel) -> the call's _BwdCall."""
         device = self.device
         call = _BwdCall()
@@ -364,8 +365,9 @@ class BwdPlan:
         if self.gluon is not None:
             call.dbias_full = _gluon_dbias(req, self.full_shape, device) if self.bias_grad else None
             self.gluon.run(stream, q, k, v, dout, *call.grads, call.rows.lse_log2, call.rows.delta, req,
-                           call.dbias_full)
+                           call.dbias_full, dq_addend)
             return call
+        assert dq_addend is None, "the portable kernels store dQ: flashtile/dispatch.backward adds dq_addend"
         # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
         # broadcast dimensions here; tiles the kernel skips (outside the band, fully masked) stay 0.
         call.dbias = fargs.bias._replace(strides=(0, 0, 0, 0))  # a placeholder, never written without DBIAS
@@ -476,17 +478,19 @@ def _bind_dq(plan, spec, q, k, v, req, flags, cfg):
 
 
 def plan_backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, gluon=False, grads=(None, None, None),
-                  bias_grad=False):
+                  bias_grad=False, dq_addend=None):
     """(BwdPlan, dq, dk, dv, dbias, dsinks): the plan of this call's key, its tiles the first candidates that compile
     (the dK/dV kernel's on its launch, then the dQ kernel's on its own), and the call's gradients
     (attention_backward's arguments; grads: the given (dq, dk, dv) buffers, None where not given). flashtile/dispatch
-    keeps the plan for later calls with the same key."""
+    keeps the plan for later calls with the same key. dq_addend (gluon only): None, or a float32 tensor shaped like
+    q that dQ is added to in float32 before it is rounded into dq (the Gluon kernel's dQ pass reads it; the
+    portable kernels store dQ as they compute it, so flashtile/dispatch adds it after them)."""
     stream = _launch.stream_for(q.get_device())
     # The gradients the plan allocates (contiguous) join the TMA check as tensors without storage.
     spec = configs.launch_spec(q, (q, k, v, dout) + tuple(
         torch.empty(t.shape, dtype=t.dtype, device="meta") if g is None else g for t, g in zip((q, k, v), grads)))
     plan, flags = _bwd_plan(spec, q, k, v, dout, out, lse, dlse, req, gluon, grads, bias_grad)
-    call = plan.prepare(stream, dout, q, k, v, out, lse, dlse, req, grads)
+    call = plan.prepare(stream, dout, q, k, v, out, lse, dlse, req, grads, dq_addend)
     if not gluon:
         head_dim = max(q.shape[-1], v.shape[-1])
         dkdv_candidates, dq_candidates = configs.backward_candidates(head_dim, req.mask_right, q.dtype, spec)

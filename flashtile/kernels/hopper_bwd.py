@@ -75,12 +75,13 @@ _Scales, _Heads, _Mul, _Lists = (collections.namedtuple(name, fields) for name, 
 
 
 @triton.jit
-def _dq_from_tiles_kernel(Acc, dQ, stride_b, stride_s, stride_h, seqlen_q, seqlen_q_pad, num_heads,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _dq_from_tiles_kernel(Acc, dQ, Addend, stride_b, stride_s, stride_h, add_b, add_s, add_h, seqlen_q, seqlen_q_pad,
+                          num_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ADD: tl.constexpr):
     """dQ from the kernel's fp32 tile buffer ([B, H, Sq_pad / BLOCK_M, 2, 4096], _bwd_kernel's dq_desc note): one
     program per warpgroup share of a query tile and (batch, head), cast to dQ's dtype. Each share is a [64, 64]
     accumulator stored by _stage_dq in the order [i, j, w, r, q, e] for row w*16 + i*8 + r, column j*8 + q*2 + e;
-    the share is columns 64*share of the tile's 64 rows at d128, rows 64*share of its 128 at d64."""
+    the share is columns 64*share of the tile's 64 rows at d128, rows 64*share of its 128 at d64. ADD: a float32
+    tensor shaped like dQ (strides add_b, add_s, add_h) is added before the cast, so the sum is rounded once."""
     i_share = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
@@ -98,24 +99,32 @@ def _dq_from_tiles_kernel(Acc, dQ, stride_b, stride_s, stride_h, seqlen_q, seqle
     else:
         query = tile * BLOCK_M + share * 64 + row
         dim = col
+    inside = query < seqlen_q
+    if ADD:
+        x += tl.load(Addend + i_b.to(tl.int64) * add_b + query.to(tl.int64) * add_s + i_h * add_h + dim, mask=inside,
+                     other=0.0)
     ptr = dQ + i_b.to(tl.int64) * stride_b + query.to(tl.int64) * stride_s + i_h * stride_h + dim
-    tl.store(ptr, x.to(dQ.dtype.element_ty), mask=query < seqlen_q)
+    tl.store(ptr, x.to(dQ.dtype.element_ty), mask=inside)
 
 
-def dq_from_tiles(acc, dq, seqlen_q_pad):
-    """Write dq ([B, Sq, H, D]) from the Gluon backward's fp32 tile buffer (_dq_from_tiles_kernel)."""
-    _dq_from_tiles_launch(dq, seqlen_q_pad)(_launch.stream_for(dq.get_device()), acc, dq)
+def dq_from_tiles(acc, dq, seqlen_q_pad, addend=None):
+    """Write dq ([B, Sq, H, D]) from the Gluon backward's fp32 tile buffer (_dq_from_tiles_kernel); addend: None,
+    or a float32 tensor shaped like dq added before the rounding."""
+    launch = _dq_from_tiles_launch(dq, seqlen_q_pad, addend)
+    launch(_launch.stream_for(dq.get_device()), acc, dq, acc if addend is None else addend)
     return dq
 
 
-def _dq_from_tiles_launch(dq, seqlen_q_pad):
-    """dq_from_tiles' launch for dq's shape and strides, bound: its call takes (stream, acc, dq)."""
+def _dq_from_tiles_launch(dq, seqlen_q_pad, addend=None):
+    """dq_from_tiles' launch for dq's shape and strides (and addend's, where given), bound: its call takes
+    (stream, acc, dq, addend or acc)."""
     batch, seqlen_q, num_heads, head_dim = dq.shape
     block_m = BLOCK_M[head_dim]
     grid = (2 * seqlen_q_pad // block_m, batch * num_heads)
-    return _launch.Bound(_dq_from_tiles_kernel, grid, (dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q,
-                                                       seqlen_q_pad, num_heads),
-                         dict(HEAD_DIM=head_dim, BLOCK_M=block_m), dict(num_warps=4))
+    add_strides = (0, 0, 0) if addend is None else addend.stride()[:3]
+    return _launch.Bound(_dq_from_tiles_kernel, grid, (dq.stride(0), dq.stride(1), dq.stride(2), *add_strides,
+                                                       seqlen_q, seqlen_q_pad, num_heads),
+                         dict(HEAD_DIM=head_dim, BLOCK_M=block_m, ADD=addend is not None), dict(num_warps=4))
 
 
 if AVAILABLE:
@@ -976,7 +985,9 @@ class GluonBwdPlan:
     call's tensors fixed: the grid, the scalar groups, the constexprs and the compiled kernels (_launch.Bound)."""
     __slots__ = ("launch", "to_dq", "acc_shape", "scalars", "mul", "lists", "tiles", "varlen", "dropout", "device")
 
-    def run(self, stream, q, k, v, dout, dq, dk, dv, lse_log2, delta, req, dbias):
+    def run(self, stream, q, k, v, dout, dq, dk, dv, lse_log2, delta, req, dbias, dq_addend=None):
+        """Launch the kernel and write dq, dk, dv; dq_addend: None, or a float32 tensor shaped like q that dQ is
+        added to before it is rounded into dq (kernels/backward.BwdPlan.run)."""
         q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
         # dQ in fp32, scaled in the kernel: [total_q, H, D] for varlen, each sequence's reductions stopping at its
         # end; else tile by tile (the kernel's dq_desc note).
@@ -1002,9 +1013,11 @@ class GluonBwdPlan:
                     req.seed if self.dropout else delta, *self.scalars, bias, self.mul, dbias_desc, counts, indices,
                     _Lists(*self.lists[:3]))
         if self.varlen:
-            dq.copy_(dq_acc)
+            dq.copy_(dq_acc if dq_addend is None else dq_acc.add_(dq_addend))
+        elif dq_addend is None:
+            self.to_dq(stream, dq_acc, dq, dq_acc)
         else:
-            self.to_dq(stream, dq_acc, dq)
+            _dq_from_tiles_launch(dq, lse_log2.shape[-1], dq_addend)(stream, dq_acc, dq, dq_addend)
 
 
 def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_grad):
