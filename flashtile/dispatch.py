@@ -170,8 +170,7 @@ class GluonHopper(_KernelBackend):
         """Why the forward does not take float8 inputs with these options (None: it does)."""
         if q.shape[-1] not in GLUON_FP8_HEAD_DIMS:
             return f"float8 inputs at head dim {q.shape[-1]} (it takes {GLUON_FP8_HEAD_DIMS})"
-        # (A varlen batch compiles, but its kernel has not run on a GPU yet: it takes the portable kernel.)
-        unsupported = [name for name, on in (("a varlen batch", req.varlen), ("softcap", req.softcap > 0),
+        unsupported = [name for name, on in (("softcap", req.softcap > 0),
                                              ("ALiBi", req.alibi_slopes is not None),
                                              ("an attn_mask", req.attn_bias is not None)) if on]
         if unsupported:

@@ -419,8 +419,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         seqused_k: int32 (batch,), keyword-only, default None; with block_table only. Sequence b's number of keys,
             overriding cu_seqlens_k (whose values are then not used), as in flash-attn.
         q_descale, k_descale, v_descale: float32 (batch, nheads_k), keyword-only, default None (1): the FP8
-            forward, as flash_attn_func's, one factor per sequence and kv head (not with block_table; varlen
-            batches run the portable kernel).
+            forward, as flash_attn_func's (the same kernels, Hopper's at headdim 128), one factor per sequence
+            and kv head (not with block_table).
 
 {returns}
 

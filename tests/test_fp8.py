@@ -229,8 +229,7 @@ def test_fp8_portable_forward_on_gpu(monkeypatch, causal):
     assert_close("out", out.cpu(), ref, plain, torch.bfloat16)
 
 
-@pytest.mark.parametrize("varlen", [False, True])
-def test_transposed_v_for_the_hopper_kernel(varlen):
+def test_transposed_v_for_the_hopper_kernel():
     """The Hopper FP8 forward's copy of V with the keys contiguous (hopper_fwd._transposed_v, a Triton kernel):
     the same bytes as torch's permuted copy, rows padded to 16 keys outside the view; odd key counts, a
     non-contiguous V."""
@@ -239,11 +238,33 @@ def test_transposed_v_for_the_hopper_kernel(varlen):
         pytest.skip("runs the Triton kernel in the interpreter (TRITON_INTERPRET=1)")
     gen = torch.Generator().manual_seed(2)
     wide = torch.randn(3, 203, 2, 2 * 128, generator=gen).to(FP8)
-    v = wide[..., :128] if not varlen else wide[0, :, :, :128]  # rows and heads strided
-    vt = hopper_fwd._transposed_v(v, varlen)
-    v4 = v.unsqueeze(0) if varlen else v
-    assert vt.shape == (v4.shape[0], v4.shape[2], v4.shape[3], v4.shape[1]) and vt.stride(-2) == 208
-    assert torch.equal(vt.view(torch.uint8), v4.permute(0, 2, 3, 1).contiguous().view(torch.uint8))
+    v = wide[..., :128]  # rows and heads strided
+    vt = hopper_fwd._transposed_v(v)
+    assert vt.shape == (3, 2, 128, 203) and vt.stride(-2) == 208
+    assert torch.equal(vt.view(torch.uint8), v.permute(0, 2, 3, 1).contiguous().view(torch.uint8))
+
+
+def test_transposed_v_of_a_varlen_batch():
+    """_transposed_v of packed sequences (the varlen FP8 forward): sequence b's keys from column
+    ceil16(cu_seqlens_k[b]) + 16 b of [1, Hk, D, L] (the kernel's _load_vt computes the same), zeros everywhere
+    else; odd lengths, an empty sequence, a strided V."""
+    from flashtile.kernels import configs, hopper_fwd
+    from flashtile.testing import cu_seqlens
+    if not configs.INTERPRETING:
+        pytest.skip("runs the Triton kernel in the interpreter (TRITON_INTERPRET=1)")
+    lens = [37, 0, 130, 5]
+    gen = torch.Generator().manual_seed(4)
+    v = torch.randn(sum(lens), 2, 2 * 128, generator=gen).to(FP8)[..., 128:]
+    vt = hopper_fwd._transposed_v(v, cu_seqlens(lens), max(lens))
+    length = -(-sum(lens) // 16) * 16 + 16 * (len(lens) + 1)
+    assert vt.shape == (1, 2, 128, length) and vt.is_contiguous()
+    expect = torch.zeros(1, 2, 128, length, dtype=torch.uint8)
+    start = 0
+    for b, n in enumerate(lens):
+        col = -(-start // 16) * 16 + 16 * b
+        expect[0, :, :, col:col + n] = v[start:start + n].view(torch.uint8).permute(1, 2, 0)
+        start += n
+    assert torch.equal(vt.view(torch.uint8), expect)
 
 
 GLUON_CASES = [
@@ -309,3 +330,50 @@ def test_fp8_gluon_factors_of_any_sign_on_gpu():
     assert not out.isnan().any()
     assert_close("out", out.cpu(), ref, plain, torch.bfloat16)
     assert (out[1, :, 0:2] == 0).all()  # v's factor 0 for kv head 0 of entry 1 (query heads 0 and 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_gluon_varlen_on_gpu(poison, causal):
+    """flash_attn_varlen_func's FP8 forward on the Hopper kernel at d128: one factor per (sequence, kv head) with
+    every sign, sequences of odd lengths with Sq != Sk both ways and an empty one on either side (causal: each
+    aligned to its own bottom-right corner), GQA. Per sequence against the float64 attention of its dequantized
+    values, plain PyTorch at the kernel's precision as the yardstick (_fp8_p_pipeline)."""
+    from flashtile import dispatch
+    from flashtile.testing import cu_seqlens
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    gen = torch.Generator().manual_seed(21 + causal)
+    lens_q, lens_k, h, hk, d = [700, 0, 1290, 333, 129], [900, 50, 777, 0, 129], 8, 2, 128
+    parts = [[_quantize(t, hk, gen) for t in (torch.randn(1, sq, h, d, generator=gen) * 2,
+                                              torch.randn(1, sk, hk, d, generator=gen),
+                                              torch.randn(1, sk, hk, d, generator=gen))]
+             for sq, sk in zip(lens_q, lens_k)]
+    q8, k8, v8 = (torch.cat([p[i][0][0] for p in parts]) for i in range(3))
+    qd, kd, vd = (torch.cat([p[i][1] for p in parts]) for i in range(3))
+    qd[0, 1], kd[2, 0], vd[3, 1] = -qd[0, 1], -kd[2, 0], 0.0
+    cu_q, cu_k = cu_seqlens(lens_q).cuda(), cu_seqlens(lens_k).cuda()
+    args = [t.cuda() for t in (q8, k8, v8)]
+    req = AttentionRequest(softmax_scale=d ** -0.5, window_right=0 if causal else -1, cu_seqlens_q=cu_q,
+                           cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                           descale=torch.ones(len(lens_q), hk, 3, device="cuda"))
+    assert dispatch.choose_forward(*args, req).name == "gluon-hopper"
+    out, lse, _ = flashtile.flash_attn_varlen_func(*args, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                   q_descale=qd.cuda(), k_descale=kd.cuda(), v_descale=vd.cuda(),
+                                                   return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    out, lse = out.cpu(), lse.cpu()
+    row_q = row_k = 0
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sk == 0:  # a sequence with no key: out 0 and LSE -inf
+            assert (lse[:, row_q:row_q + sq] == float("-inf")).all() and (out[row_q:row_q + sq] == 0).all()
+            row_q += sq
+            continue
+        seq = [t[None] for t in (q8[row_q:row_q + sq], k8[row_k:row_k + sk], v8[row_k:row_k + sk])]
+        factors = (qd[b:b + 1], kd[b:b + 1], vd[b:b + 1])
+        ref, ref_lse = naive_attention(*(_dequantized(t, f) for t, f in zip(seq, factors)), softmax_scale=d ** -0.5,
+                                       diagonal_offset=sk - sq, window_size=(-1, 0 if causal else -1))
+        plain = _fp8_p_pipeline(*seq, *factors, d ** -0.5, causal)
+        assert_close(f"out of sequence {b}", out[None, row_q:row_q + sq], ref, plain, torch.bfloat16)
+        torch.testing.assert_close(lse[None, :, row_q:row_q + sq].double(), ref_lse, atol=1e-2, rtol=0)
+        row_q, row_k = row_q + sq, row_k + sk

@@ -675,7 +675,11 @@ if AVAILABLE:
         dimension: the descriptor is over the call's transposed copy of V ([B, Hk, D, Sk], plan.start)."""
         slot = ring.wait_empty(i)
         mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
-        tma_load(desc, [item.t_b, i_hk, 0, item.k_start + col], ring.full.index(slot),
+        key = item.k_start + col
+        if cfg.VARLEN:
+            # Each sequence's keys start on a 16-key boundary of the copy (_transposed_v: VT_ALIGN).
+            key = (item.k_start + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_ALIGN * item.i_b + col
+        tma_load(desc, [item.t_b, i_hk, 0, key], ring.full.index(slot),
                  buf.index(slot).reshape([1, 1, cfg.HEAD_DIM_V, cfg.BLOCK_N]))
 
     @gluon.jit
@@ -1363,41 +1367,66 @@ def _vt_descriptor(vt, head_dim, block_n):
 
 
 @triton.jit
-def _transpose_v_kernel(V, Vt, seqlen, num_heads, stride_vb, stride_vs, stride_vh, stride_tb, stride_th, stride_td,
-                        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def _transpose_v_kernel(V, Vt, CuSeqK, seqlen, num_heads, stride_vb, stride_vs, stride_vh, stride_tb, stride_th,
+                        stride_td, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, VARLEN: tl.constexpr):
     """Vt[b, h, :, s] = V[b, s, h, :] for BLOCK_S keys of one (batch, head) per program (bytes: float8 read as
-    uint8). Both sides move whole rows: the load along the head dim, the store along the keys."""
+    uint8). Both sides move whole rows: the load along the head dim, the store along the keys. VARLEN: b is a
+    sequence of the packed V (batch dims of 1), its keys from CuSeqK[b], stored from VT_ALIGN-rounded
+    CuSeqK[b] + VT_ALIGN * b (_transposed_v)."""
     i_bh = tl.program_id(1)
     i_b = (i_bh // num_heads).to(tl.int64)
     i_h = (i_bh % num_heads).to(tl.int64)
     keys = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
-    x = tl.load(V + i_b * stride_vb + i_h * stride_vh + keys.to(tl.int64)[:, None] * stride_vs + dims[None, :],
-                mask=keys[:, None] < seqlen)
-    tl.store(Vt + i_b * stride_tb + i_h * stride_th + dims.to(tl.int64)[:, None] * stride_td + keys[None, :],
-             tl.trans(x), mask=keys[None, :] < seqlen)
+    if VARLEN:
+        start = tl.load(CuSeqK + i_b).to(tl.int64)
+        n_keys = tl.load(CuSeqK + i_b + 1) - start
+        src = V + i_h * stride_vh + (start + keys.to(tl.int64))[:, None] * stride_vs + dims[None, :]
+        dst = Vt + i_h * stride_th + dims.to(tl.int64)[:, None] * stride_td
+        dst += (start + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_ALIGN * i_b + keys[None, :]
+    else:
+        n_keys = seqlen
+        src = V + i_b * stride_vb + i_h * stride_vh + keys.to(tl.int64)[:, None] * stride_vs + dims[None, :]
+        dst = Vt + i_b * stride_tb + i_h * stride_th + dims.to(tl.int64)[:, None] * stride_td + keys[None, :]
+    x = tl.load(src, mask=keys[:, None] < n_keys)
+    tl.store(dst, tl.trans(x), mask=keys[None, :] < n_keys)
 
 
 # Keys per program of the transposed copy: a [128, D] tile of bytes.
 _TRANSPOSE_KEYS = 128
+# Varlen FP8: each sequence's keys start at a multiple of this many in V's transposed copy, since a TMA copy whose
+# first key (the contiguous dimension, one byte each) is not on a 16-byte boundary stopped the kernel with an
+# illegal instruction on an H100. Sequence b starts at VT_ALIGN-rounded cu_seqlens_k[b] + VT_ALIGN * b, which
+# follows the end of sequence b - 1 and needs no other offsets (_load_vt computes it from the item).
+VT_ALIGN = tl.constexpr(16)
 
 
-def _transposed_v(v, varlen):
+def _transposed_v(v, cu_seqlens_k=None, max_seqlen_k=0):
     """V as [B, Hk, D, Sk] with the keys contiguous, for the FP8 forward's P V (float8 wgmma takes its shared
     operands K-major only): one pass per call over B * Sk * Hk * D bytes (_transpose_v_kernel; torch's copy of the
     permuted view took ~0.22 ms for 32 MB on an H100). Rows are padded to 16 keys (TMA strides are multiples of 16
-    bytes); the view excludes the padding. Varlen: [1, Hk, D, total_k]."""
+    bytes); the view excludes the padding. Varlen (cu_seqlens_k given, v [total_k, Hk, D]): [1, Hk, D, L] with
+    each sequence on a VT_ALIGN boundary and zeros between (the kernel's key blocks read past a sequence's end with
+    P = 0 there, and 0 times a stale float8 NaN would not be 0)."""
+    varlen = cu_seqlens_k is not None
     v4 = v.unsqueeze(0) if varlen else v
     batch, seqlen_k, num_kv_heads, head_dim = v4.shape
-    padded = torch.empty((batch, num_kv_heads, head_dim, -(-seqlen_k // 16) * 16), dtype=v.dtype, device=v.device)
-    vt = padded[..., :seqlen_k]
-    if v.device.type == "meta" or v4.numel() == 0:
+    if varlen:
+        n_seqs = cu_seqlens_k.numel() - 1
+        length = -(-seqlen_k // 16) * 16 + VT_ALIGN.value * (n_seqs + 1)
+        vt = torch.zeros((1, num_kv_heads, head_dim, length), dtype=v.dtype, device=v.device)
+        padded, grid = vt, (triton.cdiv(max_seqlen_k, _TRANSPOSE_KEYS), n_seqs * num_kv_heads)
+    else:
+        padded = torch.empty((batch, num_kv_heads, head_dim, -(-seqlen_k // 16) * 16), dtype=v.dtype,
+                             device=v.device)
+        vt, grid = padded[..., :seqlen_k], (triton.cdiv(seqlen_k, _TRANSPOSE_KEYS), batch * num_kv_heads)
+    if v.device.type == "meta" or v4.numel() == 0 or grid[0] * grid[1] == 0:
         return vt
     assert v4.stride(-1) == 1 and head_dim == triton.next_power_of_2(head_dim)
     src, dst = v4.view(torch.uint8), padded.view(torch.uint8)
-    grid = (triton.cdiv(seqlen_k, _TRANSPOSE_KEYS), batch * num_kv_heads)
-    _launch.launch(_transpose_v_kernel, grid, (src, dst, seqlen_k, num_kv_heads, *src.stride()[:3], *dst.stride()[:3]),
-                   dict(HEAD_DIM=head_dim, BLOCK_S=_TRANSPOSE_KEYS), v.device.index, num_warps=4)
+    _launch.launch(_transpose_v_kernel, grid, (src, dst, cu_seqlens_k if varlen else src, seqlen_k, num_kv_heads,
+                                               *src.stride()[:3], *dst.stride()[:3]),
+                   dict(HEAD_DIM=head_dim, BLOCK_S=_TRANSPOSE_KEYS, VARLEN=varlen), v.device.index, num_warps=4)
     return vt
 
 
@@ -1578,7 +1607,7 @@ class GluonFwdPlan:
                                        req.seqused_k)[0]
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         if self.fp8:
-            v = _transposed_v(v, self.varlen)
+            v = _transposed_v(v, *((req.cu_seqlens_k, req.max_seqlen_k) if self.varlen else ()))
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     _Extras(lse if req.alibi_slopes is None else req.alibi_slopes,
@@ -1631,7 +1660,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     qk_cols = tile_qk if tile_qk == tile_d else QK_CHUNK
     block_n = plan.block_n = BLOCK_NS[tile_d]
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
-    v_desc = (_vt_descriptor(_transposed_v(_meta(v), varlen), tile_dv, block_n) if plan.fp8
+    v_desc = (_vt_descriptor(_transposed_v(_meta(v), req.cu_seqlens_k if varlen else None), tile_dv, block_n)
+              if plan.fp8
               else _descriptor(_meta(v4), kv_rows, tile_dv))
     plan.descs = (_descriptor(_meta(q4), WG_M, qk_cols), _descriptor(_meta(k4), kv_rows, qk_cols), v_desc,
                   _descriptor(_meta(q4 if plan.o_from_q else o4), WG_M, tile_dv))
