@@ -95,14 +95,6 @@ def block_backward(dout, q, k, v, out, lse, dlse, block: Block, buffers=(None, N
                   for t, b in zip((q, k, v), buffers))
     if not use_kernels(q):  # the reference, on float32 copies: its gradients come in the inputs' dtype
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
-        dq = grads[0]
-        if dq_addend is not None:
-            grads = (torch.empty(q.shape, dtype=torch.float32, device=q.device),) + grads[1:]
-        dispatch.choose_backward(dout, q, k, v, req).backward(dout, q, k, v, out, lse, dlse, req, False,
-                                                              ([], grads))
-        if dq_addend is not None:
-            grads = (torch.add(dq_addend, grads[0], out=dq),) + grads[1:]
-        return grads
     dispatch.backward(dout, q, k, v, out, lse, dlse, req, False, buffers=grads,  # a plan after the first call
                       dq_addend=dq_addend)
     return grads

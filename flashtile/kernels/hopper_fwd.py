@@ -1732,8 +1732,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
         HEAD_DIM=tile_qk, HEAD_DIM_V=tile_dv, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
         MASK_RIGHT=req.mask_right, MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0,
         HAS_ALIBI=req.alibi_slopes is not None, HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o,
-        NUM_WG=num_wg,
-        DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0, PAGE=page,
-        PAD_D=tile_dv != head_dim_v),
+        NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0,
+        PAGE=page, PAD_D=tile_dv != head_dim_v),
         dict(num_warps=4))
     return plan
