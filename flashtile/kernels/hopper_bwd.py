@@ -59,6 +59,13 @@ BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 BLOCK_M = {64: 128, 128: 64}
 HEAD_DIMS = (64, 128)
 STAGES = 2
+# Fixed-length calls with at most this many keys run a persistent grid (PERSISTENT: one program per SM taking work
+# items from a counter, the next item's K and V loaded while the last one's dK and dV are stored); longer ones one
+# program per item. docs/design-record.md, "A persistent backward for short sequences".
+PERSISTENT_MAX_SEQLEN_K = 4096
+# The persistent consumers' register budget: the work loop's state spills at CONSUMER_REGS (232); 240 still fits the
+# register file with the other partitions' (256 + 240 per thread of the two warpgroups, 24 for the two warps).
+PERSISTENT_CONSUMER_REGS = tl.constexpr(240)
 # Which calls this kernel takes (head dims, a float attn_mask's head dims, the shortest key lengths): the
 # GluonHopper allow-list in flashtile/dispatch.py, with its measurements.
 # kv heads launched together under a float attn_mask shared by the heads (_grouped_order): 4, where the forward
@@ -71,7 +78,7 @@ HEAD_GROUP = 4
 _Strides = collections.namedtuple("_Strides", "q_b q_s k_b k_s v_b v_s do_b do_s dk_b dk_s dk_h dv_b dv_s dv_h alibi_b")
 _Scales, _Heads, _Mul, _Lists = (collections.namedtuple(name, fields) for name, fields in (
     ("_Scales", "pre_scale qk_scale sm_scale drop_threshold drop_rescale"),
-    ("_Heads", "num_heads num_kv_heads head_group"), ("_Mul", "b h"), ("_Lists", "b h cols")))
+    ("_Heads", "num_heads num_kv_heads head_group n_bh"), ("_Mul", "b h"), ("_Lists", "b h cols")))
 
 
 @triton.jit
@@ -147,6 +154,7 @@ if AVAILABLE:
         DBIAS: gl.constexpr
         VARLEN: gl.constexpr
         DROPOUT: gl.constexpr
+        PERSISTENT: gl.constexpr
         FLAT: gl.constexpr
         ROTATE: gl.constexpr
         dtype: gl.constexpr
@@ -156,7 +164,7 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                     VARLEN, DROPOUT, dtype):
+                     VARLEN, DROPOUT, PERSISTENT, dtype):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -169,6 +177,7 @@ if AVAILABLE:
             self.DBIAS = gl.constexpr(DBIAS)
             self.VARLEN = gl.constexpr(VARLEN)
             self.DROPOUT = gl.constexpr(DROPOUT)
+            self.PERSISTENT = gl.constexpr(PERSISTENT)
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
             self.dtype = gl.constexpr(dtype)
@@ -197,7 +206,9 @@ if AVAILABLE:
         LSE and delta and its attn_mask tile (bias; its gradient goes out from there through dbias_desc);
         offsets: ALiBi's query offsets per warpgroup (_bwd_step); k, v: the key block (kv_bar); ds: dS^T in two
         alternating buffers (both halves in: ds_ready); dq: each warpgroup's staged dQ share for the writer
-        (dq_bars[2w] "staged", dq_bars[2w + 1] "read by the writer")."""
+        (dq_bars[2w] "staged", dq_bars[2w + 1] "read by the writer"); item: the index of the program's j-th work
+        item in slot j % 2, written by the loader before that item's K and V are loaded (kv_bar's j-th phase);
+        kv_free: both consumers are done with the item's K and V (their last step's products have completed)."""
         lse: gl.shared_memory_descriptor
         delta: gl.shared_memory_descriptor
         offsets: gl.shared_memory_descriptor
@@ -213,6 +224,8 @@ if AVAILABLE:
         dq: gl.shared_memory_descriptor
         kv_bar: gl.shared_memory_descriptor
         q_bar: Ring
+        item: gl.shared_memory_descriptor
+        kv_free: gl.shared_memory_descriptor
 
     @aggregate
     class BwdWalk:
@@ -303,8 +316,24 @@ if AVAILABLE:
         batch_rows: Value
 
     @aggregate
+    class BwdSched:
+        """The work list of fixed-length batches: n_items = n_blocks * n_bh work items (a key block of one batch
+        entry x kv head), taken by a persistent grid (the first per program its index, the others from the
+        global Counter) in the order of _walk_at; under VARLEN one item per program (n_items 1, its walk computed in
+        _bwd_kernel). head_group, num_kv_heads, seqlen_q and group_size as in _bwd_kernel."""
+        Counter: gl.tensor
+        n_items: Value
+        n_blocks: Value
+        n_bh: Value
+        head_group: Value
+        num_kv_heads: Value
+        seqlen_q: Value
+        group_size: Value
+
+    @aggregate
     class BwdProgram:
-        """Everything the partitions of one program share (built once in _bwd_kernel)."""
+        """Everything the partitions of one program share (built once in _bwd_kernel; walk and drop.bh0 are the
+        current work item's: _item_program)."""
         cfg: BwdConfig
         ptrs: BwdPtrs
         smem: BwdSmem
@@ -316,6 +345,7 @@ if AVAILABLE:
         drop: BwdDropout
         loads: BwdLoads
         dq: BwdDq
+        sched: BwdSched
 
     @aggregate
     class BwdHalf:
@@ -394,11 +424,11 @@ if AVAILABLE:
             mbarrier.expect(smem.q_bar.full.index(slot), nbytes + loads.bias_desc.block_type.nbytes)
         else:
             mbarrier.expect(smem.q_bar.full.index(slot), nbytes)
-        tma_load(loads.q_desc, [m, i_h * cfg.HEAD_DIM], smem.q_bar.full.index(slot), smem.q.index(slot))
-        tma_load(loads.do_desc, [m, i_h * cfg.HEAD_DIM], smem.q_bar.full.index(slot), smem.do.index(slot))
+        i_b = prog.walk.i_b
+        _load_rows(cfg, loads.q_desc, i_b, m, i_h, smem.q_bar.full.index(slot), smem.q.index(slot))
+        _load_rows(cfg, loads.do_desc, i_b, m, i_h, smem.q_bar.full.index(slot), smem.do.index(slot))
         # The rows' LSE and delta ride along: read from shared memory where the softmax needs them, they hold
         # no registers across the products (at d128 registers are what the consumers run short of).
-        i_b = prog.walk.i_b
         tma_load(loads.lse_desc, [i_b * loads.num_heads + i_h, m], smem.q_bar.full.index(slot), smem.lse.index(slot))
         tma_load(loads.delta_desc, [i_b * loads.num_heads + i_h, m], smem.q_bar.full.index(slot),
                  smem.delta.index(slot))
@@ -409,25 +439,152 @@ if AVAILABLE:
                      smem.q_bar.full.index(slot), tile.reshape([1, 1, tile.shape[0], tile.shape[1]]))
 
     @gluon.jit
-    def _bwd_load_partition(prog):
-        """The loader warp: the key block's K and V once, then each step's query-side tiles (_load_q_tile)."""
-        cfg = prog.cfg
-        walk = prog.walk
-        smem = prog.smem
-        mbarrier.expect(smem.kv_bar, prog.loads.k_desc.block_type.nbytes + prog.loads.v_desc.block_type.nbytes)
-        tma_load(prog.loads.k_desc, [walk.start_n, walk.i_hk * cfg.HEAD_DIM], smem.kv_bar, smem.k)
-        tma_load(prog.loads.v_desc, [walk.start_n, walk.i_hk * cfg.HEAD_DIM], smem.kv_bar, smem.v)
-        _walk_tiles(prog, _load_q_tile)
+    def _load_rows(cfg, desc, i_b, row, i_h, bar, dst):
+        """TMA-load the [rows, HEAD_DIM] tile at sequence row `row`, head i_h of batch entry i_b into dst: 2-D
+        descriptors of one sequence under VARLEN, else 3-D ones over [B, S, heads * HEAD_DIM] (_bwd_descriptors)."""
+        if cfg.VARLEN:
+            tma_load(desc, [row, i_h * cfg.HEAD_DIM], bar, dst)
+        else:
+            tma_load(desc, [i_b, row, i_h * cfg.HEAD_DIM], bar, dst.reshape([1, dst.shape[0], dst.shape[1]]))
 
     @gluon.jit
-    def _walk_tiles(prog, STEP: gl.constexpr):
-        """STEP(prog, u, m, i_h) for the u-th query tile the program visits (rows from m of query head i_h), in the
-        partitions' order: the kv head's query heads in turn, each one's listed tiles (a bool attn_mask) or its
-        range (_tile_start). (The consumers walk the same order in two loops, masked tiles and the rest.)"""
+    def _bwd_load_partition(prog):
+        """The loader warp: for each work item of the program (_next_item), its index handed over (smem.item), the
+        key block's K and V once both consumers are done with the previous item's (kv_free), then each step's
+        query-side tiles (_load_q_tile); at the end n_items in place of an index."""
+        cfg = prog.cfg
+        smem = prog.smem
+        if cfg.PERSISTENT:
+            sched = prog.sched
+            item = gl.program_id(0)
+            j = 0  # items so far
+            u = 0  # query tiles so far (the ring's uses)
+            while item < sched.n_items:
+                walk = _walk_at(cfg, sched, prog.band, item)
+                if j > 0:
+                    mbarrier.wait(smem.kv_free, (j - 1) & 1)
+                _hand_over(smem.item, j, walk)
+                _load_kv(prog, walk)
+                u = _walk_tiles(_item_program(prog, walk), u, _load_q_tile)
+                item = _next_item(prog)
+                j += 1
+            if j > 0:
+                mbarrier.wait(smem.kv_free, (j - 1) & 1)
+            _write_item(smem.item.index(j % 2 * ITEM_FIELDS), -1)  # no item left
+            mbarrier.arrive(smem.kv_bar, count=1)
+        else:
+            _load_kv(prog, prog.walk)
+            _walk_tiles(prog, gl.program_id(0) * 0, _load_q_tile)  # (a tensor: the count is loop-carried)
+
+    @gluon.jit
+    def _load_kv(prog, walk):
+        """The work item's K and V blocks, on kv_bar."""
+        smem = prog.smem
+        mbarrier.expect(smem.kv_bar, prog.loads.k_desc.block_type.nbytes + prog.loads.v_desc.block_type.nbytes)
+        _load_rows(prog.cfg, prog.loads.k_desc, walk.i_b, walk.start_n, walk.i_hk, smem.kv_bar, smem.k)
+        _load_rows(prog.cfg, prog.loads.v_desc, walk.i_b, walk.start_n, walk.i_hk, smem.kv_bar, smem.v)
+
+    @gluon.jit
+    def _next_item(prog):
+        """The loader's next work item (PERSISTENT): from the global counter, in list order after the grid's first
+        items. Every program takes once per item it runs (the grid has at most n_items programs), so the takes
+        number n_items, and the one that returns n_items - 1 is the launch's last: it zeroes the counter for the
+        next launch (hopper_fwd._schedule_counter, which the forward's dynamic schedule leaves at zero the same
+        way)."""
+        sched = prog.sched
+        taken = gl.atomic_add(sched.Counter, 1)
+        if taken == sched.n_items - 1:
+            gl.atomic_xchg(sched.Counter, 0)
+        return gl.num_programs(0) + taken
+
+    @gluon.jit
+    def _write_item(item_smem, item):
+        """The loader's hand-over of a work item's index (one int32)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        item_smem.store(gl.full([1], item, gl.int32, layout))
+
+    # A work item's walk goes from the loader to the other partitions through shared memory (smem.item: two slots
+    # of ITEM_FIELDS int32, the j-th item's in slot j % 2), written before its K and V are loaded: the consumers and
+    # the writer read it once kv_bar's j-th phase has completed, and hold none of the work list's scalars
+    # themselves (at d128 the consumers have no registers to spare). A batch index of -1 ends the list.
+    ITEM_FIELDS = gl.constexpr(16)
+
+    @gluon.jit
+    def _hand_over(item_smem, j, walk):
+        """The loader's hand-over of the j-th work item's walk (all but group_size)."""
+        base = (j % 2) * ITEM_FIELDS
+        _write_item(item_smem.index(base), walk.i_b)
+        _write_item(item_smem.index(base + 1), walk.i_hk)
+        _write_item(item_smem.index(base + 2), walk.start_n)
+        _write_item(item_smem.index(base + 3), walk.m_lo)
+        _write_item(item_smem.index(base + 4), walk.n_q)
+        _write_item(item_smem.index(base + 5), walk.i_full)
+        _write_item(item_smem.index(base + 6), walk.i_diag)
+        _write_item(item_smem.index(base + 7), walk.i_diag_end)
+        _write_item(item_smem.index(base + 8), walk.i_end)
+        _write_item(item_smem.index(base + 9), walk.n_mask)
+        _write_item(item_smem.index(base + 10), walk.shift)
+
+    @gluon.jit
+    def _read_field(item_smem, i, WARPS: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        return gl.max(item_smem.index(i).load(layout), 0)
+
+    @gluon.jit
+    def _item_batch(prog, j, WARPS: gl.constexpr):
+        """The j-th work item's batch index (-1: no item left), once its K and V have arrived (or the loader's
+        end mark): read by a partition of WARPS warps."""
+        mbarrier.wait(prog.smem.kv_bar, j & 1)
+        return _read_field(prog.smem.item, (j % 2) * ITEM_FIELDS, WARPS)
+
+    @gluon.jit
+    def _read_walk(prog, j, i_b, WARPS: gl.constexpr):
+        """The j-th work item's walk (after _item_batch)."""
+        item_smem = prog.smem.item
+        base = (j % 2) * ITEM_FIELDS
+        return BwdWalk(i_b, _read_field(item_smem, base + 1, WARPS), _read_field(item_smem, base + 2, WARPS),
+                       _read_field(item_smem, base + 3, WARPS), _read_field(item_smem, base + 4, WARPS),
+                       _read_field(item_smem, base + 5, WARPS), _read_field(item_smem, base + 6, WARPS),
+                       _read_field(item_smem, base + 7, WARPS), _read_field(item_smem, base + 8, WARPS),
+                       _read_field(item_smem, base + 9, WARPS), _read_field(item_smem, base + 10, WARPS),
+                       prog.sched.group_size)
+
+    @gluon.jit
+    def _walk_at(cfg, sched, band, item):
+        """The BwdWalk of work item `item` of a fixed-length batch: key block i_n of batch entry x kv head i_bh,
+        item = i_bh * n_blocks + i_n before _bwd_kernel's reordering."""
+        n_blocks = sched.n_blocks
+        i_n = item % n_blocks
+        i_bh = item // n_blocks
+        if cfg.MASK_RIGHT or cfg.BIAS == 2:
+            i_n, i_bh = _grouped_order(i_n, i_bh, gl.maximum(gl.cdiv(128, n_blocks), sched.head_group), n_blocks,
+                                       sched.n_bh)
+        elif sched.head_group > 1:
+            i_n, i_bh = _grouped_order(i_n, i_bh, sched.head_group, n_blocks, sched.n_bh)
+        start_n = i_n * cfg.BLOCK_N
+        m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift = _query_tiles(
+            cfg, i_n, start_n, sched.seqlen_q, band.seqlen_k, band.diag_offset, band.window_left, band.window_right)
+        return BwdWalk(i_bh // sched.num_kv_heads, i_bh % sched.num_kv_heads, start_n, m_lo, n_q, i_full, i_diag,
+                       i_diag_end, i_end, n_mask, shift, sched.group_size)
+
+    @gluon.jit
+    def _item_program(prog, walk):
+        """prog with a work item's walk and dropout counter base."""
+        drop = prog.drop
+        if prog.cfg.DROPOUT:
+            drop = BwdDropout(drop.Seed, walk.i_b * prog.loads.num_heads, drop.threshold, drop.rescale)
+        return BwdProgram(prog.cfg, prog.ptrs, prog.smem, walk, prog.band, prog.mods, prog.strides, prog.lists, drop,
+                          prog.loads, prog.dq, prog.sched)
+
+    @gluon.jit
+    def _walk_tiles(prog, u, STEP: gl.constexpr):
+        """STEP(prog, u, m, i_h) for the query tiles the work item visits (rows from m of query head i_h; u counts
+        the program's tiles, from the given u on), in the partitions' order: the kv head's query heads in turn,
+        each one's listed tiles (a bool attn_mask) or its range (_tile_start). (The consumers walk the same order
+        in two loops, masked tiles and the rest.) Returns the count after them."""
         cfg = prog.cfg
         walk = prog.walk
         if cfg.BIAS == 2:
-            u = 0
             for g in range(walk.group_size):
                 i_h = walk.i_hk * walk.group_size + g
                 row, count, rot = _list_row(prog.lists, walk.i_b, i_h, walk.start_n // cfg.BLOCK_N)
@@ -436,10 +593,12 @@ if AVAILABLE:
                     STEP(prog, u, m, i_h)
                     u += 1
         else:
-            for u in range(walk.group_size * walk.n_q):
-                i_h = walk.i_hk * walk.group_size + u // walk.n_q
-                m = _tile_start(walk, u % walk.n_q, cfg.BLOCK_M, cfg.ROTATE)
-                STEP(prog, u, m, i_h)
+            for v in range(walk.group_size * walk.n_q):
+                i_h = walk.i_hk * walk.group_size + v // walk.n_q
+                m = _tile_start(walk, v % walk.n_q, cfg.BLOCK_M, cfg.ROTATE)
+                STEP(prog, u + v, m, i_h)
+            u += walk.group_size * walk.n_q
+        return u
 
     @gluon.jit
     def _stage_dq(dq, dq_smem, dq_bars, u, half: gl.constexpr, FLAT: gl.constexpr):
@@ -492,8 +651,17 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_dq_partition(prog):
         """The writer warp: adds each staged dQ share into the fp32 buffer by bulk TMA reductions, so the consumer
-        warpgroups never wait on one (the steps and tiles mirror _bwd_partition's)."""
-        _walk_tiles(prog, _reduce_dq)
+        warpgroups never wait on one (the items, steps and tiles mirror _bwd_partition's)."""
+        if prog.cfg.PERSISTENT:
+            j = 0
+            u = 0
+            i_b = _item_batch(prog, j, 1)
+            while i_b >= 0:
+                u = _walk_tiles(_item_program(prog, _read_walk(prog, j, i_b, 1)), u, _reduce_dq)
+                j += 1
+                i_b = _item_batch(prog, j, 1)
+        else:
+            _walk_tiles(prog, gl.program_id(0) * 0, _reduce_dq)
 
     @gluon.jit
     def _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, bh, MASK: gl.constexpr):
@@ -647,26 +815,53 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_partition(prog, half: gl.constexpr):
-        """Consumer warpgroup `half`: keys start_n + 64 * half .. + 63 of the block; every query tile of every
-        query head of the kv head (_bwd_step), then dK and dV stored."""
+        """Consumer warpgroup `half`: for each work item of the program, keys start_n + 64 * half .. + 63 of its
+        block; every query tile of every query head of the kv head (_bwd_item), then kv_free signalled and dK and
+        dV stored (the loader brings the next item's K and V meanwhile)."""
         cfg = prog.cfg
-        walk = prog.walk
         smem = prog.smem
-        key0 = walk.start_n + half * 64
-        wg = BwdHalf(key0, key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.s_layout)),
-                     smem.k.slice(half * 64, 64), smem.v.slice(half * 64, 64), smem.dq.index(half),
-                     smem.offsets.index(half), half)
+        offsets = smem.offsets.index(half)
         if cfg.HAS_ALIBI:
-            offsets = gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(0, cfg.s_layout)).to(gl.float32)
-            wg.offsets.store(gl.expand_dims(offsets, 0))
+            offsets.store(gl.expand_dims(gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(0, cfg.s_layout))
+                                         .to(gl.float32), 0))
             thread_barrier()
-        dk = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
-        dv = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
         seed = 0
         if cfg.DROPOUT:
             seed = gl.load(prog.drop.Seed)
-        mbarrier.wait(smem.kv_bar, 0)
-        t = 0
+        if cfg.PERSISTENT:
+            j = 0
+            t = 0  # query tiles so far (the ring's uses)
+            i_b = _item_batch(prog, j, 4)
+            while i_b >= 0:
+                iprog = _item_program(prog, _read_walk(prog, j, i_b, 4))
+                wg = _half(iprog, offsets, half)
+                dk, dv, t = _bwd_item(iprog, wg, t, seed)
+                mbarrier.arrive(smem.kv_free, count=1)
+                _store_dkdv(iprog, wg, dk, dv)
+                j += 1
+                i_b = _item_batch(prog, j, 4)
+        else:
+            wg = _half(prog, offsets, half)
+            mbarrier.wait(smem.kv_bar, 0)
+            dk, dv, t = _bwd_item(prog, wg, gl.program_id(0) * 0, seed)
+            _store_dkdv(prog, wg, dk, dv)
+
+    @gluon.jit
+    def _half(prog, offsets, half: gl.constexpr):
+        """Consumer warpgroup half's BwdHalf of the work item."""
+        smem = prog.smem
+        key0 = prog.walk.start_n + half * 64
+        return BwdHalf(key0, key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, prog.cfg.s_layout)),
+                       smem.k.slice(half * 64, 64), smem.v.slice(half * 64, 64), smem.dq.index(half), offsets, half)
+
+    @gluon.jit
+    def _bwd_item(prog, wg, t, seed):
+        """One work item's steps for warpgroup wg (from the program's t-th query tile on): returns dK, dV and the
+        count of tiles after them."""
+        cfg = prog.cfg
+        walk = prog.walk
+        dk = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
+        dv = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
         for g in range(walk.group_size):
             i_h = walk.i_hk * walk.group_size + g
             slope = 0.0
@@ -685,11 +880,11 @@ if AVAILABLE:
                     m = walk.m_lo + _masked_tile(walk, p) * cfg.BLOCK_M
                     dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
-                for j in range(0, walk.n_q - walk.n_mask):
-                    m = walk.m_lo + _free_tile(walk, j, cfg.ROTATE) * cfg.BLOCK_M
+                for jj in range(0, walk.n_q - walk.n_mask):
+                    m = walk.m_lo + _free_tile(walk, jj, cfg.ROTATE) * cfg.BLOCK_M
                     dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, False)
                     t += 1
-        _store_dkdv(prog, wg, dk, dv)
+        return dk, dv, t
 
     @gluon.jit
     def _store_dkdv(prog, wg, dk, dv):
@@ -714,13 +909,13 @@ if AVAILABLE:
         gl.store(p_dv, dv.to(ptrs.dV.dtype.element_ty), mask=keep)
 
     @gluon.jit
-    def _grouped_order(i_n, i_bh, group):
-        """Launch index (i_n fastest) -> (key block, batch x kv head) with the heads in groups of `group` and each
-        group's key blocks in turn across its heads: block 0 of each head, then block 1, ..."""
-        n_blocks = gl.num_programs(0)
+    def _grouped_order(i_n, i_bh, group, n_blocks, n_bh):
+        """List index (i_n fastest, n_blocks key blocks x n_bh batch entries x kv heads) -> (key block, batch x kv
+        head) with the heads in groups of `group` and each group's key blocks in turn across its heads: block 0 of
+        each head, then block 1, ..."""
         pid = i_bh * n_blocks + i_n
         g0 = (pid // (group * n_blocks)) * group
-        size = gl.minimum(group, gl.num_programs(1) - g0)
+        size = gl.minimum(group, n_bh - g0)
         r = pid - g0 * n_blocks
         return r // size, g0 + r % size
 
@@ -774,26 +969,38 @@ if AVAILABLE:
         return m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift
 
     @gluon.jit
-    def _bwd_descriptors(cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, i_b, q_rows, seqlen_k, seqlen_q_pad):
-        """TMA descriptors of the batch entry's Q, dO, K, V and of LSE and delta. One descriptor per tensor: rows
-        are sequence positions, columns (head, dim), so every head of the batch entry is a column offset
-        (supports() checks that the heads of a row are contiguous)."""
+    def _bwd_descriptors(cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, n_bh, q_rows, seqlen_k, seqlen_q_pad):
+        """TMA descriptors of Q, dO, K, V and of LSE and delta. One descriptor per tensor: rows are sequence
+        positions, columns (head, dim), so every head is a column offset (supports() checks that the heads of a row
+        are contiguous); under VARLEN over one sequence (the pointers based at its first row), else 3-D with the
+        batch entries first ([B, S, heads * HEAD_DIM]: a persistent program's work items all read through them,
+        and TMA still zero-fills at each entry's own end; offline, the one-item grid's d128 kernels spilled less
+        with them than with one batch entry's 2-D ones)."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_desc = tma.make_tensor_descriptor(Q + i_b.to(gl.int64) * strides.q_b, [q_rows, heads.num_heads * HEAD_DIM],
-                                            [strides.q_s, 1], [cfg.BLOCK_M, HEAD_DIM], layout)
-        do_desc = tma.make_tensor_descriptor(dOut + i_b.to(gl.int64) * strides.do_b,
-                                             [q_rows, heads.num_heads * HEAD_DIM], [strides.do_s, 1],
-                                             [cfg.BLOCK_M, HEAD_DIM], layout)
-        k_desc = tma.make_tensor_descriptor(K + i_b.to(gl.int64) * strides.k_b,
-                                            [seqlen_k, heads.num_kv_heads * HEAD_DIM], [strides.k_s, 1],
-                                            [cfg.BLOCK_N, HEAD_DIM], layout)
-        v_desc = tma.make_tensor_descriptor(V + i_b.to(gl.int64) * strides.v_b,
-                                            [seqlen_k, heads.num_kv_heads * HEAD_DIM], [strides.v_s, 1],
-                                            [cfg.BLOCK_N, HEAD_DIM], layout)
+        if cfg.VARLEN:
+            layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            q_desc = tma.make_tensor_descriptor(Q, [q_rows, heads.num_heads * HEAD_DIM], [strides.q_s, 1],
+                                                [cfg.BLOCK_M, HEAD_DIM], layout)
+            do_desc = tma.make_tensor_descriptor(dOut, [q_rows, heads.num_heads * HEAD_DIM], [strides.do_s, 1],
+                                                 [cfg.BLOCK_M, HEAD_DIM], layout)
+            k_desc = tma.make_tensor_descriptor(K, [seqlen_k, heads.num_kv_heads * HEAD_DIM], [strides.k_s, 1],
+                                                [cfg.BLOCK_N, HEAD_DIM], layout)
+            v_desc = tma.make_tensor_descriptor(V, [seqlen_k, heads.num_kv_heads * HEAD_DIM], [strides.v_s, 1],
+                                                [cfg.BLOCK_N, HEAD_DIM], layout)
+        else:
+            layout3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+            batch = n_bh // heads.num_kv_heads
+            q_desc = tma.make_tensor_descriptor(Q, [batch, q_rows, heads.num_heads * HEAD_DIM],
+                                                [strides.q_b, strides.q_s, 1], [1, cfg.BLOCK_M, HEAD_DIM], layout3)
+            do_desc = tma.make_tensor_descriptor(dOut, [batch, q_rows, heads.num_heads * HEAD_DIM],
+                                                 [strides.do_b, strides.do_s, 1], [1, cfg.BLOCK_M, HEAD_DIM], layout3)
+            k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, heads.num_kv_heads * HEAD_DIM],
+                                                [strides.k_b, strides.k_s, 1], [1, cfg.BLOCK_N, HEAD_DIM], layout3)
+            v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, heads.num_kv_heads * HEAD_DIM],
+                                                [strides.v_b, strides.v_s, 1], [1, cfg.BLOCK_N, HEAD_DIM], layout3)
         # LSE and delta: [B * H, Sq_pad] fp32, one [1, BLOCK_M] row piece per query tile.
         row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        bh_rows = (gl.num_programs(1) // heads.num_kv_heads) * heads.num_heads
+        bh_rows = (n_bh // heads.num_kv_heads) * heads.num_heads
         lse_desc = tma.make_tensor_descriptor(LseLog2, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, cfg.BLOCK_M],
                                               row_layout)
         delta_desc = tma.make_tensor_descriptor(Delta, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, cfg.BLOCK_M],
@@ -801,7 +1008,7 @@ if AVAILABLE:
         return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc
 
     @gluon.jit
-    def _bwd_smem(cfg, DqAcc, Bias, DBias, heads, q_rows, seqlen_q_pad):
+    def _bwd_smem(cfg, DqAcc, Bias, DBias, heads, n_bh, q_rows, seqlen_q_pad):
         """dQ's fp32 buffer descriptor (BwdDq) and the backward's shared memory (BwdSmem), barriers initialized.
 
         dQ accumulates in fp32. FLAT (fixed-length batches): tile by tile, [B, H, Sq_pad / BLOCK_M, 2 shares, 4096]
@@ -815,7 +1022,7 @@ if AVAILABLE:
         dq_batch_rows = seqlen_q_pad
         if cfg.FLAT:
             dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            dq_rows = (gl.num_programs(1) // heads.num_kv_heads) * heads.num_heads * (seqlen_q_pad * HEAD_DIM // 256)
+            dq_rows = (n_bh // heads.num_kv_heads) * heads.num_heads * (seqlen_q_pad * HEAD_DIM // 256)
             dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, 256], [256, 1], [16, 256], dq_layout)
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, 16, 256], dq_layout)
         else:
@@ -849,9 +1056,12 @@ if AVAILABLE:
         else:
             bias_smem = lse_smem  # never read
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        item_smem = gl.allocate_shared_memory(gl.int32, [2 * ITEM_FIELDS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        mbarrier.init(kv_free, count=2)  # both consumer warpgroups
         for i in gl.static_range(STAGES):
             mbarrier.init(q_full.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a slot
@@ -860,16 +1070,16 @@ if AVAILABLE:
         for i in gl.static_range(4):
             mbarrier.init(dq_bars.index(i), count=1)
         smem = BwdSmem(lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars, k_smem, v_smem, q_smem, do_smem,
-                       ds_smem, ds_ready, dq_smem, kv_bar, Ring(q_full, q_empty, STAGES))
+                       ds_smem, ds_ready, dq_smem, kv_bar, Ring(q_full, q_empty, STAGES), item_smem, kv_free)
         return smem, BwdDq(dq_desc, dq_batch_rows)
 
     @gluon.jit
-    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK, Seed, strides, seqlen_q,
+    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK, Seed, Counter, strides, seqlen_q,
                     seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, scales, heads, Bias, bias_mul,
                     DBias, Counts, Idx, lists, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                     HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, VARLEN: gl.constexpr,
-                    DROPOUT: gl.constexpr):
+                    DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
         """One program per (key block, batch entry x kv head); the partitions and their roles are the module
         docstring's. strides, scales, heads, bias_mul and lists: the named tuples _Strides, _Scales, _Heads, _Mul,
         _Lists (attention_backward).
@@ -889,39 +1099,27 @@ if AVAILABLE:
         gl.static_assert(not DBIAS or (BIAS == 1 and BLOCK_M == 64))
         # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
         gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
+        gl.static_assert(not (PERSISTENT and VARLEN))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                        VARLEN, DROPOUT, Q.dtype.element_ty)
+                        VARLEN, DROPOUT, PERSISTENT, Q.dtype.element_ty)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
         # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
         # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
         # local-memory requests in a 4k backward).
         group_size = heads.num_heads // heads.num_kv_heads
-        i_n = gl.program_id(0)
-        i_bh = gl.program_id(1)
-        if (MASK_RIGHT or BIAS == 2) and not VARLEN:
-            # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is, and programs start
-            # in launch order (i_n fastest): each head's heaviest block would start no earlier than its lightest
-            # ones of the heads before, and the last heads' heavy blocks would run alone at the end. So the
-            # launch index is remapped: heads go in groups of `group`, and a group launches its key blocks heaviest
-            # first across its heads (block 0 of each head, then block 1, ...). group * n_blocks >= 128, about the
-            # programs in flight at once (132 SMs, one program each), keeps about one group in flight (its Q, dO
-            # and dQ rows stay in L2, as before) while giving the scheduler a full wave to balance. A bool mask (BIAS
-            # 2) takes the same order: its block lists are most often causal-shaped (as the forward assumes in
-            # _tile_coords), and for any other shape the order only permutes the blocks within a group.
-            i_n, i_bh = _grouped_order(i_n, i_bh, gl.maximum(gl.cdiv(128, gl.num_programs(0)), heads.head_group))
-        elif heads.head_group > 1:
-            # A float attn_mask shared by the heads (attention_backward's head_group): the same order, so that the
-            # group's programs for one key block read each mask tile at about the same time (their walks over the
-            # query tiles start at the same tile), once from memory.
-            i_n, i_bh = _grouped_order(i_n, i_bh, heads.head_group)
-        i_b = i_bh // heads.num_kv_heads
-        i_hk = i_bh % heads.num_kv_heads
-        start_n = i_n * BLOCK_N
+        n_bh = heads.n_bh
+        band = BwdBand(seqlen_k, diag_offset, window_left, window_right)
         q_rows = seqlen_q  # rows of the query-side descriptors
         if VARLEN:
-            # This sequence alone: its own lengths and bottom-right diagonal (kernels/_common._seq_bounds), every
-            # tensor based at its first row, and descriptors of its own length, so that TMA zero-fills (loads) and
-            # clips (dQ reductions) at the sequence's end, never touching a neighbour's rows.
+            # One work item per program: key block i_n of sequence i_b, kv head i_hk. This sequence alone: its own
+            # lengths and bottom-right diagonal (kernels/_common._seq_bounds), every tensor based at its first row,
+            # and descriptors of its own length, so that TMA zero-fills (loads) and clips (dQ reductions) at the
+            # sequence's end, never touching a neighbour's rows.
+            i_n = gl.program_id(0)
+            i_bh = gl.program_id(1)
+            i_b = i_bh // heads.num_kv_heads
+            i_hk = i_bh % heads.num_kv_heads
+            start_n = i_n * BLOCK_N
             q_start, len_q = _seq_span(CuSeqQ, i_b, seqlen_q)
             k_start, len_k = _seq_span(CuSeqK, i_b, seqlen_k)
             diag_offset = (gl.load(CuSeqK + i_b + 1) - k_start) - (gl.load(CuSeqQ + i_b + 1) - q_start)
@@ -939,23 +1137,52 @@ if AVAILABLE:
             # A sequence without queries still writes its keys' dK, dV (zeros: it visits no query tile); a
             # descriptor takes no empty dimension, and this one is never read then.
             q_rows = gl.maximum(seqlen_q, 1)
-        m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift = _query_tiles(
-            cfg, i_n, start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right)
+            band = BwdBand(seqlen_k, diag_offset, window_left, window_right)
+            sched = BwdSched(Counter, 1, 1, n_bh, heads.head_group, heads.num_kv_heads, seqlen_q, group_size)
+            m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift = _query_tiles(
+                cfg, i_n, start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right)
+            walk = BwdWalk(i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
+                           group_size)
+        else:
+            # A persistent grid over the work list (BwdSched): the loader hands each item to the other partitions.
+            # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is: the list puts each
+            # head's heaviest block first, with heads in groups of `group` whose key blocks go heaviest first
+            # across the group's heads (block 0 of each head, then block 1, ...; _walk_at). group * n_blocks >=
+            # 128, about the programs in flight at once (132 SMs, one program each), keeps about one group in
+            # flight (its Q, dO and dQ rows stay in L2) while the counter balances a full wave. A bool mask (BIAS 2)
+            # takes the same order: its block lists are most often causal-shaped (as the forward assumes in
+            # _tile_coords), and for any other shape the order only permutes the blocks within a group. A float
+            # attn_mask shared by the heads (attention_backward's head_group): the same order, so that the group's
+            # programs for one key block read each mask tile at about the same time, once from memory.
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+            sched = BwdSched(Counter, n_blocks * n_bh, n_blocks, n_bh, heads.head_group, heads.num_kv_heads,
+                             seqlen_q, group_size)
+            if PERSISTENT:
+                # (the loader computes each item's walk and hands it over: _hand_over)
+                none = gl.program_id(0) * 0
+                walk = BwdWalk(none, none, none, none, none, none, none, none, none, none, none, group_size)
+            else:
+                # One work item per program, in the list's order (grid (n_blocks, n_bh)).
+                walk = _walk_at(cfg, sched, band, gl.program_id(1) * n_blocks + gl.program_id(0))
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
-            cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, i_b, q_rows, seqlen_k, seqlen_q_pad)
-        smem, dq = _bwd_smem(cfg, DqAcc, Bias, DBias, heads, q_rows, seqlen_q_pad)
+            cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, n_bh, q_rows, seqlen_k, seqlen_q_pad)
+        smem, dq = _bwd_smem(cfg, DqAcc, Bias, DBias, heads, n_bh, q_rows, seqlen_q_pad)
         prog = BwdProgram(
-            cfg, BwdPtrs(dK, dV, Alibi), smem,
-            BwdWalk(i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift, group_size),
-            BwdBand(seqlen_k, diag_offset, window_left, window_right),
+            cfg, BwdPtrs(dK, dV, Alibi), smem, walk, band,
             BwdMods(scales.pre_scale, scales.qk_scale, scales.sm_scale, strides.alibi_b),
             BwdStrides(strides.dk_b, strides.dk_s, strides.dk_h, strides.dv_b, strides.dv_s, strides.dv_h),
             BwdLists(Counts, Idx, lists.b, lists.h, lists.cols),
-            BwdDropout(Seed, i_b * heads.num_heads, scales.drop_threshold, scales.drop_rescale),
+            BwdDropout(Seed, walk.i_b * heads.num_heads, scales.drop_threshold, scales.drop_rescale),
             BwdLoads(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, heads.num_heads, bias_mul.b,
-                     bias_mul.h), dq)
-        gl.warp_specialize([(_bwd_partition, (prog, 0)), (_bwd_partition, (prog, 1)), (_bwd_load_partition, (prog, )),
-                            (_bwd_dq_partition, (prog, ))], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+                     bias_mul.h), dq, sched)
+        if PERSISTENT:
+            gl.warp_specialize([(_bwd_partition, (prog, 0)), (_bwd_partition, (prog, 1)),
+                                (_bwd_load_partition, (prog, )), (_bwd_dq_partition, (prog, ))], [4, 1, 1],
+                               [PERSISTENT_CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([(_bwd_partition, (prog, 0)), (_bwd_partition, (prog, 1)),
+                                (_bwd_load_partition, (prog, )), (_bwd_dq_partition, (prog, ))], [4, 1, 1],
+                               [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 def _rows(t):
@@ -983,7 +1210,8 @@ def attention_backward(q, k, v, dout, dq, dk, dv, lse_log2, delta, req: Attentio
 class GluonBwdPlan:
     """The launches of attention_backward for one plan key (kernels/backward.BwdPlan holds it), everything but the
     call's tensors fixed: the grid, the scalar groups, the constexprs and the compiled kernels (_launch.Bound)."""
-    __slots__ = ("launch", "to_dq", "acc_shape", "scalars", "mul", "lists", "tiles", "varlen", "dropout", "device")
+    __slots__ = ("launch", "to_dq", "acc_shape", "scalars", "mul", "lists", "tiles", "varlen", "dropout", "device",
+                 "persistent")
 
     def run(self, stream, q, k, v, dout, dq, dk, dv, lse_log2, delta, req, dbias, dq_addend=None):
         """Launch the kernel and write dq, dk, dv; dq_addend: None, or a float32 tensor shaped like q that dQ is
@@ -1009,8 +1237,9 @@ class GluonBwdPlan:
             dbias_desc = TensorDescriptor(dbias, list(dbias.shape), list(dbias.stride()), [1, 1, self.tiles[0], 64],
                                           hopper_fwd._layout(8 * dbias.element_size(), 4))
         configs._set_tma_allocator(self.device)
+        counter = hopper_fwd._schedule_counter(self.device, stream) if self.persistent else delta  # (never read)
         self.launch(stream, q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k,
-                    req.seed if self.dropout else delta, *self.scalars, bias, self.mul, dbias_desc, counts, indices,
+                    req.seed if self.dropout else delta, counter, *self.scalars, bias, self.mul, dbias_desc, counts, indices,
                     _Lists(*self.lists[:3]))
         if self.varlen:
             dq.copy_(dq_acc if dq_addend is None else dq_acc.add_(dq_addend))
@@ -1068,11 +1297,18 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         _Strides(*(st for t in strides for st in t), stride_alibi_b), seqlen_q, seqlen_k, seqlen_q_pad,
         req.diagonal_offset, req.window_left, req.window_right,
         _Scales(pre_scale, qk_scale, req.softmax_scale, dropout_threshold(req.dropout_p), 1.0 / (1.0 - req.dropout_p)),
-        _Heads(num_heads, num_kv_heads, head_group))
-    plan.launch = _launch.Bound(_bwd_kernel, (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads), (), dict(
+        _Heads(num_heads, num_kv_heads, head_group, batch * num_kv_heads))
+    n_blocks = triton.cdiv(seqlen_k, BLOCK_N)
+    plan.persistent = not varlen and seqlen_k <= PERSISTENT_MAX_SEQLEN_K
+    if plan.persistent:
+        grid = (min(n_blocks * batch * num_kv_heads, hopper_fwd._num_sms(q.get_device())), )
+    else:
+        grid = (n_blocks, batch * num_kv_heads)  # one work item per program
+    plan.launch = _launch.Bound(_bwd_kernel, grid, (), dict(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0), dict(num_warps=4))
+        BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent),
+        dict(num_warps=4))
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
     return plan
