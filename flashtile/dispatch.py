@@ -45,8 +45,11 @@ GLUON_FP8_HEAD_DIMS = (128,)
 # d128 a [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
 # 64 KB more than the 194 KB in use.
 GLUON_BWD_FLOAT_BIAS_HEAD_DIMS = (128,)
-# Fewer keys than this (by head dim) take the portable backward: at 1k, d64 (B16 H32, H200) the Gluon backward ran at
-# 0.92-0.95x the portable one (every program has only 8 query tiles to spread its prologue over).
+# Varlen batches whose mean key length is below this (by head dim) take the portable backward: on a grid of one
+# program per key block, at 1k, d64 (B16 H32, H200) the Gluon backward ran at 0.92-0.95x the portable one (every
+# program has only 8 query tiles to spread its prologue over). Fixed-length calls up to
+# hopper_bwd.PERSISTENT_MAX_SEQLEN_K keys run a persistent grid instead, 1.24-1.26x the portable backward at d64 1k
+# (H100), and take the Gluon backward at any length.
 GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 128: 0}
 
 
@@ -193,13 +196,12 @@ class GluonHopper(_KernelBackend):
                 return (f"a float attn_mask's tiles do not fit its shared memory at head dim {q.shape[-1]} "
                         f"(only {GLUON_BWD_FLOAT_BIAS_HEAD_DIMS})")
         if req.varlen:
-            # The mean key length stands for Sk (the threshold was measured at fixed length only).
+            # The mean key length stands for Sk (the threshold was measured at fixed length, one program per block).
             seqlen_k = k.shape[0] / max(req.cu_seqlens_k.numel() - 1, 1)
-        else:
-            seqlen_k = k.shape[1]
-        minimum = GLUON_BWD_MIN_SEQLEN_K[q.shape[-1]]
-        if seqlen_k < minimum:
-            return f"{seqlen_k:g} keys: below {minimum} at head dim {q.shape[-1]} the portable backward is faster"
+            minimum = GLUON_BWD_MIN_SEQLEN_K[q.shape[-1]]
+            if seqlen_k < minimum:
+                return (f"varlen, {seqlen_k:g} keys per sequence: below {minimum} at head dim {q.shape[-1]} the "
+                        f"portable backward is faster")
         if dout.dtype != q.dtype or not configs._tma_ok((dout,)):
             return "the output gradient must have q's dtype and 16-byte aligned strides"
         return None

@@ -94,7 +94,13 @@ def test_gluon_allow_list_reasons():
     det = AttentionRequest(softmax_scale=0.125, deterministic=True)
     assert "deterministic" in gluon.decline_backward(dout, q, k, v, det, H100)
     short = _qkv(sk=300)
-    assert "keys" in gluon.decline_backward(dout, *short, req, H100)  # d64 below GLUON_BWD_MIN_SEQLEN_K
+    assert gluon.decline_backward(torch.empty_like(short[0]), *short, req, H100) is None  # the persistent grid
+    packed = [t.reshape(-1, *t.shape[2:]) for t in short]
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32)
+    packed_req = AttentionRequest(softmax_scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
+                                  max_seqlen_k=300)
+    # d64 varlen below GLUON_BWD_MIN_SEQLEN_K (one program per key block)
+    assert "keys per sequence" in gluon.decline_backward(torch.empty_like(packed[0]), *packed, packed_req, H100)
     qs, ks, vs = _qkv(sk=4096, d=128)
     assert gluon.decline_backward(torch.empty_like(qs), qs, ks, vs, req, H100) is None
     bias = torch.zeros((2, 4, 256, 4096), dtype=torch.bfloat16)

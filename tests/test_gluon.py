@@ -227,7 +227,7 @@ def test_persistent_backward_work_list(monkeypatch, poison, bwd_spy):
 
     monkeypatch.setattr(hopper_bwd.GluonBwdPlan, "run", recorded)
     cases = [(1, 300, 300, 2, 2, 128, True), (2, 2500, 2600, 16, 4, 64, True), (3, 1000, 900, 8, 8, 128, False),
-             (1, 200, 4500, 4, 2, 128, True), (2, 2500, 2600, 16, 4, 64, False)]
+             (1, 200, 8300, 4, 2, 128, True), (2, 2500, 2600, 16, 4, 64, False)]
     for i, (b, sq, sk, h, hk, d, causal) in enumerate(cases):
         q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, device=DEVICE, seed=31 + i)
         dout = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(i)).to(q.dtype)
@@ -275,14 +275,25 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * a.float().abs().max().item()
 
 
-def test_short_d64_takes_the_portable_backward(monkeypatch, call_counter):
+def test_short_d64_backward(monkeypatch, call_counter):
+    """Short d64 calls: fixed-length ones take the Gluon backward (its persistent grid), varlen ones below
+    GLUON_BWD_MIN_SEQLEN_K keys per sequence the portable one; both against the float64 oracle."""
     monkeypatch.setattr(SETTINGS, "fast_launch", False)  # no plans: each call reaches the backend's choice
     calls = call_counter(hopper_bwd, "gluon_plan")
     from flashtile.dispatch import GLUON_BWD_MIN_SEQLEN_K
-    for sk, expected in ((GLUON_BWD_MIN_SEQLEN_K[64] - 1, 0), (GLUON_BWD_MIN_SEQLEN_K[64], 1)):
-        q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)
-        _fwd_bwd(q, k, v, torch.randn(q.shape, device=DEVICE).to(torch.bfloat16), False)
-        assert len(calls) == expected
+    sk = GLUON_BWD_MIN_SEQLEN_K[64] - 1
+    q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
+    got = _fwd_bwd(q, k, v, dout, False)
+    assert len(calls) == 1
+    check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, 64 ** -0.5, False, sk - 300)
+    cu_q = torch.tensor([0, 300], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, sk], dtype=torch.int32, device=DEVICE)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 300, sk, return_attn_probs=True)
+    grads = torch.autograd.grad((out * dout[0]).sum(), (q, k, v))
+    assert len(calls) == 1
+    check_against_reference((out.detach()[None], lse.detach()[None], *grads), q.detach(), k.detach(), v.detach(),
+                            dout, 64 ** -0.5, False, sk - 300)
 
 
 def test_torch_deterministic_mode_takes_the_portable_backward(bwd_spy):

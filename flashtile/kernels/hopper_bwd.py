@@ -14,7 +14,10 @@ seven products for five. This kernel computes each product once:
 
 The partitions share one ``BwdProgram``, built once in ``_bwd_kernel`` (Gluon aggregates: the constexprs and layouts,
 the shared memory with its ring, the key block's walk over the query tiles, the band, ...); the loader and the
-writer walk the tiles through ``_walk_tiles``.
+writer walk the tiles through ``_walk_tiles``. A program owns one key block (of one batch entry and kv head), or
+with ``PERSISTENT`` (fixed-length calls up to ``PERSISTENT_MAX_SEQLEN_K`` keys) one program per SM takes such work
+items in turn from a global counter: the loader hands each item's walk over through shared memory and loads its
+K and V while the consumers still store the previous item's dK and dV.
 
 The reductions land in a varying order, so dQ's rounding varies from run to run (as in flash-attn's default
 backward); ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) takes the portable kernels.
@@ -62,7 +65,7 @@ STAGES = 2
 # Fixed-length calls with at most this many keys run a persistent grid (PERSISTENT: one program per SM taking work
 # items from a counter, the next item's K and V loaded while the last one's dK and dV are stored); longer ones one
 # program per item. docs/design-record.md, "A persistent backward for short sequences".
-PERSISTENT_MAX_SEQLEN_K = 4096
+PERSISTENT_MAX_SEQLEN_K = 8192
 # The persistent consumers' register budget: the work loop's state spills at CONSUMER_REGS (232); 240 still fits the
 # register file with the other partitions' (256 + 240 per thread of the two warpgroups, 24 for the two warps).
 PERSISTENT_CONSUMER_REGS = tl.constexpr(240)
@@ -1074,16 +1077,18 @@ if AVAILABLE:
         return smem, BwdDq(dq_desc, dq_batch_rows)
 
     @gluon.jit
-    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK, Seed, Counter, strides, seqlen_q,
-                    seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, scales, heads, Bias, bias_mul,
-                    DBias, Counts, Idx, lists, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                    HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, VARLEN: gl.constexpr,
-                    DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
-        """One program per (key block, batch entry x kv head); the partitions and their roles are the module
-        docstring's. strides, scales, heads, bias_mul and lists: the named tuples _Strides, _Scales, _Heads, _Mul,
-        _Lists (attention_backward).
+    def _bwd_kernel(Q, K, V, dOut, dK, dV, LseLog2, Delta, DqAcc, Alibi, CuSeqQ, CuSeqK, Seed, Counter, strides,
+                    seqlen_q, seqlen_k, seqlen_q_pad, diag_offset, window_left, window_right, scales, heads, Bias,
+                    bias_mul, DBias, Counts, Idx, lists, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
+                    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
+        """One program per (key block, batch entry x kv head), or PERSISTENT one per SM over them (BwdSched); the
+        partitions and their roles are the module docstring's. strides, scales, heads, bias_mul and lists: the named
+        tuples _Strides, _Scales, _Heads, _Mul, _Lists (attention_backward).
         Seed: the call's Philox key (int64) with DROPOUT (scales' drop_threshold, drop_rescale = 1 / (1 - p)).
+        Counter: PERSISTENT's work counter (int32, zero before the launch and after it; BwdSched); heads.n_bh:
+        batch entries x kv heads.
         VARLEN: Q, dOut, K, V, dK, dV and DqAcc are packed sequences ([total, H, D]; the host passes batch strides
         of 0): batch entry i_b is rows [CuSeqQ[i_b], CuSeqQ[i_b + 1]) of the query-side tensors and
         [CuSeqK[i_b], CuSeqK[i_b + 1]) of the key-side ones; seqlen_q / seqlen_k are the longest sequences (the
@@ -1239,7 +1244,8 @@ class GluonBwdPlan:
         configs._set_tma_allocator(self.device)
         counter = hopper_fwd._schedule_counter(self.device, stream) if self.persistent else delta  # (never read)
         self.launch(stream, q, k, v, dout, dk, dv, lse_log2, delta, dq_acc, alibi, cu_q, cu_k,
-                    req.seed if self.dropout else delta, counter, *self.scalars, bias, self.mul, dbias_desc, counts, indices,
+                    req.seed if self.dropout else delta, counter, *self.scalars, bias, self.mul, dbias_desc, counts,
+                    indices,
                     _Lists(*self.lists[:3]))
         if self.varlen:
             dq.copy_(dq_acc if dq_addend is None else dq_acc.add_(dq_addend))
