@@ -70,7 +70,8 @@ for w in .whl/*.whl; do
 done
 [ "$missing" = 0 ] || exit 1
 
-unzip -l .whl/flash_attn_4-*.whl | grep -q 'flash_attn/cute/interface.py' \
+# (grep reads the whole listing: with -q it would stop early and, under pipefail, unzip's SIGPIPE fail the check)
+unzip -l .whl/flash_attn_4-*.whl | grep 'flash_attn/cute/interface.py' > /dev/null \
     || { echo "fa4_wheels: flash_attn/cute/interface.py not in the flash-attn-4 wheel" >&2; exit 1; }
 
 (cd .whl && sha256sum -- *.whl > SHA256SUMS)
