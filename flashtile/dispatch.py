@@ -34,7 +34,7 @@ features = lazy_module(".kernels.features", globals())
 # Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's (hopper_fwd.TILE_DIM's keys; that
 # module imports Triton, this one does not), the backward's.
 GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-GLUON_HEAD_DIMS = (64, 128)
+GLUON_HEAD_DIMS = (64, 96, 128)  # (d96 on d128's tiles: hopper_bwd.TILE_DIM)
 # (q/k head dim, v head dim) pairs whose forward runs on the Gluon kernel although they differ: MLA's 192/128
 # (DeepSeek's prefill), on d256's tiles for Q and K and d128's for V.
 GLUON_FWD_SPLIT_DIMS = ((192, 128),)
@@ -50,7 +50,7 @@ GLUON_BWD_FLOAT_BIAS_HEAD_DIMS = (128,)
 # program has only 8 query tiles to spread its prologue over). Fixed-length calls up to
 # hopper_bwd.PERSISTENT_MAX_SEQLEN_K keys run a persistent grid instead, 1.24-1.26x the portable backward at d64 1k
 # (H100), and take the Gluon backward at any length.
-GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 128: 0}
+GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ class _KernelBackend:
 class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
     summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 96, 128, 192 or "
-               "256 (the forward), 64 or 128 (the backward); float8_e4m3fn forward at head dim 128")
+               "256 (the forward), 64, 96 or 128 (the backward); float8_e4m3fn forward at head dim 128")
 
     @staticmethod
     def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS, fp8=False, split=()):

@@ -42,7 +42,8 @@ SHAPES = [
     (2, 3000, 3100, 16, 4, 128, False, torch.bfloat16),
     (2, 2100, 1900, 16, 8, 64, False, torch.float16),
     # Head dims 96, 192 and 256 take the Gluon forward (d96 on d128's tiles and d192's V on d256's, zero-filled past the
-    # head dim; d256 with 64-row key blocks) and the portable backward, which reads its LSE.
+    # head dim; d256 with 64-row key blocks); d96 the Gluon backward on d128's tiles too, 192 and 256 the portable
+    # backward, which reads its LSE.
     (2, 1000, 1100, 4, 2, 96, True, torch.bfloat16),
     (1, 777, 1500, 4, 2, 96, False, torch.float16),
     (2, 1000, 1100, 4, 2, 192, True, torch.bfloat16),
@@ -227,7 +228,8 @@ def test_persistent_backward_work_list(monkeypatch, poison, bwd_spy):
 
     monkeypatch.setattr(hopper_bwd.GluonBwdPlan, "run", recorded)
     cases = [(1, 300, 300, 2, 2, 128, True), (2, 2500, 2600, 16, 4, 64, True), (3, 1000, 900, 8, 8, 128, False),
-             (1, 200, 8300, 4, 2, 128, True), (2, 2500, 2600, 16, 4, 64, False)]
+             (1, 200, 8300, 4, 2, 128, True), (2, 2500, 2600, 16, 4, 64, False), (2, 700, 777, 8, 2, 96, True),
+             (1, 200, 8300, 2, 2, 96, False)]
     for i, (b, sq, sk, h, hk, d, causal) in enumerate(cases):
         q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, device=DEVICE, seed=31 + i)
         dout = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(i)).to(q.dtype)
@@ -359,7 +361,7 @@ def test_float32_outputs(spy, causal, varlen, d):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_backward_adds_dq_addend(monkeypatch, call_counter, varlen, d):
     """flashtile.distributed's last step: dispatch.backward's dq_addend is added to dQ in the Gluon backward's dQ
     pass (the tile pass, or the varlen buffer's copy) and the sum rounded once into dq's dtype; against the same
@@ -369,7 +371,7 @@ def test_backward_adds_dq_addend(monkeypatch, call_counter, varlen, d):
     from flashtile.request import AttentionRequest
     monkeypatch.setattr(SETTINGS, "gluon_backward", True)
     monkeypatch.setattr(SETTINGS, "fast_launch", True)
-    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", {64: 0, 128: 0})
+    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", dict.fromkeys(dispatch.GLUON_HEAD_DIMS, 0))
     plans = call_counter(hopper_bwd, "gluon_plan")
     q, k, v = make_qkv(2, 700, 900, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d + varlen, grad=False)
     fields = dict(softmax_scale=d ** -0.5, window_right=0)

@@ -107,7 +107,7 @@ def test_against_reference(poison, bwd_spy, b, sq, sk, h, hk, d, dtype, causal, 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_one_key_per_row(poison, bwd_spy, d):
     # Window (0, 0) with Sq > Sk: each of the last Sk rows sees exactly one key, the others none. The exact output
     # is then v itself and dq is 0, so the judge allows no rounding in the output (P = exp2(0) = 1 in both
@@ -134,7 +134,7 @@ def test_alibi_small_slopes(poison, bwd_spy, d):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_matches_portable_backward(monkeypatch, bwd_spy, d):
     q, k, v, dout, slopes, sink = _inputs(2, 1500, 1700, 4, 2, d, torch.bfloat16, seed=d, alibi="BH",
                                           alibi_scale=0.1, sinks=True)
@@ -546,7 +546,7 @@ def test_varlen_longer_grid(poison, bwd_spy):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_varlen_qkvpacked(poison, bwd_spy, d):
     # One packed qkv (total, 3, H, D): q, k, v and their gradients are strided views (row stride 3 * H * D).
     lens = [300, 0, 129, 1, 64]
@@ -563,7 +563,7 @@ def test_varlen_qkvpacked(poison, bwd_spy, d):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_varlen_matches_portable_backward(monkeypatch, bwd_spy, d):
     lens_q, lens_k = [1500, 0, 777, 1, 1024, 333], [1600, 50, 777, 1, 900, 1200]
     q, k, v, dout, cu_q, cu_k, slopes, sink = _varlen_inputs(lens_q, lens_k, 4, 2, d, torch.bfloat16, seed=d,

@@ -21,7 +21,7 @@ K and V while the consumers still store the previous item's dK and dV.
 
 The reductions land in a varying order, so dQ's rounding varies from run to run (as in flash-attn's default
 backward); ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) takes the portable kernels.
-Coverage: fp16/bf16, head dims 64 and 128, GQA (the key block loops over the query heads of its group, so dK and
+Coverage: fp16/bf16, head dims 64 and 128 (and 96 on d128's tiles: TILE_DIM), GQA (the key block loops over the query heads of its group, so dK and
 dV are written once, without atomics), and as constexpr variants of the same loops: sliding windows (causal is the
 right bound 0, bottom-right aligned), softcap and ALiBi (docs/derivation.md#8), and sinks (they only change the
 LSE, which the forward folded them into; their gradient is computed from LSE and delta in kernels/backward.py).
@@ -60,7 +60,10 @@ if AVAILABLE:
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
 BLOCK_M = {64: 128, 128: 64}
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
+# The kernel's tile width by head dim: d96 runs d128's kernel, its tiles' last 32 columns zero-filled by TMA on the
+# loads and masked on the stores (PAD_D), as the forward does (hopper_fwd.TILE_DIM).
+TILE_DIM = {64: 64, 96: 128, 128: 128}
 STAGES = 2
 # Fixed-length calls with at most this many keys run a persistent grid (PERSISTENT: one program per SM taking work
 # items from a counter, the next item's K and V loaded while the last one's dK and dV are stored); longer ones one
@@ -86,12 +89,14 @@ _Scales, _Heads, _Mul, _Lists = (collections.namedtuple(name, fields) for name, 
 
 @triton.jit
 def _dq_from_tiles_kernel(Acc, dQ, Addend, stride_b, stride_s, stride_h, add_b, add_s, add_h, seqlen_q, seqlen_q_pad,
-                          num_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ADD: tl.constexpr):
+                          num_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ADD: tl.constexpr,
+                          D: tl.constexpr):
     """dQ from the kernel's fp32 tile buffer ([B, H, Sq_pad / BLOCK_M, 2, 4096], _bwd_kernel's dq_desc note): one
     program per warpgroup share of a query tile and (batch, head), cast to dQ's dtype. Each share is a [64, 64]
     accumulator stored by _stage_dq in the order [i, j, w, r, q, e] for row w*16 + i*8 + r, column j*8 + q*2 + e;
     the share is columns 64*share of the tile's 64 rows at d128, rows 64*share of its 128 at d64. ADD: a float32
-    tensor shaped like dQ (strides add_b, add_s, add_h) is added before the cast, so the sum is rounded once."""
+    tensor shaped like dQ (strides add_b, add_s, add_h) is added before the cast, so the sum is rounded once. D: dQ's
+    head dim (HEAD_DIM is the tiles': 128 for d96, whose columns from D on are not stored)."""
     i_share = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
@@ -110,6 +115,8 @@ def _dq_from_tiles_kernel(Acc, dQ, Addend, stride_b, stride_s, stride_h, add_b, 
         query = tile * BLOCK_M + share * 64 + row
         dim = col
     inside = query < seqlen_q
+    if D < HEAD_DIM:
+        inside = inside & (dim < D)
     if ADD:
         x += tl.load(Addend + i_b.to(tl.int64) * add_b + query.to(tl.int64) * add_s + i_h * add_h + dim, mask=inside,
                      other=0.0)
@@ -129,12 +136,13 @@ def _dq_from_tiles_launch(dq, seqlen_q_pad, addend=None):
     """dq_from_tiles' launch for dq's shape and strides (and addend's, where given), bound: its call takes
     (stream, acc, dq, addend or acc)."""
     batch, seqlen_q, num_heads, head_dim = dq.shape
-    block_m = BLOCK_M[head_dim]
+    block_m = BLOCK_M[TILE_DIM[head_dim]]
     grid = (2 * seqlen_q_pad // block_m, batch * num_heads)
     add_strides = (0, 0, 0) if addend is None else addend.stride()[:3]
     return _launch.Bound(_dq_from_tiles_kernel, grid, (dq.stride(0), dq.stride(1), dq.stride(2), *add_strides,
                                                        seqlen_q, seqlen_q_pad, num_heads),
-                         dict(HEAD_DIM=head_dim, BLOCK_M=block_m, ADD=addend is not None), dict(num_warps=4))
+                         dict(HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, ADD=addend is not None, D=head_dim),
+                         dict(num_warps=4))
 
 
 if AVAILABLE:
@@ -158,6 +166,8 @@ if AVAILABLE:
         VARLEN: gl.constexpr
         DROPOUT: gl.constexpr
         PERSISTENT: gl.constexpr
+        D: gl.constexpr
+        PAD_D: gl.constexpr
         FLAT: gl.constexpr
         ROTATE: gl.constexpr
         dtype: gl.constexpr
@@ -167,7 +177,7 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                     VARLEN, DROPOUT, PERSISTENT, dtype):
+                     VARLEN, DROPOUT, PERSISTENT, D, dtype):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -181,6 +191,8 @@ if AVAILABLE:
             self.VARLEN = gl.constexpr(VARLEN)
             self.DROPOUT = gl.constexpr(DROPOUT)
             self.PERSISTENT = gl.constexpr(PERSISTENT)
+            self.D = gl.constexpr(D)
+            self.PAD_D = gl.constexpr(D != HEAD_DIM)
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
             self.dtype = gl.constexpr(dtype)
@@ -445,7 +457,13 @@ if AVAILABLE:
     def _load_rows(cfg, desc, i_b, row, i_h, bar, dst):
         """TMA-load the [rows, HEAD_DIM] tile at sequence row `row`, head i_h of batch entry i_b into dst: 2-D
         descriptors of one sequence under VARLEN, else 3-D ones over [B, S, heads * HEAD_DIM] (_bwd_descriptors)."""
-        if cfg.VARLEN:
+        if cfg.PAD_D:
+            # One more dimension, the heads', so that TMA zero-fills the tile's columns from D on.
+            if cfg.VARLEN:
+                tma_load(desc, [row, i_h, 0], bar, dst.reshape([dst.shape[0], 1, dst.shape[1]]))
+            else:
+                tma_load(desc, [i_b, row, i_h, 0], bar, dst.reshape([1, dst.shape[0], 1, dst.shape[1]]))
+        elif cfg.VARLEN:
             tma_load(desc, [row, i_h * cfg.HEAD_DIM], bar, dst)
         else:
             tma_load(desc, [i_b, row, i_h * cfg.HEAD_DIM], bar, dst.reshape([1, dst.shape[0], dst.shape[1]]))
@@ -900,6 +918,8 @@ if AVAILABLE:
         rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.kv_layout))
         dcol = gl.expand_dims(gl.arange(0, cfg.HEAD_DIM, layout=gl.SliceLayout(0, cfg.kv_layout)), 0)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
+        if cfg.PAD_D:
+            keep = keep & (dcol < cfg.D)
         p_dk = (ptrs.dK + i_b.to(gl.int64) * strides.dk_b + i_hk.to(gl.int64) * strides.dk_h
                 + gl.expand_dims(rows.to(gl.int64) * strides.dk_s, 1) + dcol)
         p_dv = (ptrs.dV + i_b.to(gl.int64) * strides.dv_b + i_hk.to(gl.int64) * strides.dv_h
@@ -980,7 +1000,16 @@ if AVAILABLE:
         and TMA still zero-fills at each entry's own end; offline, the one-item grid's d128 kernels spilled less
         with them than with one batch entry's 2-D ones)."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-        if cfg.VARLEN:
+        if cfg.PAD_D:
+            q_desc = _padded_descriptor(cfg, Q, heads.num_heads, n_bh // heads.num_kv_heads, q_rows, strides.q_b,
+                                        strides.q_s, cfg.BLOCK_M)
+            do_desc = _padded_descriptor(cfg, dOut, heads.num_heads, n_bh // heads.num_kv_heads, q_rows,
+                                         strides.do_b, strides.do_s, cfg.BLOCK_M)
+            k_desc = _padded_descriptor(cfg, K, heads.num_kv_heads, n_bh // heads.num_kv_heads, seqlen_k, strides.k_b,
+                                        strides.k_s, cfg.BLOCK_N)
+            v_desc = _padded_descriptor(cfg, V, heads.num_kv_heads, n_bh // heads.num_kv_heads, seqlen_k, strides.v_b,
+                                        strides.v_s, cfg.BLOCK_N)
+        elif cfg.VARLEN:
             layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
             q_desc = tma.make_tensor_descriptor(Q, [q_rows, heads.num_heads * HEAD_DIM], [strides.q_s, 1],
                                                 [cfg.BLOCK_M, HEAD_DIM], layout)
@@ -1009,6 +1038,20 @@ if AVAILABLE:
         delta_desc = tma.make_tensor_descriptor(Delta, [bh_rows, seqlen_q_pad], [seqlen_q_pad, 1], [1, cfg.BLOCK_M],
                                                 row_layout)
         return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc
+
+    @gluon.jit
+    def _padded_descriptor(cfg, T, heads, batch, rows, stride_b, stride_s, BLOCK: gl.constexpr):
+        """PAD_D: the descriptor of [BLOCK, HEAD_DIM] tiles over T's [B, S, heads, D] (VARLEN: [S, heads, D]) with
+        the head dim apart, so that the columns from D on are zero-filled."""
+        if cfg.VARLEN:
+            layout3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+            desc = tma.make_tensor_descriptor(T, [rows, heads, cfg.D], [stride_s, cfg.D, 1], [BLOCK, 1, cfg.HEAD_DIM],
+                                              layout3)
+        else:
+            layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+            desc = tma.make_tensor_descriptor(T, [batch, rows, heads, cfg.D], [stride_b, stride_s, cfg.D, 1],
+                                              [1, BLOCK, 1, cfg.HEAD_DIM], layout4)
+        return desc
 
     @gluon.jit
     def _bwd_smem(cfg, DqAcc, Bias, DBias, heads, n_bh, q_rows, seqlen_q_pad):
@@ -1082,7 +1125,7 @@ if AVAILABLE:
                     bias_mul, DBias, Counts, Idx, lists, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
-                    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr):
+                    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, D: gl.constexpr):
         """One program per (key block, batch entry x kv head), or PERSISTENT one per SM over them (BwdSched); the
         partitions and their roles are the module docstring's. strides, scales, heads, bias_mul and lists: the named
         tuples _Strides, _Scales, _Heads, _Mul, _Lists (attention_backward).
@@ -1106,7 +1149,7 @@ if AVAILABLE:
         gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
         gl.static_assert(not (PERSISTENT and VARLEN))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                        VARLEN, DROPOUT, PERSISTENT, Q.dtype.element_ty)
+                        VARLEN, DROPOUT, PERSISTENT, D, Q.dtype.element_ty)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
         # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
         # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
@@ -1248,6 +1291,7 @@ class GluonBwdPlan:
                     indices,
                     _Lists(*self.lists[:3]))
         if self.varlen:
+            dq_acc = dq_acc[..., :dq.shape[-1]]  # (d96: the tiles' zero columns)
             dq.copy_(dq_acc if dq_addend is None else dq_acc.add_(dq_addend))
         elif dq_addend is None:
             self.to_dq(stream, dq_acc, dq, dq_acc)
@@ -1274,16 +1318,16 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         # (batch, row) strides of the inputs, (batch, row, head) of the outputs: a packed tensor's batch stride is
         # 0 (the kernel bases each at its sequence's first row).
         strides = [(0, t.stride(0)) for t in (q, k, v, dout)] + [(0,) + t.stride()[:2] for t in (dk, dv)]
-        plan.acc_shape = tuple(q.shape)
+        plan.acc_shape = tuple(q.shape[:-1]) + (TILE_DIM[head_dim], )
     else:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
         strides = [t.stride()[:2] for t in (q, k, v, dout)] + [t.stride()[:3] for t in (dk, dv)]
-        plan.acc_shape = (batch * num_heads * seqlen_q_pad * head_dim // 256, 256)
+        plan.acc_shape = (batch * num_heads * seqlen_q_pad * TILE_DIM[head_dim] // 256, 256)
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(req.softmax_scale, req.softcap)
     stride_alibi_b = feats.alibi_args(None)[1]
-    block_m = BLOCK_M[head_dim]
+    block_m = BLOCK_M[TILE_DIM[head_dim]]
     plan.tiles = (block_m, BLOCK_N)
     bias_mul_b, bias_mul_h, stride_cnt_b, stride_cnt_h, n_cols = 0, 0, 0, 0, 0
     if req.attn_bias is not None:
@@ -1311,9 +1355,10 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
     else:
         grid = (n_blocks, batch * num_kv_heads)  # one work item per program
     plan.launch = _launch.Bound(_bwd_kernel, grid, (), dict(
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=req.mask_left,
+        HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
-        BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent),
+        BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
+        D=head_dim),
         dict(num_warps=4))
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
