@@ -72,6 +72,9 @@ CASES = [
     (2, 1000, 1234, 8, 2, 128, torch.bfloat16, True, (300, 0), 5.0, "H", True),       # all at once, GQA
     (1, 777, 555, 4, 1, 64, torch.float16, False, (200, 100), 3.0, "BH", True),
     (1, 129, 1000, 2, 2, 128, torch.float16, True, (500, 0), 4.0, "BH", False),
+    # d96 on d128's tiles (hopper_bwd.TILE_DIM): plain, and everything at once.
+    (2, 700, 900, 4, 2, 96, torch.bfloat16, False, (-1, -1), 0.0, None, False),
+    (1, 1000, 1234, 8, 2, 96, torch.float16, True, (300, 0), 5.0, "BH", True),
 ]
 
 
@@ -121,7 +124,7 @@ def test_one_key_per_row(poison, bwd_spy, d):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_alibi_small_slopes(poison, bwd_spy, d):
     # Slopes small enough that the bias matters over many tiles on both sides of the diagonal: the unmasked tiles'
     # split form (a term per query plus one per key) against the masked tiles' |i + diag - j|.
@@ -254,7 +257,7 @@ def test_float_bias(poison, bwd_spy, b, sq, sk, h, hk, dtype, bshape):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("kind", ("random", "causal", "blocks"))
 def test_bool_mask(poison, bwd_spy, kind, dtype, d):
@@ -284,7 +287,7 @@ def test_bool_mask(poison, bwd_spy, kind, dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_bool_mask_with_band(poison, bwd_spy, d):
     # A bool mask under a causal window: the listed tiles apply the band's edges elementwise too.
     b, sq, sk, h, hk = 1, 900, 1040, 4, 2
@@ -512,6 +515,7 @@ VARLEN_CASES = [
     ([129, 1000], [1000, 129], 2, 1, 128, torch.float16, False, (-1, -1), 0.0, "H", False),
     ([200, 0, 450], [200, 33, 451], 4, 2, 128, torch.bfloat16, True, (-1, -1), 0.0, None, True),
     ([513, 7, 250], [600, 9, 250], 8, 2, 64, torch.float16, True, (200, 0), 3.0, "H", True),       # all at once
+    ([513, 7, 250], [600, 9, 250], 8, 2, 96, torch.bfloat16, True, (200, 0), 3.0, "BH", True),
 ]
 
 
@@ -599,6 +603,7 @@ DROPOUT_CASES = [
     (1, 513, 257, 2, 2, 128, torch.float16, False, 0.5, (-1, -1), 5.0, None, True),
     # More work items than SMs (the forward's persistent programs take several tiles each).
     (2, 3000, 3100, 16, 4, 128, torch.bfloat16, True, 0.1, (-1, -1), 0.0, None, False),
+    (1, 777, 1234, 4, 2, 96, torch.bfloat16, False, 0.2, (300, 100), 10.0, "H", True),
 ]
 
 
@@ -646,7 +651,7 @@ def test_dropout_fraction_and_repeats(spy, bwd_spy):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_dropout_matches_portable_kernels(monkeypatch, spy, bwd_spy, d):
     q, k, v, dout, slopes, sink = _inputs(2, 1500, 1700, 4, 2, d, torch.bfloat16, seed=d, alibi="BH",
                                           alibi_scale=0.1, sinks=True)
@@ -671,7 +676,7 @@ def test_dropout_matches_portable_kernels(monkeypatch, spy, bwd_spy, d):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 def test_varlen_dropout(poison, spy, bwd_spy, d):
     """Sequence i of a packed batch draws the mask of batch entry i (counter i * H + h), each from its own corner.
     p = 0.5: with 1 / (1 - p) a power of two the kept outputs v / (1 - p) are exact in bf16. Otherwise O's rounding
