@@ -82,8 +82,13 @@ def test_quick_and_filters():
     assert [s.causal for s in bench.select_shapes(causal="0")] == [False] * 9
     # explicit lists override --quick's
     assert {s.headdim for s in bench.select_shapes(headdims=(256,), quick=True)} == {256}
-    with pytest.raises(ValueError, match="headdim 96 does not divide"):
+    with pytest.raises(ValueError, match="headdim 96 does not divide.*--hidden 1536"):
         bench.select_shapes(headdims=(96,))
+    # --hidden: 16 heads at headdim 96, batch still 16k / seqlen
+    assert bench.select_shapes(seqlens=(1024,), headdims=(96,), causal="1", hidden=1536) == [
+        Shape(16, 1024, 1024, 16, 16, 96, True)]
+    assert bench.build_parser().parse_args(["--hidden", "1536"]).hidden == 1536
+    assert bench.build_parser().parse_args([]).hidden == 2048
 
 
 def test_cli_parsing():

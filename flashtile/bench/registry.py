@@ -59,7 +59,8 @@ def standard_shapes(seqlens=STANDARD_SEQLENS, headdims=STANDARD_HEADDIMS, causal
         for headdim in headdims:
             if hidden % headdim:
                 raise ValueError(f"headdim {headdim} does not divide the hidden size {hidden}; "
-                                 f"pick a headdim among the divisors of {hidden} (64, 128, 256, ...).")
+                                 f"pick a headdim among the divisors of {hidden} (64, 128, 256, ...), or a hidden "
+                                 f"size it divides (--hidden 1536 for headdim 96).")
             heads = hidden // headdim
             for causal in causals:
                 shapes.append(Shape(max(1, total_tokens // seqlen), seqlen, seqlen, heads, heads, headdim, causal))

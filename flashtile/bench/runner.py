@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .registry import (MODES, PROVIDERS, QUICK_HEADDIMS, QUICK_SEQLENS, STANDARD_HEADDIMS, STANDARD_SEQLENS,
+from .registry import (HIDDEN, MODES, PROVIDERS, QUICK_HEADDIMS, QUICK_SEQLENS, STANDARD_HEADDIMS, STANDARD_SEQLENS,
                        Prepared, Provider, Shape, Unsupported, dist_version, standard_shapes)
 
 # Results go to ./bench-results unless --out says otherwise (a checkout keeps the runs that back its README in
@@ -104,14 +104,15 @@ def parse_list(text: str) -> tuple[int, ...]:
 
 
 def select_shapes(seqlens: Sequence[int] | None = None, headdims: Sequence[int] | None = None,
-                  causal: str = "both", quick: bool = False) -> list[Shape]:
-    """The standard suite, filtered. Explicit seqlens/headdims win over --quick's."""
+                  causal: str = "both", quick: bool = False, hidden: int = HIDDEN) -> list[Shape]:
+    """The standard suite, filtered. Explicit seqlens/headdims win over --quick's; hidden: heads x headdim (a head
+    dim that does not divide 2048, such as 96, needs another: --hidden 1536 gives 16 heads)."""
     if seqlens is None:
         seqlens = QUICK_SEQLENS if quick else STANDARD_SEQLENS
     if headdims is None:
         headdims = QUICK_HEADDIMS if quick else STANDARD_HEADDIMS
     causals = {"0": (False,), "1": (True,), "both": (False, True)}[str(causal)]
-    return standard_shapes(seqlens, headdims, causals)
+    return standard_shapes(seqlens, headdims, causals, hidden=hidden)
 
 
 def select_modes(mode: str) -> tuple[str, ...]:
@@ -612,6 +613,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--providers", default=None, metavar="A,B",
                    help=f"comma-separated subset of: {', '.join(PROVIDERS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="only seqlen 16k with headdim 64 and 128")
+    p.add_argument("--hidden", type=int, default=HIDDEN, metavar="N",
+                   help=f"heads x headdim of every shape (default {HIDDEN}; e.g. 1536 for 16 heads at headdim 96)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--memory", action="store_true",
                    help="measure the peak memory of fwd+bwd per provider instead of speed "
@@ -654,7 +657,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         seqlens = seqlens or (16 * 1024,)
         headdims = headdims or (128,)
     try:
-        shapes = select_shapes(seqlens, headdims, args.causal, args.quick)
+        shapes = select_shapes(seqlens, headdims, args.causal, args.quick, args.hidden)
     except ValueError as exc:
         log(f"error: {exc}")
         return 2
