@@ -56,6 +56,7 @@ if AVAILABLE:
     from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
                          mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_reduce_add, tma_store,
                          to_float32, warpgroup_mma, warpgroup_mma_wait)
+    from .hopper_fwd import _write_tile  # (the forward's hand-over of one int32 to shared memory)
 
 BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
 # Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
@@ -491,7 +492,7 @@ if AVAILABLE:
                 j += 1
             if j > 0:
                 mbarrier.wait(smem.kv_free, (j - 1) & 1)
-            _write_item(smem.item.index(j % 2 * ITEM_FIELDS), -1)  # no item left
+            _write_tile(smem.item.index(j % 2 * ITEM_FIELDS), -1)  # no item left
             mbarrier.arrive(smem.kv_bar, count=1)
         else:
             _load_kv(prog, prog.walk)
@@ -518,36 +519,32 @@ if AVAILABLE:
             gl.atomic_xchg(sched.Counter, 0)
         return gl.num_programs(0) + taken
 
-    @gluon.jit
-    def _write_item(item_smem, item):
-        """The loader's hand-over of a work item's index (one int32)."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        item_smem.store(gl.full([1], item, gl.int32, layout))
-
     # A work item's walk goes from the loader to the other partitions through shared memory (smem.item: two slots
     # of ITEM_FIELDS int32, the j-th item's in slot j % 2), written before its K and V are loaded: the consumers and
     # the writer read it once kv_bar's j-th phase has completed, and hold none of the work list's scalars
-    # themselves (at d128 the consumers have no registers to spare). A batch index of -1 ends the list.
+    # themselves (at d128 the consumers have no registers to spare). A batch index of -1 ends the list. 11 fields
+    # are used; 16 keeps a slot's offset a shift.
     ITEM_FIELDS = gl.constexpr(16)
 
     @gluon.jit
     def _hand_over(item_smem, j, walk):
         """The loader's hand-over of the j-th work item's walk (all but group_size)."""
         base = (j % 2) * ITEM_FIELDS
-        _write_item(item_smem.index(base), walk.i_b)
-        _write_item(item_smem.index(base + 1), walk.i_hk)
-        _write_item(item_smem.index(base + 2), walk.start_n)
-        _write_item(item_smem.index(base + 3), walk.m_lo)
-        _write_item(item_smem.index(base + 4), walk.n_q)
-        _write_item(item_smem.index(base + 5), walk.i_full)
-        _write_item(item_smem.index(base + 6), walk.i_diag)
-        _write_item(item_smem.index(base + 7), walk.i_diag_end)
-        _write_item(item_smem.index(base + 8), walk.i_end)
-        _write_item(item_smem.index(base + 9), walk.n_mask)
-        _write_item(item_smem.index(base + 10), walk.shift)
+        _write_tile(item_smem.index(base), walk.i_b)
+        _write_tile(item_smem.index(base + 1), walk.i_hk)
+        _write_tile(item_smem.index(base + 2), walk.start_n)
+        _write_tile(item_smem.index(base + 3), walk.m_lo)
+        _write_tile(item_smem.index(base + 4), walk.n_q)
+        _write_tile(item_smem.index(base + 5), walk.i_full)
+        _write_tile(item_smem.index(base + 6), walk.i_diag)
+        _write_tile(item_smem.index(base + 7), walk.i_diag_end)
+        _write_tile(item_smem.index(base + 8), walk.i_end)
+        _write_tile(item_smem.index(base + 9), walk.n_mask)
+        _write_tile(item_smem.index(base + 10), walk.shift)
 
     @gluon.jit
     def _read_field(item_smem, i, WARPS: gl.constexpr):
+        """Entry i of smem.item, read by a partition of WARPS warps (hopper_fwd._read_tile's read, for any warps)."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         return gl.max(item_smem.index(i).load(layout), 0)
 
