@@ -270,7 +270,7 @@ def test_paged_compile_fullgraph(poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("page", [8, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256),
                                       (torch.bfloat16, 96), (torch.bfloat16, 192)])
 def test_gpu_paged(page, dtype, d):

@@ -633,8 +633,11 @@ if AVAILABLE:
                     tma_load(desc, [page, col % cfg.PAGE, i_hk, ch * W], ring.full.index(slot),
                              _tma_chunk(buf.index(slot), ch, cfg.BLOCK_N, CHUNKS))
             else:
+                # Every lane holds all the block's entries (at most 16: pages of 8 rows or more), so a page index
+                # is a register: the copies need no cross-lane reduction (one lane per entry took three dependent
+                # shuffles a page, docs/kvcache.md).
                 n_pages: gl.constexpr = cfg.BLOCK_N // cfg.PAGE
-                offs = gl.arange(0, n_pages, layout=gl.BlockedLayout([1], [32], [1], [0]))
+                offs = gl.arange(0, n_pages, layout=gl.BlockedLayout([n_pages], [32], [1], [0]))
                 pages = gl.load(row + first + offs, mask=first + offs < producer.table_cols, other=PAGE_PAST_CACHE)
                 pages = gl.where(pages < 0, PAGE_PAST_CACHE, pages)
                 slot = ring.wait_empty(i)
