@@ -30,6 +30,7 @@ from .request import AttentionRequest
 _gluon = lazy_module(".kernels._gluon", globals())
 configs = lazy_module(".kernels.configs", globals())
 features = lazy_module(".kernels.features", globals())
+hopper_bwd = lazy_module(".kernels.hopper_bwd", globals())
 
 # Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's (hopper_fwd.TILE_DIM's keys; that
 # module imports Triton, this one does not), the backward's.
@@ -45,11 +46,12 @@ GLUON_FP8_HEAD_DIMS = (128,)
 # d128 a [64, 128] bf16 tile per slot brings shared memory to 226 KB of 227; at d64 the [128, 128] tiles would need
 # 64 KB more than the 194 KB in use.
 GLUON_BWD_FLOAT_BIAS_HEAD_DIMS = (128,)
-# Varlen batches whose mean key length is below this (by head dim) take the portable backward: on a grid of one
-# program per key block, at 1k, d64 (B16 H32, H200) the Gluon backward ran at 0.92-0.95x the portable one (every
-# program has only 8 query tiles to spread its prologue over). Fixed-length calls up to
-# hopper_bwd.PERSISTENT_MAX_SEQLEN_K keys run a persistent grid instead, 1.24-1.26x the portable backward at d64 1k
-# (H100), and take the Gluon backward at any length.
+# Calls whose longest sequence has up to hopper_bwd.PERSISTENT_MAX_SEQLEN_K keys run the Gluon backward's
+# persistent grid, at any length (H100, d64: 1.24-1.26x the portable backward at 1k fixed-length, 1.17-1.42x on
+# varlen batches of 64-1792 keys). Longer varlen batches take a grid of one program per key block, on which a
+# short mean key length is slow: at 1k, d64 (B16 H32, H200) it ran at 0.92-0.95x the portable backward (every
+# program has only 8 query tiles to spread its prologue over). Those whose mean key length is below this (by head
+# dim) take the portable backward.
 GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0}
 
 
@@ -195,8 +197,8 @@ class GluonHopper(_KernelBackend):
             if req.attn_bias.dtype != torch.bool and q.shape[-1] not in GLUON_BWD_FLOAT_BIAS_HEAD_DIMS:
                 return (f"a float attn_mask's tiles do not fit its shared memory at head dim {q.shape[-1]} "
                         f"(only {GLUON_BWD_FLOAT_BIAS_HEAD_DIMS})")
-        if req.varlen:
-            # The mean key length stands for Sk (the threshold was measured at fixed length, one program per block).
+        if req.varlen and req.max_seqlen_k > hopper_bwd.PERSISTENT_MAX_SEQLEN_K:
+            # The one-item grid: the mean key length stands for Sk (the threshold was measured at fixed length).
             seqlen_k = k.shape[0] / max(req.cu_seqlens_k.numel() - 1, 1)
             minimum = GLUON_BWD_MIN_SEQLEN_K[q.shape[-1]]
             if seqlen_k < minimum:

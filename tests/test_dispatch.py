@@ -99,8 +99,19 @@ def test_gluon_allow_list_reasons():
     cu = torch.tensor([0, 300, 600], dtype=torch.int32)
     packed_req = AttentionRequest(softmax_scale=0.125, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
                                   max_seqlen_k=300)
-    # d64 varlen below GLUON_BWD_MIN_SEQLEN_K (one program per key block)
-    assert "keys per sequence" in gluon.decline_backward(torch.empty_like(packed[0]), *packed, packed_req, H100)
+    # short d64 varlen: the persistent grid as well
+    assert gluon.decline_backward(torch.empty_like(packed[0]), *packed, packed_req, H100) is None
+    # a longest sequence past the persistent grid's bound: one program per key block, below GLUON_BWD_MIN_SEQLEN_K
+    # keys per sequence on average at d64 the portable backward
+    from flashtile.kernels import hopper_bwd
+    long_k = hopper_bwd.PERSISTENT_MAX_SEQLEN_K + 1
+    cu_k = torch.tensor([0, long_k, long_k + 10] + [long_k + 10 + 20 * i for i in range(1, 8)], dtype=torch.int32)
+    cu_q = torch.arange(0, 10 * 30, 30, dtype=torch.int32)
+    kl, vl = (torch.empty(int(cu_k[-1]), 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    ql = torch.empty(int(cu_q[-1]), 4, 64, dtype=torch.bfloat16)
+    long_req = AttentionRequest(softmax_scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=30,
+                                max_seqlen_k=long_k)
+    assert "keys per sequence" in gluon.decline_backward(torch.empty_like(ql), ql, kl, vl, long_req, H100)
     qs, ks, vs = _qkv(sk=4096, d=128)
     assert gluon.decline_backward(torch.empty_like(qs), qs, ks, vs, req, H100) is None
     bias = torch.zeros((2, 4, 256, 4096), dtype=torch.bfloat16)

@@ -278,12 +278,12 @@ def test_deterministic_takes_the_portable_backward(bwd_spy):
 
 
 def test_short_d64_backward(monkeypatch, call_counter):
-    """Short d64 calls: fixed-length ones take the Gluon backward (its persistent grid), varlen ones below
-    GLUON_BWD_MIN_SEQLEN_K keys per sequence the portable one; both against the float64 oracle."""
+    """Short d64 calls take the Gluon backward (its persistent grid), fixed-length and varlen; a varlen batch whose
+    longest sequence is past the persistent grid's bound and whose mean key length is below GLUON_BWD_MIN_SEQLEN_K
+    the portable one; each against the float64 oracle."""
     monkeypatch.setattr(SETTINGS, "fast_launch", False)  # no plans: each call reaches the backend's choice
     calls = call_counter(hopper_bwd, "gluon_plan")
-    from flashtile.dispatch import GLUON_BWD_MIN_SEQLEN_K
-    sk = GLUON_BWD_MIN_SEQLEN_K[64] - 1
+    sk = 700
     q, k, v = make_qkv(1, 300, sk, 2, 2, 64, torch.bfloat16, device=DEVICE, seed=sk)
     dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
     got = _fwd_bwd(q, k, v, dout, False)
@@ -293,7 +293,15 @@ def test_short_d64_backward(monkeypatch, call_counter):
     cu_k = torch.tensor([0, sk], dtype=torch.int32, device=DEVICE)
     out, lse, _ = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 300, sk, return_attn_probs=True)
     grads = torch.autograd.grad((out * dout[0]).sum(), (q, k, v))
-    assert len(calls) == 1
+    assert len(calls) == 2
+    check_against_reference((out.detach()[None], lse.detach()[None], *grads), q.detach(), k.detach(), v.detach(),
+                            dout, 64 ** -0.5, False, sk - 300)
+    # The persistent grid's bound lowered below its keys: one program per key block, and 700 keys per sequence
+    # are below GLUON_BWD_MIN_SEQLEN_K[64].
+    monkeypatch.setattr(hopper_bwd, "PERSISTENT_MAX_SEQLEN_K", sk - 1)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 300, sk, return_attn_probs=True)
+    grads = torch.autograd.grad((out * dout[0]).sum(), (q, k, v))
+    assert len(calls) == 2
     check_against_reference((out.detach()[None], lse.detach()[None], *grads), q.detach(), k.detach(), v.detach(),
                             dout, 64 ** -0.5, False, sk - 300)
 

@@ -66,9 +66,9 @@ HEAD_DIMS = (64, 96, 128)
 # loads and masked on the stores (PAD_D), as the forward does (hopper_fwd.TILE_DIM).
 TILE_DIM = {64: 64, 96: 128, 128: 128}
 STAGES = 2
-# Fixed-length calls with at most this many keys run a persistent grid (PERSISTENT: one program per SM taking work
-# items from a counter, the next item's K and V loaded while the last one's dK and dV are stored); longer ones one
-# program per item. docs/design-record.md, "A persistent backward for short sequences".
+# Calls with at most this many keys (varlen: in the longest sequence) run a persistent grid (PERSISTENT: one program
+# per SM taking work items from a counter, the next item's K and V loaded while the last one's dK and dV are
+# stored); longer ones one program per item. docs/design-record.md, "A persistent backward for short sequences".
 PERSISTENT_MAX_SEQLEN_K = 8192
 # The persistent consumers' register budget: the work loop's state spills at CONSUMER_REGS (232); 240 still fits the
 # register file with the other partitions' (256 + 240 per thread of the two warpgroups, 24 for the two warps).
@@ -85,7 +85,7 @@ HEAD_GROUP = 4
 _Strides = collections.namedtuple("_Strides", "q_b q_s k_b k_s v_b v_s do_b do_s dk_b dk_s dk_h dv_b dv_s dv_h alibi_b")
 _Scales, _Heads, _Mul, _Lists = (collections.namedtuple(name, fields) for name, fields in (
     ("_Scales", "pre_scale qk_scale sm_scale drop_threshold drop_rescale"),
-    ("_Heads", "num_heads num_kv_heads head_group n_bh"), ("_Mul", "b h"), ("_Lists", "b h cols")))
+    ("_Heads", "num_heads num_kv_heads head_group n_bh total_q total_k"), ("_Mul", "b h"), ("_Lists", "b h cols")))
 
 
 @triton.jit
@@ -248,7 +248,8 @@ if AVAILABLE:
         """The key block this program owns (keys from start_n of kv head i_hk, batch entry i_b) and the query
         tiles it visits for each of the group_size query heads of its kv head: m_lo + i * BLOCK_M for i < n_q, the
         n_mask masked ones first (_masked_tile), then the others rotated by shift (_free_tile); see "Tile
-        order"."""
+        order". q0, k0: the first rows of the item's sequence in the packed tensors when a persistent varlen program
+        reads them through descriptors over all rows (else 0: the pointers are based there)."""
         i_b: Value
         i_hk: Value
         start_n: Value
@@ -261,6 +262,8 @@ if AVAILABLE:
         n_mask: Value
         shift: Value
         group_size: Value
+        q0: Value
+        k0: Value
 
     @aggregate
     class BwdBand:
@@ -333,11 +336,14 @@ if AVAILABLE:
 
     @aggregate
     class BwdSched:
-        """The work list of fixed-length batches: n_items = n_blocks * n_bh work items (a key block of one batch
-        entry x kv head), taken by a persistent grid (the first per program its index, the others from the
-        global Counter) in the order of _walk_at; under VARLEN one item per program (n_items 1, its walk computed in
-        _bwd_kernel). head_group, num_kv_heads, seqlen_q and group_size as in _bwd_kernel."""
+        """The work list: n_items = n_blocks * n_bh work items (a key block of one batch entry x kv head), taken
+        by a persistent grid (the first per program its index, the others from the global Counter) in the order of
+        _walk_at (varlen batches: _varlen_walk_at, over the longest sequence's key blocks, CuSeqQ and CuSeqK giving
+        each item's own); or one item per program (n_items 1, its walk computed in _bwd_kernel). head_group,
+        num_kv_heads, seqlen_q (the longest under VARLEN) and group_size as in _bwd_kernel."""
         Counter: gl.tensor
+        CuSeqQ: gl.tensor
+        CuSeqK: gl.tensor
         n_items: Value
         n_blocks: Value
         n_bh: Value
@@ -441,8 +447,9 @@ if AVAILABLE:
         else:
             mbarrier.expect(smem.q_bar.full.index(slot), nbytes)
         i_b = prog.walk.i_b
-        _load_rows(cfg, loads.q_desc, i_b, m, i_h, smem.q_bar.full.index(slot), smem.q.index(slot))
-        _load_rows(cfg, loads.do_desc, i_b, m, i_h, smem.q_bar.full.index(slot), smem.do.index(slot))
+        row = prog.walk.q0 + m
+        _load_rows(cfg, loads.q_desc, i_b, row, i_h, smem.q_bar.full.index(slot), smem.q.index(slot))
+        _load_rows(cfg, loads.do_desc, i_b, row, i_h, smem.q_bar.full.index(slot), smem.do.index(slot))
         # The rows' LSE and delta ride along: read from shared memory where the softmax needs them, they hold
         # no registers across the products (at d128 registers are what the consumers run short of).
         tma_load(loads.lse_desc, [i_b * loads.num_heads + i_h, m], smem.q_bar.full.index(slot), smem.lse.index(slot))
@@ -482,14 +489,20 @@ if AVAILABLE:
             j = 0  # items so far
             u = 0  # query tiles so far (the ring's uses)
             while item < sched.n_items:
-                walk = _walk_at(cfg, sched, prog.band, item)
-                if j > 0:
-                    mbarrier.wait(smem.kv_free, (j - 1) & 1)
-                _hand_over(smem.item, j, walk)
-                _load_kv(prog, walk)
-                u = _walk_tiles(_item_program(prog, walk), u, _load_q_tile)
+                if cfg.VARLEN:
+                    walk, band, valid = _varlen_walk_at(cfg, sched, prog.band, item)
+                else:
+                    walk = _walk_at(cfg, sched, prog.band, item)
+                    band = prog.band
+                    valid = item >= 0
+                if valid:  # (a varlen key block past its sequence's keys is no item)
+                    if j > 0:
+                        mbarrier.wait(smem.kv_free, (j - 1) & 1)
+                    _hand_over(smem.item, j, walk, band, cfg.VARLEN)
+                    _load_kv(prog, walk)
+                    u = _walk_tiles(_item_program(prog, walk, band), u, _load_q_tile)
+                    j += 1
                 item = _next_item(prog)
-                j += 1
             if j > 0:
                 mbarrier.wait(smem.kv_free, (j - 1) & 1)
             _write_tile(smem.item.index(j % 2 * ITEM_FIELDS), -1)  # no item left
@@ -503,8 +516,8 @@ if AVAILABLE:
         """The work item's K and V blocks, on kv_bar."""
         smem = prog.smem
         mbarrier.expect(smem.kv_bar, prog.loads.k_desc.block_type.nbytes + prog.loads.v_desc.block_type.nbytes)
-        _load_rows(prog.cfg, prog.loads.k_desc, walk.i_b, walk.start_n, walk.i_hk, smem.kv_bar, smem.k)
-        _load_rows(prog.cfg, prog.loads.v_desc, walk.i_b, walk.start_n, walk.i_hk, smem.kv_bar, smem.v)
+        _load_rows(prog.cfg, prog.loads.k_desc, walk.i_b, walk.k0 + walk.start_n, walk.i_hk, smem.kv_bar, smem.k)
+        _load_rows(prog.cfg, prog.loads.v_desc, walk.i_b, walk.k0 + walk.start_n, walk.i_hk, smem.kv_bar, smem.v)
 
     @gluon.jit
     def _next_item(prog):
@@ -527,8 +540,9 @@ if AVAILABLE:
     ITEM_FIELDS = gl.constexpr(16)
 
     @gluon.jit
-    def _hand_over(item_smem, j, walk):
-        """The loader's hand-over of the j-th work item's walk (all but group_size)."""
+    def _hand_over(item_smem, j, walk, band, VARLEN: gl.constexpr):
+        """The loader's hand-over of the j-th work item's walk (all but group_size; under VARLEN also its rows'
+        offsets and its sequence's band)."""
         base = (j % 2) * ITEM_FIELDS
         _write_tile(item_smem.index(base), walk.i_b)
         _write_tile(item_smem.index(base + 1), walk.i_hk)
@@ -541,6 +555,11 @@ if AVAILABLE:
         _write_tile(item_smem.index(base + 8), walk.i_end)
         _write_tile(item_smem.index(base + 9), walk.n_mask)
         _write_tile(item_smem.index(base + 10), walk.shift)
+        if VARLEN:
+            _write_tile(item_smem.index(base + 11), walk.q0)
+            _write_tile(item_smem.index(base + 12), walk.k0)
+            _write_tile(item_smem.index(base + 13), band.seqlen_k)
+            _write_tile(item_smem.index(base + 14), band.diag_offset)
 
     @gluon.jit
     def _read_field(item_smem, i, WARPS: gl.constexpr):
@@ -557,15 +576,24 @@ if AVAILABLE:
 
     @gluon.jit
     def _read_walk(prog, j, i_b, WARPS: gl.constexpr):
-        """The j-th work item's walk (after _item_batch)."""
+        """The j-th work item's walk and band (after _item_batch)."""
         item_smem = prog.smem.item
         base = (j % 2) * ITEM_FIELDS
-        return BwdWalk(i_b, _read_field(item_smem, base + 1, WARPS), _read_field(item_smem, base + 2, WARPS),
+        q0 = i_b * 0
+        k0 = q0
+        band = prog.band
+        if prog.cfg.VARLEN:
+            q0 = _read_field(item_smem, base + 11, WARPS)
+            k0 = _read_field(item_smem, base + 12, WARPS)
+            band = BwdBand(_read_field(item_smem, base + 13, WARPS), _read_field(item_smem, base + 14, WARPS),
+                           band.window_left, band.window_right)
+        walk = BwdWalk(i_b, _read_field(item_smem, base + 1, WARPS), _read_field(item_smem, base + 2, WARPS),
                        _read_field(item_smem, base + 3, WARPS), _read_field(item_smem, base + 4, WARPS),
                        _read_field(item_smem, base + 5, WARPS), _read_field(item_smem, base + 6, WARPS),
                        _read_field(item_smem, base + 7, WARPS), _read_field(item_smem, base + 8, WARPS),
                        _read_field(item_smem, base + 9, WARPS), _read_field(item_smem, base + 10, WARPS),
-                       prog.sched.group_size)
+                       prog.sched.group_size, q0, k0)
+        return walk, band
 
     @gluon.jit
     def _walk_at(cfg, sched, band, item):
@@ -582,16 +610,36 @@ if AVAILABLE:
         start_n = i_n * cfg.BLOCK_N
         m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift = _query_tiles(
             cfg, i_n, start_n, sched.seqlen_q, band.seqlen_k, band.diag_offset, band.window_left, band.window_right)
+        none = i_n * 0
         return BwdWalk(i_bh // sched.num_kv_heads, i_bh % sched.num_kv_heads, start_n, m_lo, n_q, i_full, i_diag,
-                       i_diag_end, i_end, n_mask, shift, sched.group_size)
+                       i_diag_end, i_end, n_mask, shift, sched.group_size, none, none)
 
     @gluon.jit
-    def _item_program(prog, walk):
-        """prog with a work item's walk and dropout counter base."""
+    def _varlen_walk_at(cfg, sched, band, item):
+        """(walk, band, whether it is an item) of entry `item` of a persistent varlen program's list: key block i_n
+        of sequence i_b, kv head i_hk, item = (i_b * num_kv_heads + i_hk) * n_blocks + i_n (n_blocks over the
+        longest sequence: blocks past this one's keys are none), with the sequence's own lengths and bottom-right
+        diagonal, as _bwd_kernel's one-item varlen programs."""
+        i_n = item % sched.n_blocks
+        i_bh = item // sched.n_blocks
+        i_b = i_bh // sched.num_kv_heads
+        start_n = i_n * cfg.BLOCK_N
+        q_start, len_q = _seq_span(sched.CuSeqQ, i_b, sched.seqlen_q)
+        k_start, len_k = _seq_span(sched.CuSeqK, i_b, band.seqlen_k)
+        diag_offset = (gl.load(sched.CuSeqK + i_b + 1) - k_start) - (gl.load(sched.CuSeqQ + i_b + 1) - q_start)
+        m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift = _query_tiles(
+            cfg, i_n, start_n, len_q, len_k, diag_offset, band.window_left, band.window_right)
+        walk = BwdWalk(i_b, i_bh % sched.num_kv_heads, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask,
+                       shift, sched.group_size, q_start, k_start)
+        return walk, BwdBand(len_k, diag_offset, band.window_left, band.window_right), start_n < len_k
+
+    @gluon.jit
+    def _item_program(prog, walk, band):
+        """prog with a work item's walk, band and dropout counter base."""
         drop = prog.drop
         if prog.cfg.DROPOUT:
             drop = BwdDropout(drop.Seed, walk.i_b * prog.loads.num_heads, drop.threshold, drop.rescale)
-        return BwdProgram(prog.cfg, prog.ptrs, prog.smem, walk, prog.band, prog.mods, prog.strides, prog.lists, drop,
+        return BwdProgram(prog.cfg, prog.ptrs, prog.smem, walk, band, prog.mods, prog.strides, prog.lists, drop,
                           prog.loads, prog.dq, prog.sched)
 
     @gluon.jit
@@ -657,7 +705,7 @@ if AVAILABLE:
                 # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64,
                 # from 128-byte swizzled staging: 32 columns per reduction.
                 col = i_h * cfg.HEAD_DIM + w * 64 if cfg.BLOCK_M == 64 else i_h * cfg.HEAD_DIM
-                row = prog.walk.i_b * dq.batch_rows + m + (0 if cfg.BLOCK_M == 64 else w * 64)
+                row = prog.walk.i_b * dq.batch_rows + prog.walk.q0 + m + (0 if cfg.BLOCK_M == 64 else w * 64)
                 tma_reduce_add(dq.desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
                 tma_reduce_add(dq.desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
         # Warpgroup 0's reductions are the first 1 (FLAT) or 2 bulk groups: its tile is free once they have read it.
@@ -675,7 +723,8 @@ if AVAILABLE:
             u = 0
             i_b = _item_batch(prog, j, 1)
             while i_b >= 0:
-                u = _walk_tiles(_item_program(prog, _read_walk(prog, j, i_b, 1)), u, _reduce_dq)
+                walk, band = _read_walk(prog, j, i_b, 1)
+                u = _walk_tiles(_item_program(prog, walk, band), u, _reduce_dq)
                 j += 1
                 i_b = _item_batch(prog, j, 1)
         else:
@@ -851,7 +900,8 @@ if AVAILABLE:
             t = 0  # query tiles so far (the ring's uses)
             i_b = _item_batch(prog, j, 4)
             while i_b >= 0:
-                iprog = _item_program(prog, _read_walk(prog, j, i_b, 4))
+                walk, band = _read_walk(prog, j, i_b, 4)
+                iprog = _item_program(prog, walk, band)
                 wg = _half(iprog, offsets, half)
                 dk, dv, t = _bwd_item(iprog, wg, t, seed)
                 mbarrier.arrive(smem.kv_free, count=1)
@@ -912,14 +962,15 @@ if AVAILABLE:
         strides = prog.strides
         i_b = prog.walk.i_b
         i_hk = prog.walk.i_hk
-        rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.kv_layout))
+        rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.kv_layout))  # in the sequence
         dcol = gl.expand_dims(gl.arange(0, cfg.HEAD_DIM, layout=gl.SliceLayout(0, cfg.kv_layout)), 0)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
         if cfg.PAD_D:
             keep = keep & (dcol < cfg.D)
-        p_dk = (ptrs.dK + i_b.to(gl.int64) * strides.dk_b + i_hk.to(gl.int64) * strides.dk_h
+        k0 = prog.walk.k0.to(gl.int64)
+        p_dk = (ptrs.dK + i_b.to(gl.int64) * strides.dk_b + i_hk.to(gl.int64) * strides.dk_h + k0 * strides.dk_s
                 + gl.expand_dims(rows.to(gl.int64) * strides.dk_s, 1) + dcol)
-        p_dv = (ptrs.dV + i_b.to(gl.int64) * strides.dv_b + i_hk.to(gl.int64) * strides.dv_h
+        p_dv = (ptrs.dV + i_b.to(gl.int64) * strides.dv_b + i_hk.to(gl.int64) * strides.dv_h + k0 * strides.dv_s
                 + gl.expand_dims(rows.to(gl.int64) * strides.dv_s, 1) + dcol)
         if cfg.DROPOUT:
             dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
@@ -1132,8 +1183,9 @@ if AVAILABLE:
         VARLEN: Q, dOut, K, V, dK, dV and DqAcc are packed sequences ([total, H, D]; the host passes batch strides
         of 0): batch entry i_b is rows [CuSeqQ[i_b], CuSeqQ[i_b + 1]) of the query-side tensors and
         [CuSeqK[i_b], CuSeqK[i_b + 1]) of the key-side ones; seqlen_q / seqlen_k are the longest sequences (the
-        grid's), replaced below by this sequence's own. LseLog2 and Delta stay [B, H, Sq_pad] rows, indexed by
-        the query's position in its sequence. CuSeqQ, CuSeqK are unused without.
+        grid's), replaced by each item's own (PERSISTENT: _varlen_walk_at, its descriptors over all the packed
+        rows, heads.total_q / total_k of them). LseLog2 and Delta stay [B, H, Sq_pad] rows, indexed by the
+        query's position in its sequence. CuSeqQ, CuSeqK are unused without.
         Bias: with BIAS (1 a float bias of q's dtype, 2 a bool mask) a TMA descriptor of [BLOCK_M, BLOCK_N] tiles
         over the [B|1, H|1, Sq, Sk] attn_mask (hopper_fwd.bias_descriptor; bias_mul's factors are 0 along its
         broadcast dims); Counts, Idx: a bool mask's tile lists (_list_row). Unused (placeholders) without.
@@ -1144,7 +1196,6 @@ if AVAILABLE:
         gl.static_assert(not DBIAS or (BIAS == 1 and BLOCK_M == 64))
         # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
         gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
-        gl.static_assert(not (PERSISTENT and VARLEN))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
                         VARLEN, DROPOUT, PERSISTENT, D, Q.dtype.element_ty)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
@@ -1155,7 +1206,31 @@ if AVAILABLE:
         n_bh = heads.n_bh
         band = BwdBand(seqlen_k, diag_offset, window_left, window_right)
         q_rows = seqlen_q  # rows of the query-side descriptors
-        if VARLEN:
+        k_rows = seqlen_k  # and of the key-side ones
+        n_blocks = gl.cdiv(seqlen_k, BLOCK_N)  # (the longest sequence's under VARLEN)
+        sched = BwdSched(Counter, CuSeqQ, CuSeqK, n_blocks * n_bh, n_blocks, n_bh, heads.head_group,
+                         heads.num_kv_heads, seqlen_q, group_size)
+        if PERSISTENT:
+            # A persistent grid over the work list (BwdSched): the loader computes each item's walk and hands it to
+            # the other partitions (_hand_over). Under a causal-like band, key block i_n sees fewer query tiles the
+            # larger i_n is: the list puts each head's heaviest block first, with heads in groups of `group` whose
+            # key blocks go heaviest first across the group's heads (block 0 of each head, then block 1, ...;
+            # _walk_at). group * n_blocks >= 128, about the programs in flight at once (132 SMs, one program each),
+            # keeps about one group in flight (its Q, dO and dQ rows stay in L2) while the counter balances a full
+            # wave. A bool mask (BIAS 2) takes the same order: its block lists are most often causal-shaped (as the
+            # forward assumes in _tile_coords), and for any other shape the order only permutes the blocks within a
+            # group. A float attn_mask shared by the heads (attention_backward's head_group): the same order, so
+            # that the group's programs for one key block read each mask tile at about the same time, once from
+            # memory. Varlen batches list the longest sequence's key blocks for every sequence and kv head
+            # (_varlen_walk_at skips those past a sequence's keys) and read through descriptors over all the packed
+            # rows: a tile may then run into the next sequence's rows, which the band's key bound masks (keys) or
+            # the padding's infinite LSE zeroes (queries: their dS rows are 0, so their dQ reductions add zeros).
+            none = gl.program_id(0) * 0
+            walk = BwdWalk(none, none, none, none, none, none, none, none, none, none, none, group_size, none, none)
+            if VARLEN:
+                q_rows = heads.total_q
+                k_rows = heads.total_k
+        elif VARLEN:
             # One work item per program: key block i_n of sequence i_b, kv head i_hk. This sequence alone: its own
             # lengths and bottom-right diagonal (kernels/_common._seq_bounds), every tensor based at its first row,
             # and descriptors of its own length, so that TMA zero-fills (loads) and clips (dQ reductions) at the
@@ -1182,35 +1257,18 @@ if AVAILABLE:
             # A sequence without queries still writes its keys' dK, dV (zeros: it visits no query tile); a
             # descriptor takes no empty dimension, and this one is never read then.
             q_rows = gl.maximum(seqlen_q, 1)
+            k_rows = seqlen_k
             band = BwdBand(seqlen_k, diag_offset, window_left, window_right)
-            sched = BwdSched(Counter, 1, 1, n_bh, heads.head_group, heads.num_kv_heads, seqlen_q, group_size)
             m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift = _query_tiles(
                 cfg, i_n, start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right)
+            none = i_n * 0
             walk = BwdWalk(i_b, i_hk, start_n, m_lo, n_q, i_full, i_diag, i_diag_end, i_end, n_mask, shift,
-                           group_size)
+                           group_size, none, none)
         else:
-            # A persistent grid over the work list (BwdSched): the loader hands each item to the other partitions.
-            # Under a causal-like band, key block i_n sees fewer query tiles the larger i_n is: the list puts each
-            # head's heaviest block first, with heads in groups of `group` whose key blocks go heaviest first
-            # across the group's heads (block 0 of each head, then block 1, ...; _walk_at). group * n_blocks >=
-            # 128, about the programs in flight at once (132 SMs, one program each), keeps about one group in
-            # flight (its Q, dO and dQ rows stay in L2) while the counter balances a full wave. A bool mask (BIAS 2)
-            # takes the same order: its block lists are most often causal-shaped (as the forward assumes in
-            # _tile_coords), and for any other shape the order only permutes the blocks within a group. A float
-            # attn_mask shared by the heads (attention_backward's head_group): the same order, so that the group's
-            # programs for one key block read each mask tile at about the same time, once from memory.
-            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-            sched = BwdSched(Counter, n_blocks * n_bh, n_blocks, n_bh, heads.head_group, heads.num_kv_heads,
-                             seqlen_q, group_size)
-            if PERSISTENT:
-                # (the loader computes each item's walk and hands it over: _hand_over)
-                none = gl.program_id(0) * 0
-                walk = BwdWalk(none, none, none, none, none, none, none, none, none, none, none, group_size)
-            else:
-                # One work item per program, in the list's order (grid (n_blocks, n_bh)).
-                walk = _walk_at(cfg, sched, band, gl.program_id(1) * n_blocks + gl.program_id(0))
+            # One work item per program, in the list's order (grid (n_blocks, n_bh)).
+            walk = _walk_at(cfg, sched, band, gl.program_id(1) * n_blocks + gl.program_id(0))
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
-            cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, n_bh, q_rows, seqlen_k, seqlen_q_pad)
+            cfg, Q, K, V, dOut, LseLog2, Delta, strides, heads, n_bh, q_rows, k_rows, seqlen_q_pad)
         smem, dq = _bwd_smem(cfg, DqAcc, Bias, DBias, heads, n_bh, q_rows, seqlen_q_pad)
         prog = BwdProgram(
             cfg, BwdPtrs(dK, dV, Alibi), smem, walk, band,
@@ -1344,9 +1402,9 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         _Strides(*(st for t in strides for st in t), stride_alibi_b), seqlen_q, seqlen_k, seqlen_q_pad,
         req.diagonal_offset, req.window_left, req.window_right,
         _Scales(pre_scale, qk_scale, req.softmax_scale, dropout_threshold(req.dropout_p), 1.0 / (1.0 - req.dropout_p)),
-        _Heads(num_heads, num_kv_heads, head_group, batch * num_kv_heads))
+        _Heads(num_heads, num_kv_heads, head_group, batch * num_kv_heads, q.shape[0], k.shape[0]))
     n_blocks = triton.cdiv(seqlen_k, BLOCK_N)
-    plan.persistent = not varlen and seqlen_k <= PERSISTENT_MAX_SEQLEN_K
+    plan.persistent = seqlen_k <= PERSISTENT_MAX_SEQLEN_K  # (varlen: the longest sequence's)
     if plan.persistent:
         grid = (min(n_blocks * batch * num_kv_heads, hopper_fwd._num_sms(q.get_device())), )
     else:
