@@ -229,3 +229,32 @@ def test_dq_from_tiles(head_dim):
     dq32 = torch.full((batch, seqlen_q, heads, head_dim), float("nan"), device=DEVICE)
     hopper_bwd.dq_from_tiles(acc, dq32, seqlen_q_pad, addend)
     assert torch.equal(dq32, full[:, :, :seqlen_q].permute(0, 2, 1, 3) + addend)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_preprocess_zeroes_dq_buffer(head_dim):
+    """The backward's preprocess with the Gluon kernel's fixed-length dQ buffer (zero_width > 0): every row of the
+    buffer, padding included, comes out 0 (the kernel adds into it), and its Rows are those of the preprocess
+    without a buffer. Buffer and rows start poisoned with NaN."""
+    from flashtile.kernels import _launch, backward, hopper_bwd
+    batch, heads, seqlen_q, head_dim_v = 2, 3, 200, head_dim
+    pad = 256
+    tile_dim = hopper_bwd.TILE_DIM[head_dim]
+    out = torch.randn(batch, seqlen_q, heads, head_dim_v, device=DEVICE).to(torch.bfloat16)
+    dout = torch.randn_like(out)
+    lse = torch.randn(batch, heads, seqlen_q, device=DEVICE)
+    results = []
+    for zero_width in (tile_dim, 0):
+        rows = backward.Rows(torch.full((batch, heads, pad), float("nan"), device=DEVICE),
+                             torch.full((batch, heads, pad), float("nan"), device=DEVICE), pad)
+        acc = torch.full((batch * heads * pad * tile_dim // 256, 256), float("nan"), device=DEVICE)
+        launch = backward._preprocess_launch(out, dout, lse, None, False, seqlen_q, batch, 0.5, tile_dim, pad,
+                                             zero_width)
+        launch(_launch.stream_for(out.get_device()), out, dout, lse, lse, rows, lse, acc if zero_width else lse)
+        results.append((rows, acc))
+    (rows, acc), (plain, untouched) = results
+    assert torch.equal(acc, torch.zeros_like(acc))
+    assert torch.isnan(untouched).all()  # without a width the buffer is a placeholder, never written
+    assert torch.equal(rows.lse_log2, plain.lse_log2) and torch.equal(rows.delta, plain.delta)
+    delta = (out.float() * dout.float()).sum(-1).transpose(1, 2) * 0.5
+    torch.testing.assert_close(rows.delta[..., :seqlen_q], delta)

@@ -49,12 +49,14 @@ class Rows(NamedTuple):
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, total_q, strides, seqlen_q, num_heads, delta_scale,
-                           HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, DqAcc, total_q, strides, seqlen_q, num_heads,
+                           delta_scale, HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ZERO_WIDTH: tl.constexpr):
     """Delta = rowsum(O * dO) (minus dLSE), times delta_scale (1, or the softmax scale for the Gluon kernel, whose
     dS carries it: kernels/hopper_bwd._bwd_step), and the LSE in log2 units, as Rows. strides: (out, dout) of
-    (batch, seqlen, head) and (lse, dlse) of (batch, head)."""
+    (batch, seqlen, head) and (lse, dlse) of (batch, head). ZERO_WIDTH > 0: also zero the program's rows of the
+    Gluon backward's fixed-length dQ buffer DqAcc (float32, ZERO_WIDTH columns per row, the rows laid out as Rows'),
+    which the kernel then adds into: one launch fewer than a separate memset, the same bytes."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
@@ -82,6 +84,10 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, total_q, strides,
     b_lse_log2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
     tl.store(rows.delta + i_bh.to(tl.int64) * rows.pad + o_m, b_delta * delta_scale)
     tl.store(rows.lse_log2 + i_bh.to(tl.int64) * rows.pad + o_m, b_lse_log2)
+    if ZERO_WIDTH > 0:
+        o_z = tl.arange(0, ZERO_WIDTH)
+        p_acc = DqAcc + (i_bh.to(tl.int64) * rows.pad + o_m)[:, None] * ZERO_WIDTH + o_z[None, :]
+        tl.store(p_acc, tl.zeros([BLOCK_M, ZERO_WIDTH], tl.float32))
 
 
 class Program(NamedTuple):
@@ -327,7 +333,8 @@ class BwdPlan:
     and dQ launches with the tiles that compiled (_launch.Bound each). run allocates the rows and the gradients
     not given, takes the feature tensors from the request, launches, and returns (dq, dk, dv, dbias, dsinks)."""
     __slots__ = ("device", "pad", "rows_shape", "preprocess", "gluon", "dkdv", "dq", "groups", "fargs", "lengths",
-                 "use_tma", "tiles", "dropout_scalars", "full_shape", "bias_grad", "dbias_dtype", "delta_scale")
+                 "use_tma", "tiles", "dropout_scalars", "full_shape", "bias_grad", "dbias_dtype", "delta_scale",
+                 "zero_dq")
 
     def run(self, dout, q, k, v, out, lse, dlse, req, grads, dq_addend=None):
         """(dq, dk, dv, dbias, dsinks) of a call with this plan's key (dq_addend: the Gluon kernel's only, see
@@ -359,13 +366,18 @@ class BwdPlan:
         # The preprocess reads lse and dlse as rows of unit stride; they are small, so copy any other layout
         # (autograd hands an expanded, stride-0 dlse for lse.sum()). dlse: lse stands in when there is none.
         lse = lse.contiguous()
+        # The Gluon kernel's fixed-length dQ buffer, zeroed by the preprocess (its varlen buffer is zeroed apart:
+        # rows past the last sequence belong to no preprocess program, and dQ copies them).
+        dq_acc = None
+        if self.gluon is not None:
+            dq_acc = self.gluon.dq_buffer(self.zero_dq)
         self.preprocess(stream, out, dout, lse, lse if dlse is None else dlse.contiguous(), call.rows,
-                        fargs.cu_seqlens.q)
+                        fargs.cu_seqlens.q, lse if dq_acc is None else dq_acc)
         call.dbias_full = None
         if self.gluon is not None:
             call.dbias_full = _gluon_dbias(req, self.full_shape, device) if self.bias_grad else None
             self.gluon.run(stream, q, k, v, dout, *call.grads, call.rows.lse_log2, call.rows.delta, req,
-                           call.dbias_full, dq_addend)
+                           call.dbias_full, dq_addend, dq_acc)
             return call
         assert dq_addend is None, "the portable kernels store dQ: flashtile/dispatch.backward adds dq_addend"
         # The bias gradient is dS, written whole by the dQ kernel ([B, H, Sq, Sk]) and summed over the bias's
@@ -427,9 +439,12 @@ def _bwd_plan(spec, q, k, v, dout, out, lse, dlse, req, gluon, grads, bias_grad)
     plan.fargs = None if req.tensors() else fargs
     plan.full_shape = (batch, num_heads, seqlen_q, seqlen_k)
     plan.delta_scale = req.softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in its scaled dS's units
-    plan.preprocess = _preprocess_launch(out, dout, lse, dlse, req.varlen, seqlen_q, batch, plan.delta_scale,
-                                         spec.block_d(head_dim_v), plan.pad)
     plan.gluon = hopper_bwd.gluon_plan(q, k, v, dout, grads, plan.rows_shape, req, bias_grad) if gluon else None
+    # The preprocess zeroes the Gluon kernel's fixed-length dQ buffer (its rows are Rows' rows).
+    plan.zero_dq = gluon and not req.varlen
+    plan.preprocess = _preprocess_launch(out, dout, lse, dlse, req.varlen, seqlen_q, batch, plan.delta_scale,
+                                         spec.block_d(head_dim_v), plan.pad,
+                                         hopper_bwd.TILE_DIM[q.shape[-1]] if plan.zero_dq else 0)
     plan.dbias_dtype = None
     if bias_grad and not gluon:
         plan.dbias_dtype = req.attn_bias.dtype if tuple(req.attn_bias.shape) == plan.full_shape else torch.float32
@@ -509,9 +524,11 @@ def plan_backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, gluon=Fa
     return (plan,) + plan.finish(call)
 
 
-def _preprocess_launch(out, dout, lse, dlse, varlen, seqlen_q, batch, delta_scale, block_dv, pad):
+def _preprocess_launch(out, dout, lse, dlse, varlen, seqlen_q, batch, delta_scale, block_dv, pad, zero_width=0):
     """The bound launch of _bwd_preprocess_kernel (Rows from out, dout, lse and dlse; None: no LSE gradient); its call
-    takes (stream, out, dout, lse, dlse or lse, rows, cu_seqlens_q), lse and dlse made contiguous."""
+    takes (stream, out, dout, lse, dlse or lse, rows, cu_seqlens_q, dq buffer), lse and dlse made contiguous.
+    zero_width > 0: the dq buffer (the Gluon kernel's fixed-length one, zero_width columns per row) is zeroed;
+    otherwise it is a placeholder, never read."""
     lse_strides = _common.contiguous_strides(lse.shape)
     if varlen:
         row_strides = [(0, lse_strides[0]), (0, lse_strides[0]) if dlse is not None else (0, 0)]
@@ -523,7 +540,7 @@ def _preprocess_launch(out, dout, lse, dlse, varlen, seqlen_q, batch, delta_scal
         _bwd_preprocess_kernel, (pad // _PREPROCESS_BLOCK_M, batch * num_heads),
         (out.shape[0] if varlen else 0, strides, seqlen_q, num_heads, delta_scale),
         dict(HEAD_DIM_V=out.shape[-1], HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M,
-             BLOCK_DV=block_dv), {})
+             BLOCK_DV=block_dv, ZERO_WIDTH=zero_width), {})
 
 
 def _gluon_dbias(req, full_shape, device):

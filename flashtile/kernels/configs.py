@@ -99,14 +99,38 @@ def launch_spec(q, tensors, tma=True):
                       dot_upcast=INTERPRETING and q.dtype != torch.float32, arch=arch)
 
 
-def _set_tma_allocator(device):
-    # Descriptors made inside a kernel live in a small global scratch buffer that Triton asks the host for. Set on
-    # every TMA launch, not once: Triton keeps the allocator in a ContextVar, and autograd runs the backward on a
-    # thread of its own.
-    def alloc(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8, device=device)
+class _Scratch:
+    """Triton's allocator for one device's global scratch: descriptors made inside a kernel live in a small buffer
+    that the launch asks the host for. One buffer per stream serves every launch on it (kernels on one stream run
+    one after the other, and none of ours overlaps the next through programmatic dependent launch), grown when a
+    launch asks for more: a launch then allocates nothing, where a new tensor per launch cost a torch.empty of host
+    time on the backward's path. Under CUDA-graph capture each launch gets a buffer of its own from the graph's pool,
+    which the graph keeps alive (a kept buffer could be replaced, and freed, after the capture)."""
 
-    triton.set_allocator(alloc)
+    def __init__(self, device):
+        self.device = device
+        self.buffers = {}
+
+    def __call__(self, size, alignment, stream):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return torch.empty(size, dtype=torch.int8, device=self.device)
+        buffer = self.buffers.get(stream)
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(size, dtype=torch.int8, device=self.device)
+            self.buffers[stream] = buffer
+        return buffer
+
+
+_SCRATCH: dict = {}
+
+
+def _set_tma_allocator(device):
+    # Set on every TMA launch, not once: Triton keeps the allocator in a ContextVar, and autograd runs the backward
+    # on a thread of its own.
+    scratch = _SCRATCH.get(device)
+    if scratch is None:
+        scratch = _SCRATCH[device] = _Scratch(device)
+    triton.set_allocator(scratch)
 
 
 # Interpreter: the hardware limits don't apply; 64x64 tiles keep the number of interpreted programs small while

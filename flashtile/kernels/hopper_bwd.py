@@ -1316,13 +1316,21 @@ class GluonBwdPlan:
     __slots__ = ("launch", "to_dq", "acc_shape", "scalars", "mul", "lists", "tiles", "varlen", "dropout", "device",
                  "persistent")
 
-    def run(self, stream, q, k, v, dout, dq, dk, dv, lse_log2, delta, req, dbias, dq_addend=None):
+    def dq_buffer(self, zeroed_elsewhere):
+        """The kernel's float32 dQ buffer: [total_q, H, D] for varlen, each sequence's reductions stopping at its
+        end; else tile by tile (the kernel's dq_desc note). The kernel adds into it: zeroed here unless
+        zeroed_elsewhere (kernels/backward.py's preprocess zeroes the fixed-length one)."""
+        if zeroed_elsewhere:
+            return torch.empty(self.acc_shape, dtype=torch.float32, device=self.device)
+        return torch.zeros(self.acc_shape, dtype=torch.float32, device=self.device)
+
+    def run(self, stream, q, k, v, dout, dq, dk, dv, lse_log2, delta, req, dbias, dq_addend=None, dq_acc=None):
         """Launch the kernel and write dq, dk, dv; dq_addend: None, or a float32 tensor shaped like q that dQ is
-        added to before it is rounded into dq (kernels/backward.BwdPlan.run)."""
+        added to before it is rounded into dq (kernels/backward.BwdPlan.run); dq_acc: the zeroed dq_buffer, or
+        None (one is made here)."""
         q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
-        # dQ in fp32, scaled in the kernel: [total_q, H, D] for varlen, each sequence's reductions stopping at its
-        # end; else tile by tile (the kernel's dq_desc note).
-        dq_acc = torch.zeros(self.acc_shape, dtype=torch.float32, device=self.device)
+        if dq_acc is None:
+            dq_acc = self.dq_buffer(False)
         cu_q = cu_k = delta  # placeholders, never read
         if self.varlen:
             cu_q, cu_k = req.cu_seqlens_q, req.cu_seqlens_k
