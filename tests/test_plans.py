@@ -320,3 +320,25 @@ def test_shared_requests_match_fresh_ones(monkeypatch):
         for _ in range(2):
             with pytest.raises((TypeError, ValueError)):
                 flashtile.flash_attn_func(q, k, v, **bad)
+
+
+def test_scratch_buffer_kept_per_stream(monkeypatch):
+    """Triton's global scratch (configs._Scratch): one buffer per stream, reused by launches that fit it, replaced
+    by a larger one when a launch asks for more; under CUDA-graph capture every launch gets a buffer of its own (a
+    kept one could be replaced, and freed, after the capture while the graph still points at it)."""
+    from flashtile.kernels import configs
+    scratch = configs._Scratch(torch.device("cpu"))
+    first = scratch(1024, 128, 7)
+    assert first.numel() >= 1024 and scratch(512, 128, 7) is first
+    other = scratch(512, 128, 8)
+    assert other is not first and scratch(512, 128, 8) is other
+    larger = scratch(4096, 128, 7)
+    assert larger.numel() >= 4096 and larger is not first and scratch(1024, 128, 7) is larger
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    captured = scratch(1024, 128, 7)
+    assert captured is not larger and scratch(1024, 128, 7) is not captured
+    assert scratch.buffers[7] is larger
+    configs._set_tma_allocator(torch.device("cpu"))
+    configs._set_tma_allocator(torch.device("cpu"))
+    assert len([d for d in configs._SCRATCH if d == torch.device("cpu")]) == 1
