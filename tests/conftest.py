@@ -59,7 +59,8 @@ def spy(monkeypatch, call_counter):
 @pytest.fixture
 def bwd_spy(monkeypatch, call_counter):
     """The calls that reach the Hopper Gluon backward, with it on (FLASHTILE_GLUON_BWD=0 turns it off) at every
-    size (short d64 calls normally take the portable kernels). Plans off, as for spy."""
+    size (d64 varlen batches of short mean length past the persistent grid's bound normally take the portable
+    kernels). Plans off, as for spy."""
     from flashtile._settings import SETTINGS
     from flashtile.kernels import hopper_bwd
     monkeypatch.setattr(SETTINGS, "gluon_backward", True)
@@ -80,3 +81,19 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "hopper" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def bwd_grids(monkeypatch):
+    """For each launch of the Hopper Gluon backward, in order: whether it ran the persistent grid
+    (hopper_bwd.GluonBwdPlan.persistent)."""
+    from flashtile.kernels import hopper_bwd
+    persistent = []
+    run = hopper_bwd.GluonBwdPlan.run
+
+    def recorded(self, *args, **kwargs):
+        persistent.append(self.persistent)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(hopper_bwd.GluonBwdPlan, "run", recorded)
+    return persistent
