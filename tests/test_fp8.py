@@ -229,40 +229,58 @@ def test_fp8_portable_forward_on_gpu(monkeypatch, causal):
     assert_close("out", out.cpu(), ref, plain, torch.bfloat16)
 
 
-def test_transposed_v_for_the_hopper_kernel():
+# The key order within each block of 128 keys of the Hopper kernel's copy of V (and of its P): position
+# 32 q + 2 i + e holds key 8 i + 2 q + e, written out here independently of hopper_fwd._vt_keys.
+VT_ORDER = [8 * i + 2 * q + e for q in range(4) for i in range(16) for e in range(2)]
+
+
+def _vt_blocks(v):
+    """v [S, H, D] bytes -> [H, D, L]: keys padded with zeros to whole blocks of 128, each block in VT_ORDER."""
+    n = -(-v.shape[0] // 128) * 128
+    padded = torch.zeros((n,) + v.shape[1:], dtype=v.dtype)
+    padded[:v.shape[0]] = v
+    order = torch.tensor([128 * blk + k for blk in range(n // 128) for k in VT_ORDER], dtype=torch.long)
+    return padded[order].permute(1, 2, 0)
+
+
+def test_transposed_v_for_the_hopper_kernel(poison):
     """The Hopper FP8 forward's copy of V with the keys contiguous (hopper_fwd._transposed_v, a Triton kernel):
-    the same bytes as torch's permuted copy, rows padded to 16 keys outside the view; odd key counts, a
-    non-contiguous V."""
+    whole blocks of 128 keys, each in the kernel's key order (VT_ORDER), zeros past Sk; odd key counts, a
+    non-contiguous V, a poisoned buffer."""
     from flashtile.kernels import configs, hopper_fwd
     if not configs.INTERPRETING:
         pytest.skip("runs the Triton kernel in the interpreter (TRITON_INTERPRET=1)")
+    assert sorted(VT_ORDER) == list(range(128))
     gen = torch.Generator().manual_seed(2)
     wide = torch.randn(3, 203, 2, 2 * 128, generator=gen).to(FP8)
     v = wide[..., :128]  # rows and heads strided
     vt = hopper_fwd._transposed_v(v)
-    assert vt.shape == (3, 2, 128, 203) and vt.stride(-2) == 208
-    assert torch.equal(vt.view(torch.uint8), v.permute(0, 2, 3, 1).contiguous().view(torch.uint8))
+    assert poison and vt.shape == (3, 2, 128, 256) and vt.is_contiguous()
+    for b in range(3):
+        assert torch.equal(vt[b].view(torch.uint8), _vt_blocks(v[b].view(torch.uint8)))
 
 
 def test_transposed_v_of_a_varlen_batch():
-    """_transposed_v of packed sequences (the varlen FP8 forward): sequence b's keys from column
-    ceil16(cu_seqlens_k[b]) + 16 b of [1, Hk, D, L] (the kernel's _load_vt computes the same), zeros everywhere
-    else; odd lengths, an empty sequence, a strided V."""
+    """_transposed_v of packed sequences (the varlen FP8 forward): sequence b's whole key blocks, each in the
+    kernel's key order, from column ceil16(cu_seqlens_k[b]) + 144 b of [1, Hk, D, L] (the kernel's _load_vt
+    computes the same), zeros everywhere else; odd lengths, an empty sequence, a strided V."""
     from flashtile.kernels import configs, hopper_fwd
     from flashtile.testing import cu_seqlens
     if not configs.INTERPRETING:
         pytest.skip("runs the Triton kernel in the interpreter (TRITON_INTERPRET=1)")
-    lens = [37, 0, 130, 5]
+    lens = [37, 0, 130, 5, 128]
     gen = torch.Generator().manual_seed(4)
     v = torch.randn(sum(lens), 2, 2 * 128, generator=gen).to(FP8)[..., 128:]
     vt = hopper_fwd._transposed_v(v, cu_seqlens(lens), max(lens))
-    length = -(-sum(lens) // 16) * 16 + 16 * (len(lens) + 1)
+    length = -(-sum(lens) // 16) * 16 + 144 * (len(lens) + 1)
     assert vt.shape == (1, 2, 128, length) and vt.is_contiguous()
     expect = torch.zeros(1, 2, 128, length, dtype=torch.uint8)
     start = 0
     for b, n in enumerate(lens):
-        col = -(-start // 16) * 16 + 16 * b
-        expect[0, :, :, col:col + n] = v[start:start + n].view(torch.uint8).permute(1, 2, 0)
+        col = -(-start // 16) * 16 + 144 * b
+        blocks = _vt_blocks(v[start:start + n].view(torch.uint8))
+        assert (expect[0, :, :, col:col + blocks.shape[-1]] == 0).all()  # sequences' blocks do not overlap
+        expect[0, :, :, col:col + blocks.shape[-1]] = blocks
         start += n
     assert torch.equal(vt.view(torch.uint8), expect)
 

@@ -680,8 +680,8 @@ if AVAILABLE:
         mbarrier.expect(ring.full.index(slot), desc.block_type.nbytes)
         key = item.k_start + col
         if cfg.VARLEN:
-            # Each sequence's keys start on a 16-key boundary of the copy (_transposed_v: VT_ALIGN).
-            key = (item.k_start + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_ALIGN * item.i_b + col
+            # Each sequence's keys start on a 16-key boundary of the copy, VT_GAP keys apart (_transposed_v).
+            key = (item.k_start + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_GAP * item.i_b + col
         tma_load(desc, [item.t_b, i_hk, 0, key], ring.full.index(slot),
                  buf.index(slot).reshape([1, 1, cfg.HEAD_DIM_V, cfg.BLOCK_N]))
 
@@ -946,13 +946,24 @@ if AVAILABLE:
         while the tensor cores read it (the module docstring's fact 2)."""
         if cfg.FP8:
             buf = smem.p.index(part)
-            buf.store(p.to(cfg.dtype))
+            buf.store(_key_order(p).to(cfg.dtype))
             # The product reads P through the async proxy, issued once every warp of the warpgroup has stored.
             fence_async_shared()
             thread_barrier()
             return buf
         else:
             return gl.convert_layout(p.to(cfg.dtype), cfg.dot_a)
+
+    @gluon.jit
+    def _key_order(p):
+        """FP8: a block's P with its columns in the key order of V's transposed copy (_vt_keys): column 8 i + 2 q + e
+        (the wgmma accumulator's thread q = lane % 4 holds columns 2 q and 2 q + 1 of each group i of 8) goes to
+        BLOCK_N / 4 q + 2 i + e. A thread's values of a row are then contiguous, and the store into P's buffer
+        takes two 16-byte stores per row instead of one 2-byte store per pair (32 per thread at d128). P V sums over
+        the keys, so the same order on both sides leaves it unchanged. Only the registers' names change."""
+        rows: gl.constexpr = p.shape[0]
+        n: gl.constexpr = p.shape[1]
+        return gl.reshape(gl.permute(gl.reshape(p, [rows, n // 8, 4, 2]), [0, 2, 1, 3]), [rows, n])
 
     @gluon.jit
     def _last_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr):
@@ -1363,70 +1374,86 @@ def _descriptor(t, rows, cols):
 
 
 def _vt_descriptor(vt, head_dim, block_n):
-    """FP8: a 4-D TMA descriptor over V transposed ([B, Hk, D, Sk], keys contiguous; _transposed_v), one
-    [head_dim, block_n] tile of one (batch, kv head) per copy: keys past Sk are zero-filled (their P is 0, and
-    0 times what lies past the end could be a NaN)."""
+    """FP8: a 4-D TMA descriptor over V transposed ([B, Hk, D, L], keys contiguous, each block of BLOCK_N keys in
+    _vt_keys' order; _transposed_v), one [head_dim, block_n] tile of one (batch, kv head) per copy. The copy holds
+    whole blocks (zeros for keys past Sk: their P is 0, and 0 times what lies past the end could be a NaN)."""
     return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, head_dim, block_n], _layout(8, 4))
+
+
+@triton.jit
+def _vt_keys(pos, BLOCK_S: tl.constexpr):
+    """The key (within its block of BLOCK_S) that V's transposed copy holds at position pos of the block: position
+    BLOCK_S / 4 q + 2 i + e holds key 8 i + 2 q + e, the order of the Gluon kernel's P (_key_order)."""
+    q = pos // (BLOCK_S // 4)
+    i = (pos // 2) % (BLOCK_S // 8)
+    return 8 * i + 2 * q + pos % 2
 
 
 @triton.jit
 def _transpose_v_kernel(V, Vt, CuSeqK, seqlen, num_heads, stride_vb, stride_vs, stride_vh, stride_tb, stride_th,
                         stride_td, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, VARLEN: tl.constexpr):
-    """Vt[b, h, :, s] = V[b, s, h, :] for BLOCK_S keys of one (batch, head) per program (bytes: float8 read as
-    uint8). Both sides move whole rows: the load along the head dim, the store along the keys. VARLEN: b is a
-    sequence of the packed V (batch dims of 1), its keys from CuSeqK[b], stored from VT_ALIGN-rounded
-    CuSeqK[b] + VT_ALIGN * b (_transposed_v)."""
+    """One block of BLOCK_S keys of one (batch, head) per program (bytes: float8 read as uint8): position p of the
+    block in Vt[b, h, :, :] holds V[b, block start + _vt_keys(p), h, :], and 0 for a key past the end. Both sides
+    move whole rows: the load along the head dim, the store along the keys. VARLEN: b is a sequence of the packed
+    V (batch dims of 1), its keys from CuSeqK[b], stored from VT_ALIGN-rounded CuSeqK[b] + VT_GAP * b
+    (_transposed_v); a block past the sequence's keys stores nothing."""
     i_bh = tl.program_id(1)
     i_b = (i_bh // num_heads).to(tl.int64)
     i_h = (i_bh % num_heads).to(tl.int64)
-    keys = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    block = tl.program_id(0) * BLOCK_S
+    pos = tl.arange(0, BLOCK_S)
+    keys = block + _vt_keys(pos, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
     if VARLEN:
         start = tl.load(CuSeqK + i_b).to(tl.int64)
         n_keys = tl.load(CuSeqK + i_b + 1) - start
         src = V + i_h * stride_vh + (start + keys.to(tl.int64))[:, None] * stride_vs + dims[None, :]
         dst = Vt + i_h * stride_th + dims.to(tl.int64)[:, None] * stride_td
-        dst += (start + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_ALIGN * i_b + keys[None, :]
+        dst += (start + VT_ALIGN - 1) // VT_ALIGN * VT_ALIGN + VT_GAP * i_b + block + pos[None, :]
     else:
         n_keys = seqlen
         src = V + i_b * stride_vb + i_h * stride_vh + keys.to(tl.int64)[:, None] * stride_vs + dims[None, :]
-        dst = Vt + i_b * stride_tb + i_h * stride_th + dims.to(tl.int64)[:, None] * stride_td + keys[None, :]
-    x = tl.load(src, mask=keys[:, None] < n_keys)
-    tl.store(dst, tl.trans(x), mask=keys[None, :] < n_keys)
+        dst = Vt + i_b * stride_tb + i_h * stride_th + dims.to(tl.int64)[:, None] * stride_td + block + pos[None, :]
+    x = tl.load(src, mask=keys[:, None] < n_keys, other=0)
+    # (The whole block, or nothing: the mask's shape is the store's.)
+    tl.store(dst, tl.trans(x), mask=dims[:, None] * 0 + pos[None, :] * 0 + block < n_keys)
 
 
-# Keys per program of the transposed copy: a [128, D] tile of bytes.
+# Keys per program of the transposed copy: a [128, D] tile of bytes, one key block of the Gluon kernel (_key_order's
+# order holds within a block).
 _TRANSPOSE_KEYS = 128
-# Varlen FP8: each sequence's keys start at a multiple of this many in V's transposed copy, since a TMA copy whose
+# Varlen FP8: each sequence's keys start at a multiple of VT_ALIGN in V's transposed copy, since a TMA copy whose
 # first key (the contiguous dimension, one byte each) is not on a 16-byte boundary stopped the kernel with an
-# illegal instruction on an H100. Sequence b starts at VT_ALIGN-rounded cu_seqlens_k[b] + VT_ALIGN * b, which
-# follows the end of sequence b - 1 and needs no other offsets (_load_vt computes it from the item).
+# illegal instruction on an H100. Sequence b starts at VT_ALIGN-rounded cu_seqlens_k[b] + VT_GAP * b: the rounding
+# adds at most 15 keys and the last block's whole 128 at most 127 past the sequence's end, so the next sequence
+# starts after it, and the producer needs no other offsets (_load_vt computes it from the item).
 VT_ALIGN = tl.constexpr(16)
+VT_GAP = tl.constexpr(144)
 
 
 def _transposed_v(v, cu_seqlens_k=None, max_seqlen_k=0):
-    """V as [B, Hk, D, Sk] with the keys contiguous, for the FP8 forward's P V (float8 wgmma takes its shared
-    operands K-major only): one pass per call over B * Sk * Hk * D bytes (_transpose_v_kernel; torch's copy of the
-    permuted view took ~0.22 ms for 32 MB on an H100). Rows are padded to 16 keys (TMA strides are multiples of 16
-    bytes); the view excludes the padding. Varlen (cu_seqlens_k given, v [total_k, Hk, D]): [1, Hk, D, L] with
-    each sequence on a VT_ALIGN boundary and zeros between (the kernel's key blocks read past a sequence's end with
-    P = 0 there, and 0 times a stale float8 NaN would not be 0)."""
+    """V as [B, Hk, D, L] with the keys contiguous, for the FP8 forward's P V (float8 wgmma takes its shared
+    operands K-major only), each block of _TRANSPOSE_KEYS keys in _vt_keys' order: one pass per call over
+    B * Sk * Hk * D bytes (_transpose_v_kernel; torch's copy of the permuted view took ~0.22 ms for 32 MB on an
+    H100). L: Sk rounded up to whole blocks, zeros past Sk (the kernel's last block reads them with P = 0 there,
+    and 0 times a stale float8 NaN would not be 0). Varlen (cu_seqlens_k given, v [total_k, Hk, D]): [1, Hk, D, L]
+    with sequence b from VT_ALIGN-rounded cu_seqlens_k[b] + VT_GAP * b, zeros between."""
     varlen = cu_seqlens_k is not None
     v4 = v.unsqueeze(0) if varlen else v
     batch, seqlen_k, num_kv_heads, head_dim = v4.shape
     if varlen:
         n_seqs = cu_seqlens_k.numel() - 1
-        length = -(-seqlen_k // 16) * 16 + VT_ALIGN.value * (n_seqs + 1)
+        length = -(-seqlen_k // VT_ALIGN.value) * VT_ALIGN.value + VT_GAP.value * (n_seqs + 1)
         vt = torch.zeros((1, num_kv_heads, head_dim, length), dtype=v.dtype, device=v.device)
-        padded, grid = vt, (triton.cdiv(max_seqlen_k, _TRANSPOSE_KEYS), n_seqs * num_kv_heads)
+        grid = (triton.cdiv(max_seqlen_k, _TRANSPOSE_KEYS), n_seqs * num_kv_heads)
     else:
-        padded = torch.empty((batch, num_kv_heads, head_dim, -(-seqlen_k // 16) * 16), dtype=v.dtype,
-                             device=v.device)
-        vt, grid = padded[..., :seqlen_k], (triton.cdiv(seqlen_k, _TRANSPOSE_KEYS), batch * num_kv_heads)
+        length = triton.cdiv(seqlen_k, _TRANSPOSE_KEYS) * _TRANSPOSE_KEYS
+        vt = _common.empty((batch, num_kv_heads, head_dim, length), v.dtype, v.device)
+        grid = (length // _TRANSPOSE_KEYS, batch * num_kv_heads)
     if v.device.type == "meta" or v4.numel() == 0 or grid[0] * grid[1] == 0:
         return vt
     assert v4.stride(-1) == 1 and head_dim == triton.next_power_of_2(head_dim)
-    src, dst = v4.view(torch.uint8), padded.view(torch.uint8)
+    src, dst = v4.view(torch.uint8), vt.view(torch.uint8)
     _launch.launch(_transpose_v_kernel, grid, (src, dst, cu_seqlens_k if varlen else src, seqlen_k, num_kv_heads,
                                                *src.stride()[:3], *dst.stride()[:3]),
                    dict(HEAD_DIM=head_dim, BLOCK_S=_TRANSPOSE_KEYS, VARLEN=varlen), v.device.index, num_warps=4)
@@ -1662,6 +1689,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     tile_qk = QK_TILE_DIM.get(head_dim, tile_d)
     qk_cols = tile_qk if tile_qk == tile_d else QK_CHUNK
     block_n = plan.block_n = BLOCK_NS[tile_d]
+    # FP8: P's columns and V's transposed copy share an order within each key block (_key_order, _vt_keys).
+    assert not plan.fp8 or block_n == _TRANSPOSE_KEYS
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
     v_desc = (_vt_descriptor(_transposed_v(_meta(v), req.cu_seqlens_k if varlen else None), tile_dv, block_n)
               if plan.fp8
