@@ -124,6 +124,8 @@ FP8_RING = (2, 2)
 # (docs/design-record.md, "The forward without a row maximum"). 2^15: every P then fits fp16 (65504), and so does its
 # sum.
 LAZY_LIMIT = tl.constexpr(32768.0)
+# The float8 forward's limit: P is rounded to float8 e4m3 for P V, whose largest value is 448.
+LAZY_LIMIT_FP8 = tl.constexpr(256.0)
 # An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
 # every head. Items in the default order (a head's query tiles in turn) read each mask tile once per head from
 # memory: 16 heads at 16k stream 8.6 GB for a 0.5 GB mask. HEAD_GROUP heads are then interleaved (_tile_coords), so
@@ -903,10 +905,10 @@ if AVAILABLE:
 
         LAZY (no attn_mask): the block's exponentials are taken against the rows' current reference m_i
         (_lazy_exp), so the step has no row maximum and O no rescale. Once P_{j-1} V_{j-1} is retired, the
-        warpgroup agrees on its largest row sum (_wg_max). If it passes LAZY_LIMIT (some row's scores grew past
-        m_i + log2(LAZY_LIMIT): P would lose range in fp16, or overflow), it issues S_j again (K_j's slot is
-        released only after the check) and takes the usual softmax step, rescaling O there; the next P V never
-        rescales."""
+        warpgroup agrees on its largest row sum (_wg_max). If it passes LAZY_LIMIT (LAZY_LIMIT_FP8 under FP8; some
+        row's scores grew past m_i + log2 of it: P would lose range in fp16 or float8, or overflow), it issues S_j
+        again (K_j's slot is released only after the check) and takes the usual softmax step, rescaling O there; the
+        next P V never rescales."""
         acc_tok = _issue_pv(smem, p_prev, c + j - 1, acc, alpha_prev, not cfg.LAZY)
         # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
@@ -919,7 +921,11 @@ if AVAILABLE:
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
             # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
             big = _wg_max(l_blk, smem.flag.index(rows.part * 2 + (c + j) % 2))
-            if big > LAZY_LIMIT:
+            if cfg.FP8:
+                limit = LAZY_LIMIT_FP8
+            else:
+                limit = LAZY_LIMIT
+            if big > limit:
                 s_tok = _issue_s(smem, q, c + j, s_zero, False, cfg.QK_CHUNKS)
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
                 p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask,
@@ -1748,9 +1754,9 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
     # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
     # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
-    # Nor with float8 P (FP8), whose largest value is 448.
+    # Float8 P (FP8) takes LAZY_LIMIT_FP8, under its largest value 448.
     lazy = (SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
-            and num_wg == 2 and not plan.fp8)
+            and num_wg == 2)
     qk_scale, pre_scale, mod_unit = mod_scalars(req.softmax_scale, req.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not req.softcap > 0)
     plan.groups = (_Strides(*out_strides, *lse_strides, stride_alibi_b),
