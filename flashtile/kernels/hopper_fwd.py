@@ -115,9 +115,10 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
 # The float8 forward's (K/V ring depth, query buffers) at d128: 16 KB per K or V block and 16 KB per query tile,
-# beside two 8 KB P buffers (_stage_p). Rings of 3 and 4 stages fit but ran no faster at 16k on an H100, and one
-# query buffer lost 4% there (docs/design-record.md, "The FP8 forward").
-FP8_RING = (2, 2)
+# beside two 8 KB P buffers (_stage_p). Once P's store and the row maximum had gone (_key_order, LAZY), three
+# stages ran 2-5% faster than two at 4k and 16k on an H100, four no faster than three, and one query buffer lost
+# 1-2% (docs/design-record.md, "The FP8 forward").
+FP8_RING = (3, 2)
 # LAZY_MAX (SETTINGS.lazy_max, on by default): without an attn_mask, a left window or ALiBi, on two warpgroups, blocks
 # after a work item's first take their exponentials against the rows' reference from earlier blocks, with no row
 # maximum and no rescale of O, unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards
