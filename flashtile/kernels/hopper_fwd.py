@@ -115,10 +115,9 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
 # The float8 forward's (K/V ring depth, query buffers) at d128: 16 KB per K or V block and 16 KB per query tile,
-# beside two 8 KB P buffers (_stage_p). Once P's store and the row maximum had gone (_key_order, LAZY), three
-# stages ran 2-5% faster than two at 4k and 16k on an H100, four no faster than three, and one query buffer lost
-# 1-2% (docs/design-record.md, "The FP8 forward").
-FP8_RING = (3, 2)
+# beside two 8 KB P buffers (_stage_p). Rings of 3 and 4 stages fit but ran no faster at 16k on an H100, and one
+# query buffer lost 4% there (docs/design-record.md, "The FP8 forward").
+FP8_RING = (2, 2)
 # LAZY_MAX (SETTINGS.lazy_max, on by default): without an attn_mask, a left window or ALiBi, on two warpgroups, blocks
 # after a work item's first take their exponentials against the rows' reference from earlier blocks, with no row
 # maximum and no rescale of O, unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards
@@ -799,22 +798,6 @@ if AVAILABLE:
         return gl.max(buf.load(layout), 0)
 
     @gluon.jit
-    def _stage_sums(cfg, smem, p, l_blk, flag, part: gl.constexpr):
-        """FP8 under LAZY: store P into this warpgroup's buffer (as _stage_p) and the block's row sums' maxima
-        into flag (buffers of [4, 8] floats, not in use by the previous call: callers alternate two), behind one
-        fence and one barrier; returns the largest row sum of the warpgroup. Each thread first takes the larger of
-        its two rows' sums (rows 16 w + 8 h + g of warp w, lane group g: h is a register), so no shuffles are
-        needed; after the barrier every thread reads all 32."""
-        buf = smem.p.index(part)
-        buf.store(_key_order(p).to(cfg.dtype))
-        flag.store(gl.max(gl.reshape(l_blk, [4, 2, l_blk.shape[0] // 8]), 1))
-        # The product reads P through the async proxy, issued once every warp of the warpgroup has stored.
-        fence_async_shared()
-        thread_barrier()
-        layout: gl.constexpr = gl.BlockedLayout([4, 8], [1, 32], [4, 1], [1, 0])
-        return gl.max(gl.max(flag.load(layout), 1), 0)
-
-    @gluon.jit
     def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr, CHUNKS: gl.constexpr = 1):
         """Issue S = Q K_i^T for the program's block i (the K ring's i-th use) into the registers of s_buf:
         S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read. CHUNKS > 1: the query tile's and each K
@@ -937,15 +920,10 @@ if AVAILABLE:
             alpha = alpha_prev  # not read: LAZY never rescales at issue
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
             # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
-            flag = smem.flag.index(rows.part * 2 + (c + j) % 2)
-            p_op = smem.p.index(rows.part)  # (FP8: P's buffer, the next P V's operand)
+            big = _wg_max(l_blk, smem.flag.index(rows.part * 2 + (c + j) % 2))
             if cfg.FP8:
-                # P is stored before the check, and the warpgroup agrees on its sums through the same barrier
-                # (_stage_sums); a redo stores it again.
-                big = _stage_sums(cfg, smem, p, l_blk, flag, rows.part)
                 limit = LAZY_LIMIT_FP8
             else:
-                big = _wg_max(l_blk, flag)
                 limit = LAZY_LIMIT
             if big > limit:
                 s_tok = _issue_s(smem, q, c + j, s_zero, False, cfg.QK_CHUNKS)
@@ -953,8 +931,6 @@ if AVAILABLE:
                 p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask,
                                                        bc)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-                if cfg.FP8:
-                    p_op = _stage_p(cfg, smem, p, rows.part)
             else:
                 l_i = l_i + l_blk
             smem.k_bar.release(c + j)
@@ -964,10 +940,7 @@ if AVAILABLE:
         smem.v_bar.release(c + j - 1)
         if cfg.DROPOUT:
             p = _drop(p, rows.row, blk * cfg.BLOCK_N, drop)
-        if cfg.LAZY and cfg.FP8:
-            p = p_op
-        else:
-            p = _stage_p(cfg, smem, p, rows.part)
+        p = _stage_p(cfg, smem, p, rows.part)
         return p, alpha, acc, m_i, l_i, bc
 
     @gluon.jit
@@ -1282,11 +1255,7 @@ if AVAILABLE:
         # Per query buffer, the item's index (dynamic schedule), and with VARLEN its fields (_hand_over).
         tile_smem = gl.allocate_shared_memory(gl.int32, [cfg.QBUF * ITEM_FIELDS if cfg.VARLEN else cfg.QBUF, 1],
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        if cfg.LAZY and cfg.FP8:
-            # The row sums' maxima of _stage_sums: two buffers of [4, 8] floats per consumer warpgroup.
-            flag_smem = gl.allocate_shared_memory(gl.float32, [2 * cfg.NUM_WG, 4, 8],
-                                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        elif cfg.LAZY:
+        if cfg.LAZY:
             # The warpgroup maxima of _wg_max: two buffers of 4 floats per consumer warpgroup.
             flag_smem = gl.allocate_shared_memory(gl.float32, [2 * cfg.NUM_WG, 4],
                                                   gl.SwizzledSharedLayout(1, 1, 1, [0]))
