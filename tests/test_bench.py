@@ -282,10 +282,11 @@ def test_run_suite_rounds_alternate_and_report_medians():
     suite = bench.run_suite([shape], ("fwd",), device="cpu", timer=timer, registry=reg, rounds=3)
     by = {r.provider: r for r in suite["results"]}
     assert len(suite["results"]) == 3
-    # Calls alternate: flashtile, peer (crash fails before timing), three times over -> 2,3 / 4,5 / 6,7 ms.
-    assert by["flashtile"].ms_rounds == [2.0, 4.0, 6.0] and by["flashtile"].ms == 4.0
-    assert by["peer"].ms_rounds == [3.0, 5.0, 7.0] and by["peer"].ms == 5.0
-    assert by["peer"].tflops == pytest.approx(bench.flops(1, 2, 48, 48, 32, False, "fwd") / 5e-3 / 1e12)
+    # Calls alternate and round r starts at the r-th provider (crash fails before timing): flashtile, peer /
+    # peer, crash, flashtile / crash, flashtile, peer -> flashtile 2, 5, 6 ms and peer 3, 4, 7 ms.
+    assert by["flashtile"].ms_rounds == [2.0, 5.0, 6.0] and by["flashtile"].ms == 5.0
+    assert by["peer"].ms_rounds == [3.0, 4.0, 7.0] and by["peer"].ms == 4.0
+    assert by["peer"].tflops == pytest.approx(bench.flops(1, 2, 48, 48, 32, False, "fwd") / 4e-3 / 1e12)
     assert by["crash"].status == "error" and by["crash"].ms_rounds is None
     assert bench.main(["--rounds", "0"]) == 2
 

@@ -324,7 +324,9 @@ def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: 
 
     rounds > 1 measures every provider of a shape that many times, the providers alternating within each round,
     and reports each row's median: a GPU's clock drifts as it warms, and with one timing per provider whoever is
-    timed at a cooler moment gains a few percent over the others in the ratio columns.
+    timed at a cooler moment gains a few percent over the others in the ratio columns. Round r starts at the r-th
+    provider (the order rotates): on an H100, timing the same trees in the same order every round cost the first
+    one several percent against the others (docs/design-record.md, "The FP8 forward").
 
     on_shape_done(partial) is called after each shape (the CLI rewrites its JSON there, so a run cut short keeps
     what it measured)."""
@@ -355,7 +357,8 @@ def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: 
         ref = reference_rows(q, k, v, shape.causal, shape.headdim ** -0.5, rows)
         per_round = {name: [] for name in runnable}
         for rnd in range(1 if memory else max(1, rounds)):  # (a peak is not a timing: one round)
-            for name in runnable:
+            first = rnd % len(runnable) if runnable else 0
+            for name in runnable[first:] + runnable[:first]:
                 start = time.perf_counter()
                 rows_out = _run_provider(registry[name], shape, q, k, v, ref, rows, modes, measure, memory,
                                          dtype_name, atol)
@@ -574,8 +577,8 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
         "provider_versions": versions,
         "timing": "median of triton.testing.do_bench(fn, warmup, rep, grad_to_none=[q, k, v]); bwd = "
                   "out.backward(dout, retain_graph=True) on a graph built once; inputs require grad in every mode; "
-                  "with rounds > 1 the providers of a shape alternate, and each row is the median of the rounds "
-                  "(ms_rounds)",
+                  "with rounds > 1 the providers of a shape alternate, round r starting at the r-th, and each row is "
+                  "the median of the rounds (ms_rounds)",
         "flops": "fwd 4*B*H*Sq*Sk*D (halved for causal with Sq == Sk, exact visible pairs when Sq != Sk); "
                  "bwd 2.5x fwd; fwd+bwd 3.5x fwd",
         "check": f"forward vs fp32 SDPA math on {CHECK_ROWS} query rows per batch and head, max abs diff <= "
