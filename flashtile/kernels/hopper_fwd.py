@@ -124,7 +124,8 @@ FP8_RING = (2, 2)
 # (docs/design-record.md, "The forward without a row maximum"). 2^15: every P then fits fp16 (65504), and so does its
 # sum.
 LAZY_LIMIT = tl.constexpr(32768.0)
-# The float8 forward's limit: P is rounded to float8 e4m3 for P V, whose largest value is 448.
+# The float8 forward's limit: P is rounded to float8 e4m3 for P V, whose largest value is 448; the largest power of
+# two under it (a row's block sum bounds each of its P).
 LAZY_LIMIT_FP8 = tl.constexpr(256.0)
 # An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
 # every head. Items in the default order (a head's query tiles in turn) read each mask tile once per head from
