@@ -35,7 +35,10 @@ hopper_bwd = lazy_module(".kernels.hopper_bwd", globals())
 # Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's (hopper_fwd.TILE_DIM's keys; that
 # module imports Triton, this one does not), the backward's.
 GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-GLUON_HEAD_DIMS = (64, 96, 128)  # (d96 on d128's tiles: hopper_bwd.TILE_DIM)
+GLUON_HEAD_DIMS = (64, 96, 128, 192, 256)  # (d96 on d128's tiles, d192 on d256's: hopper_bwd.TILE_DIM)
+# The backward's head dims without ALiBi, an attn_mask or dropout (hopper_bwd._bwd_step_wide's split of a 64-key
+# block between the warpgroups has none of them; the portable backward takes those calls).
+GLUON_BWD_PLAIN_HEAD_DIMS = (192, 256)
 # (q/k head dim, v head dim) pairs whose forward runs on the Gluon kernel although they differ: MLA's 192/128
 # (DeepSeek's prefill), on d256's tiles for Q and K and d128's for V.
 GLUON_FWD_SPLIT_DIMS = ((192, 128),)
@@ -52,7 +55,7 @@ GLUON_BWD_FLOAT_BIAS_HEAD_DIMS = (128,)
 # short mean key length is slow: at 1k, d64 (B16 H32, H200) it ran at 0.92-0.95x the portable backward (every
 # program has only 8 query tiles to spread its prologue over). Those whose mean key length is below this (by head
 # dim) take the portable backward.
-GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0}
+GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0, 192: 0, 256: 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +117,8 @@ class _KernelBackend:
 class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
     summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 96, 128, 192 or "
-               "256 (the forward), 64, 96 or 128 (the backward); float8_e4m3fn forward at head dim 128")
+               "256 (the backward: without ALiBi, attn_mask or dropout at 192 and 256); float8_e4m3fn forward at head "
+               "dim 128")
 
     @staticmethod
     def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS, fp8=False, split=()):
@@ -191,6 +195,12 @@ class GluonHopper(_KernelBackend):
         reason = self._decline_inputs(q, k, v, req, target)
         if reason is not None:
             return reason
+        if q.shape[-1] in GLUON_BWD_PLAIN_HEAD_DIMS:
+            unsupported = [name for name, on in (("ALiBi", req.alibi_slopes is not None),
+                                                 ("an attn_mask", req.attn_bias is not None),
+                                                 ("dropout", req.dropout_p > 0)) if on]
+            if unsupported:
+                return f"{unsupported[0]} at head dim {q.shape[-1]} is not implemented in this backward"
         if req.attn_bias is not None:
             if req.dropout_p > 0:
                 return "an attn_mask together with dropout is not implemented in this backward"

@@ -76,6 +76,18 @@ def test_gluon_allow_list_reasons():
     assert gluon.decline_forward(q256, k256, v256, req, H100) is None
     drop = AttentionRequest(softmax_scale=0.125, dropout_p=0.1)
     assert "dropout at head dim 256" in gluon.decline_forward(q256, k256, v256, drop, H100)
+    # The backward at 192 and 256 (d192 on d256's tiles), without ALiBi, an attn_mask or dropout.
+    for d in (192, 256):
+        qd, kd, vd = _qkv(d=d)
+        dout = torch.empty_like(qd)
+        assert gluon.decline_backward(dout, qd, kd, vd, req, H100) is None
+        assert "dropout at head dim" in gluon.decline_backward(dout, qd, kd, vd, drop, H100)
+        alibi = AttentionRequest(softmax_scale=0.125, alibi_slopes=torch.ones(4))
+        assert "ALiBi at head dim" in gluon.decline_backward(dout, qd, kd, vd, alibi, H100)
+        mask = AttentionRequest(softmax_scale=0.125, attn_bias=torch.ones((2, 4, 256, 256), dtype=torch.bool))
+        assert "attn_mask at head dim" in gluon.decline_backward(dout, qd, kd, vd, mask, H100)
+    from flashtile.kernels import hopper_bwd
+    assert set(dispatch.GLUON_HEAD_DIMS) == set(hopper_bwd.TILE_DIM)
     q80, k80, v80 = _qkv(d=80)
     assert "head dim" in gluon.decline_forward(q80, k80, v80, req, H100)
     from flashtile.kernels import hopper_fwd
@@ -103,7 +115,6 @@ def test_gluon_allow_list_reasons():
     assert gluon.decline_backward(torch.empty_like(packed[0]), *packed, packed_req, H100) is None
     # a longest sequence past the persistent grid's bound: one program per key block, below GLUON_BWD_MIN_SEQLEN_K
     # keys per sequence on average at d64 the portable backward
-    from flashtile.kernels import hopper_bwd
     long_k = hopper_bwd.PERSISTENT_MAX_SEQLEN_K + 1
     cu_k = torch.tensor([0, long_k, long_k + 10] + [long_k + 10 + 20 * i for i in range(1, 8)], dtype=torch.int32)
     cu_q = torch.arange(0, 10 * 30, 30, dtype=torch.int32)

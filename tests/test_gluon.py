@@ -42,8 +42,7 @@ SHAPES = [
     (2, 3000, 3100, 16, 4, 128, False, torch.bfloat16),
     (2, 2100, 1900, 16, 8, 64, False, torch.float16),
     # Head dims 96, 192 and 256 take the Gluon forward (d96 on d128's tiles and d192's V on d256's, zero-filled past the
-    # head dim; d256 with 64-row key blocks); d96 the Gluon backward on d128's tiles too, 192 and 256 the portable
-    # backward, which reads its LSE.
+    # head dim; d256 with 64-row key blocks) and the Gluon backward (d96 on d128's tiles, d192 on d256's).
     (2, 1000, 1100, 4, 2, 96, True, torch.bfloat16),
     (1, 777, 1500, 4, 2, 96, False, torch.float16),
     (2, 1000, 1100, 4, 2, 192, True, torch.bfloat16),
@@ -167,7 +166,7 @@ def test_strided_inputs_backward(poison, spy, bwd_spy):
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, True, 0)
 
 
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, True)])
 def test_dq_reductions_hold_no_race(bwd_spy, d, causal):
     # dQ's partial tiles go through one staging tile per warpgroup, which the writer warp's bulk reduction reads
     # asynchronously; a warpgroup that restages before the read has finished corrupts a partial. The reductions'
@@ -216,12 +215,13 @@ def test_schedule_counter_returns_to_zero(spy):
 def test_persistent_backward_work_list(poison, bwd_spy, bwd_grids):
     """The persistent backward (fixed-length calls up to hopper_bwd.PERSISTENT_MAX_SEQLEN_K keys) takes its work
     items from the schedule counter shared with the forward: calls in a row with fewer and more items than SMs,
-    GQA, both head dims, causal and not, and one longer call on the one-item-per-program grid, each against the
+    GQA, every tile width, causal and not, and longer calls on the one-item-per-program grid, each against the
     float64 oracle; the counters read 0 after."""
     from flashtile.kernels import hopper_fwd
     cases = [(1, 300, 300, 2, 2, 128, True), (2, 2500, 2600, 16, 4, 64, True), (3, 1000, 900, 8, 8, 128, False),
              (1, 200, 8300, 4, 2, 128, True), (2, 2500, 2600, 16, 4, 64, False), (2, 700, 777, 8, 2, 96, True),
-             (1, 200, 8300, 2, 2, 96, False)]
+             (1, 200, 8300, 2, 2, 96, False), (2, 1500, 1400, 8, 2, 256, True), (1, 300, 300, 2, 2, 192, False),
+             (1, 200, 8300, 2, 1, 256, False)]
     for i, (b, sq, sk, h, hk, d, causal) in enumerate(cases):
         q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, device=DEVICE, seed=31 + i)
         dout = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(i)).to(q.dtype)
@@ -361,7 +361,7 @@ def test_float32_outputs(spy, causal, varlen, d):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_backward_adds_dq_addend(monkeypatch, call_counter, varlen, d):
     """flashtile.distributed's last step: dispatch.backward's dq_addend is added to dQ in the Gluon backward's dQ
     pass (the tile pass, or the varlen buffer's copy) and the sum rounded once into dq's dtype; against the same

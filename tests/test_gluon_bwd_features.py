@@ -75,6 +75,13 @@ CASES = [
     # d96 on d128's tiles (hopper_bwd.TILE_DIM): plain, and everything at once.
     (2, 700, 900, 4, 2, 96, torch.bfloat16, False, (-1, -1), 0.0, None, False),
     (1, 1000, 1234, 8, 2, 96, torch.float16, True, (300, 0), 5.0, "BH", True),
+    # d192 on d256's tiles and d256 (_bwd_step_wide: no ALiBi there): windows, softcap, sinks, GQA.
+    (1, 700, 700, 2, 2, 256, torch.bfloat16, False, (100, -1), 0.0, None, False),
+    (1, 500, 300, 2, 2, 256, torch.float16, False, (10, 5), 0.0, None, False),
+    (2, 600, 600, 4, 4, 256, torch.bfloat16, False, (-1, -1), 5.0, None, False),
+    (2, 1000, 1234, 8, 2, 256, torch.bfloat16, True, (300, 0), 5.0, None, True),
+    (1, 777, 555, 4, 1, 192, torch.float16, False, (200, 100), 3.0, None, True),
+    (1, 129, 1000, 2, 2, 192, torch.bfloat16, True, (500, 0), 4.0, None, False),
 ]
 
 
@@ -110,7 +117,7 @@ def test_against_reference(poison, bwd_spy, b, sq, sk, h, hk, d, dtype, causal, 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 96, 128))
+@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
 def test_one_key_per_row(poison, bwd_spy, d):
     # Window (0, 0) with Sq > Sk: each of the last Sk rows sees exactly one key, the others none. The exact output
     # is then v itself and dq is 0, so the judge allows no rounding in the output (P = exp2(0) = 1 in both
@@ -516,6 +523,10 @@ VARLEN_CASES = [
     ([200, 0, 450], [200, 33, 451], 4, 2, 128, torch.bfloat16, True, (-1, -1), 0.0, None, True),
     ([513, 7, 250], [600, 9, 250], 8, 2, 64, torch.float16, True, (200, 0), 3.0, "H", True),       # all at once
     ([513, 7, 250], [600, 9, 250], 8, 2, 96, torch.bfloat16, True, (200, 0), 3.0, "BH", True),
+    ([0, 1, 130, 300, 64, 257], [5, 1, 130, 200, 0, 700], 4, 2, 256, torch.bfloat16, True, (-1, -1), 0.0, None,
+     False),
+    ([513, 7, 250], [600, 9, 250], 8, 2, 256, torch.float16, True, (200, 0), 3.0, None, True),
+    ([333, 700, 17], [333, 650, 190], 2, 2, 192, torch.bfloat16, False, (100, 20), 5.0, None, False),
 ]
 
 
@@ -550,7 +561,8 @@ def test_varlen_longer_grid(poison, bwd_spy):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, True), (128, False)])
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, True), (128, False), (192, False),
+                                      (256, True)])
 def test_varlen_persistent_work_list(poison, bwd_spy, bwd_grids, d, causal):
     """Varlen batches whose longest sequence has up to hopper_bwd.PERSISTENT_MAX_SEQLEN_K keys take the persistent
     grid: many short sequences (more work items than SMs, most key blocks of the longest sequence's list past a
@@ -571,7 +583,7 @@ def test_varlen_persistent_work_list(poison, bwd_spy, bwd_grids, d, causal):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 96, 128))
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
 def test_varlen_qkvpacked(poison, bwd_spy, d):
     # One packed qkv (total, 3, H, D): q, k, v and their gradients are strided views (row stride 3 * H * D).
     lens = [300, 0, 129, 1, 64]

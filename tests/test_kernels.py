@@ -197,25 +197,26 @@ def test_varlen_tile_map(block_m, reverse, used):
 # The Hopper backward's dQ tile buffer, put back in dQ's layout (a plain Triton kernel: it runs in the interpreter)
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_dq_from_tiles(head_dim):
     """hopper_bwd.dq_from_tiles against the buffer's layout written out with torch views: per (batch, head) and
-    query tile of BLOCK_M rows, two [64, 64] warpgroup shares (columns at d128, rows at d64), each stored in the
-    order [i, j, w, r, q, e] of row w*16 + i*8 + r, column j*8 + q*2 + e (hopper_bwd._stage_dq). Rows past Sq are
-    padding and must not be written; values are bf16-exact so the cast is exact. d96 runs d128's tiles
-    (hopper_bwd.TILE_DIM): their columns from 96 on must not be written either (in a contiguous dq they would land
-    on the next head's first columns)."""
+    query tile of BLOCK_M rows, [64, 64] shares (two column shares at d128, four at d256, two row shares at d64),
+    each stored in the order [i, j, w, r, q, e] of row w*16 + i*8 + r, column j*8 + q*2 + e (hopper_bwd._stage_dq).
+    Rows past Sq are padding and must not be written; values are bf16-exact so the cast is exact. d96 runs d128's
+    tiles and d192 d256's (hopper_bwd.TILE_DIM): their columns from 96 (192) on must not be written either (in a
+    contiguous dq they would land on the next head's first columns)."""
     from flashtile.kernels import hopper_bwd
     batch, heads, seqlen_q, seqlen_q_pad = 2, 3, 200, 256
     tile_dim = hopper_bwd.TILE_DIM[head_dim]
     block_m = hopper_bwd.BLOCK_M[tile_dim]
     n_tiles = seqlen_q_pad // block_m
+    n_shares = block_m * tile_dim // 4096
     acc = torch.randn(batch * heads * seqlen_q_pad * tile_dim // 256, 256, device=DEVICE)
     acc = acc.to(torch.bfloat16).float()
-    shares = acc.view(batch, heads, n_tiles, 2, 2, 8, 4, 8, 4, 2).permute(0, 1, 2, 3, 6, 4, 7, 5, 8, 9)
-    shares = shares.reshape(batch, heads, n_tiles, 2, 64, 64)
-    if tile_dim == 128:
-        full = shares.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, seqlen_q_pad, 128)[..., :head_dim]
+    shares = acc.view(batch, heads, n_tiles, n_shares, 2, 8, 4, 8, 4, 2).permute(0, 1, 2, 3, 6, 4, 7, 5, 8, 9)
+    shares = shares.reshape(batch, heads, n_tiles, n_shares, 64, 64)
+    if block_m == 64:
+        full = shares.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, seqlen_q_pad, tile_dim)[..., :head_dim]
     else:
         full = shares.reshape(batch, heads, seqlen_q_pad, 64)
     expect = full[:, :, :seqlen_q].permute(0, 2, 1, 3).to(torch.bfloat16)
@@ -231,7 +232,7 @@ def test_dq_from_tiles(head_dim):
     assert torch.equal(dq32, full[:, :, :seqlen_q].permute(0, 2, 1, 3) + addend)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_preprocess_zeroes_dq_buffer(head_dim):
     """The backward's preprocess with the Gluon kernel's fixed-length dQ buffer (zero_width > 0): every row of the
     buffer, padding included, comes out 0 (the kernel adds into it), and its Rows are those of the preprocess

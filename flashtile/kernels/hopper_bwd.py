@@ -21,10 +21,12 @@ K and V while the consumers still store the previous item's dK and dV.
 
 The reductions land in a varying order, so dQ's rounding varies from run to run (as in flash-attn's default
 backward); ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) takes the portable kernels.
-Coverage: fp16/bf16, head dims 64 and 128 (and 96 on d128's tiles: TILE_DIM), GQA (the key block loops over the query heads of its group, so dK and
-dV are written once, without atomics), and as constexpr variants of the same loops: sliding windows (causal is the
-right bound 0, bottom-right aligned), softcap and ALiBi (docs/derivation.md#8), and sinks (they only change the
-LSE, which the forward folded them into; their gradient is computed from LSE and delta in kernels/backward.py).
+Coverage: fp16/bf16, head dims 64, 128 and 256 (96 on d128's tiles, 192 on d256's: TILE_DIM), GQA (the key block
+loops over the query heads of its group, so dK and dV are written once, without atomics), and as constexpr variants
+of the same loops: sliding windows (causal is the right bound 0, bottom-right aligned), softcap and ALiBi
+(docs/derivation.md#8), and sinks (they only change the LSE, which the forward folded them into; their gradient is
+computed from LSE and delta in kernels/backward.py). At 256 columns (WIDE) a program owns a block of 64 keys that
+both consumer warpgroups share (_bwd_step_wide), without ALiBi, an attn_mask or dropout.
 Varlen batches (VARLEN: packed [total, H, D] sequences, flash_attn_varlen_func) run the same loops per sequence:
 each program reads its sequence's bounds, bases its descriptors at the sequence's first row with its own length
 (TMA zero-fills and clips at the sequence's end) and aligns the band to the sequence's own bottom-right corner.
@@ -58,13 +60,16 @@ if AVAILABLE:
                          to_float32, warpgroup_mma, warpgroup_mma_wait)
     from .hopper_fwd import _write_tile  # (the forward's hand-over of one int32 to shared memory)
 
-BLOCK_N = 128  # key rows per program (two consumer warpgroups of 64)
-# Query rows per streamed tile, by head dim: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
-BLOCK_M = {64: 128, 128: 64}
-HEAD_DIMS = (64, 96, 128)
-# The kernel's tile width by head dim: d96 runs d128's kernel, its tiles' last 32 columns zero-filled by TMA on the
-# loads and masked on the stores (PAD_D), as the forward does (hopper_fwd.TILE_DIM).
-TILE_DIM = {64: 64, 96: 128, 128: 128}
+# Key rows per program, by tile width: two consumer warpgroups of 64 keys each up to 128; at 256 (WIDE) both
+# warpgroups share one block of 64 keys and split its dK and dV by columns (_bwd_step_wide).
+BLOCK_NS = {64: 128, 128: 128, 256: 64}
+# Query rows per streamed tile, by tile width: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
+BLOCK_M = {64: 128, 128: 64, 256: 64}
+HEAD_DIMS = (64, 96, 128, 192, 256)
+# The kernel's tile width by head dim: d96 runs d128's kernel and d192 d256's, their tiles' last columns
+# zero-filled by TMA on the loads and masked on the stores (PAD_D), as the forward does for d96 (hopper_fwd.TILE_DIM).
+TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
+# Query tiles in flight (the ring of Q, LSE and delta; dO's too below 256, where dO has one buffer of its own).
 STAGES = 2
 # Calls with at most this many keys (varlen: in the longest sequence) run a persistent grid (PERSISTENT: one program
 # per SM taking work items from a counter, the next item's K and V loaded while the last one's dK and dV are
@@ -92,24 +97,26 @@ _Scales, _Heads, _Mul, _Lists = (collections.namedtuple(name, fields) for name, 
 def _dq_from_tiles_kernel(Acc, dQ, Addend, stride_b, stride_s, stride_h, add_b, add_s, add_h, seqlen_q, seqlen_q_pad,
                           num_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ADD: tl.constexpr,
                           D: tl.constexpr):
-    """dQ from the kernel's fp32 tile buffer ([B, H, Sq_pad / BLOCK_M, 2, 4096], _bwd_kernel's dq_desc note): one
-    program per warpgroup share of a query tile and (batch, head), cast to dQ's dtype. Each share is a [64, 64]
+    """dQ from the kernel's fp32 tile buffer ([B, H, Sq_pad / BLOCK_M, SHARES, 4096], _bwd_kernel's dq_desc note):
+    one program per [64, 64] share of a query tile and (batch, head), cast to dQ's dtype. Each share is an
     accumulator stored by _stage_dq in the order [i, j, w, r, q, e] for row w*16 + i*8 + r, column j*8 + q*2 + e;
-    the share is columns 64*share of the tile's 64 rows at d128, rows 64*share of its 128 at d64. ADD: a float32
-    tensor shaped like dQ (strides add_b, add_s, add_h) is added before the cast, so the sum is rounded once. D: dQ's
-    head dim (HEAD_DIM is the tiles': 128 for d96, whose columns from D on are not stored)."""
+    the share is columns 64*share of the tile's 64 rows at d128 and d256 (two and four shares), rows 64*share of its
+    128 at d64. ADD: a float32 tensor shaped like dQ (strides add_b, add_s, add_h) is added before the cast, so the
+    sum is rounded once. D: dQ's head dim (HEAD_DIM is the tiles': 128 for d96 and 256 for d192, whose columns from
+    D on are not stored)."""
+    SHARES: tl.constexpr = BLOCK_M * HEAD_DIM // 4096
     i_share = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
     i_h = i_bh % num_heads
-    tile = i_share // 2
-    share = i_share % 2
+    tile = i_share // SHARES
+    share = i_share % SHARES
     row = tl.arange(0, 64)[:, None]
     col = tl.arange(0, 64)[None, :]
     offset = (((row // 8) % 2 * 8 + col // 8) * 128 + row // 16 * 32 + row % 8 * 4 + col // 2 % 4) * 2 + col % 2
     base = (i_bh.to(tl.int64) * seqlen_q_pad + tile * BLOCK_M) * HEAD_DIM + share * 4096
     x = tl.load(Acc + base + offset)
-    if HEAD_DIM == 128:
+    if BLOCK_M == 64:
         query = tile * BLOCK_M + row
         dim = share * 64 + col
     else:
@@ -138,7 +145,8 @@ def _dq_from_tiles_launch(dq, seqlen_q_pad, addend=None):
     (stream, acc, dq, addend or acc)."""
     batch, seqlen_q, num_heads, head_dim = dq.shape
     block_m = BLOCK_M[TILE_DIM[head_dim]]
-    grid = (2 * seqlen_q_pad // block_m, batch * num_heads)
+    shares = block_m * TILE_DIM[head_dim] // 4096  # [64, 64] shares per query tile
+    grid = (shares * seqlen_q_pad // block_m, batch * num_heads)
     add_strides = (0, 0, 0) if addend is None else addend.stride()[:3]
     return _launch.Bound(_dq_from_tiles_kernel, grid, (dq.stride(0), dq.stride(1), dq.stride(2), *add_strides,
                                                        seqlen_q, seqlen_q_pad, num_heads),
@@ -152,8 +160,10 @@ if AVAILABLE:
     class BwdConfig:
         """A launch's compile-time choices (the kernel's constexprs, documented at _bwd_kernel) and what follows
         from them: FLAT (dQ's tile-by-tile buffer, fixed-length batches), ROTATE (no right bound: each key block
-        starts its unmasked tiles at a different one), the layouts of a warpgroup's [64, BLOCK_M] transposed scores
-        (s_layout) and [64, HEAD_DIM] dK / dV accumulators (kv_layout), and the register-operand layout dot_a."""
+        starts its unmasked tiles at a different one), WIDE (tiles of 256 columns: _bwd_step_wide's split of the
+        work), the layouts of a warpgroup's [64, BLOCK_M] transposed scores (s_layout; WIDE: [64, BLOCK_M / 2])
+        and [64, KV_COLS] dK / dV accumulators (kv_layout; KV_COLS is HEAD_DIM, or its half for WIDE), and the
+        register-operand layout dot_a."""
         HEAD_DIM: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
@@ -171,6 +181,8 @@ if AVAILABLE:
         PAD_D: gl.constexpr
         FLAT: gl.constexpr
         ROTATE: gl.constexpr
+        WIDE: gl.constexpr
+        KV_COLS: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
         kv_layout: gl.constexpr
@@ -196,10 +208,14 @@ if AVAILABLE:
             self.PAD_D = gl.constexpr(D != HEAD_DIM)
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
+            self.WIDE = gl.constexpr(HEAD_DIM == 256)
+            self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if HEAD_DIM == 256 else HEAD_DIM)
             self.dtype = gl.constexpr(dtype)
-            kv_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+            kv_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, self.KV_COLS.value, 16])
+            s_cols = BLOCK_M // 2 if HEAD_DIM == 256 else BLOCK_M
             self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                   instr_shape=[16, BLOCK_M, 16]))
+                                                                   instr_shape=[16, s_cols, 16]))
             self.kv_layout = gl.constexpr(kv_layout)
             self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2))
 
@@ -462,6 +478,27 @@ if AVAILABLE:
                      smem.q_bar.full.index(slot), tile.reshape([1, 1, tile.shape[0], tile.shape[1]]))
 
     @gluon.jit
+    def _load_q_tile_wide(prog, t, m, i_h):
+        """_load_q_tile for WIDE: Q with its rows' LSE and delta into ring slot t % STAGES; dO into its one buffer
+        (barriers q_bar.full / q_bar.empty at index STAGES), once both consumers' dV products of step t - 1 have
+        read it. (Two dO buffers would not fit: at 256 columns each tile is 32 KB.)"""
+        cfg = prog.cfg
+        loads = prog.loads
+        smem = prog.smem
+        i_b = prog.walk.i_b
+        row = prog.walk.q0 + m
+        slot = smem.q_bar.wait_empty(t)
+        bar = smem.q_bar.full.index(slot)
+        mbarrier.expect(bar, loads.q_desc.block_type.nbytes + 2 * loads.lse_desc.block_type.nbytes)
+        _load_rows(cfg, loads.q_desc, i_b, row, i_h, bar, smem.q.index(slot))
+        tma_load(loads.lse_desc, [i_b * loads.num_heads + i_h, m], bar, smem.lse.index(slot))
+        tma_load(loads.delta_desc, [i_b * loads.num_heads + i_h, m], bar, smem.delta.index(slot))
+        mbarrier.wait(smem.q_bar.empty.index(cfg.STAGES), (t & 1) ^ 1)
+        do_bar = smem.q_bar.full.index(cfg.STAGES)
+        mbarrier.expect(do_bar, loads.do_desc.block_type.nbytes)
+        _load_rows(cfg, loads.do_desc, i_b, row, i_h, do_bar, smem.do.index(0))
+
+    @gluon.jit
     def _load_rows(cfg, desc, i_b, row, i_h, bar, dst):
         """TMA-load the [rows, HEAD_DIM] tile at sequence row `row`, head i_h of batch entry i_b into dst: 2-D
         descriptors of one sequence under VARLEN, else 3-D ones over [B, S, heads * HEAD_DIM] (_bwd_descriptors)."""
@@ -500,7 +537,10 @@ if AVAILABLE:
                         mbarrier.wait(smem.kv_free, (j - 1) & 1)
                     _hand_over(smem.item, j, walk, band, cfg.VARLEN)
                     _load_kv(prog, walk)
-                    u = _walk_tiles(_item_program(prog, walk, band), u, _load_q_tile)
+                    if cfg.WIDE:
+                        u = _walk_tiles(_item_program(prog, walk, band), u, _load_q_tile_wide)
+                    else:
+                        u = _walk_tiles(_item_program(prog, walk, band), u, _load_q_tile)
                     j += 1
                 item = _next_item(prog)
             if j > 0:
@@ -509,7 +549,10 @@ if AVAILABLE:
             mbarrier.arrive(smem.kv_bar, count=1)
         else:
             _load_kv(prog, prog.walk)
-            _walk_tiles(prog, gl.program_id(0) * 0, _load_q_tile)  # (a tensor: the count is loop-carried)
+            if cfg.WIDE:
+                _walk_tiles(prog, gl.program_id(0) * 0, _load_q_tile_wide)
+            else:
+                _walk_tiles(prog, gl.program_id(0) * 0, _load_q_tile)  # (a tensor: the count is loop-carried)
 
     @gluon.jit
     def _load_kv(prog, walk):
@@ -690,21 +733,34 @@ if AVAILABLE:
         """The writer's u-th step: add both warpgroups' staged shares of query head i_h's dQ tile at query m of
         the program's batch entry into the buffer (the kernel's dq_desc note)."""
         cfg = prog.cfg
+        if cfg.WIDE:
+            # Each warpgroup stages two shares per step (_bwd_step_wide): columns 128 w + 64 j for j = 0, 1.
+            for j in gl.static_range(2):
+                _reduce_dq_shares(prog, 2 * u + j, m, i_h, j)
+        else:
+            _reduce_dq_shares(prog, u, m, i_h, 0)
+
+    @gluon.jit
+    def _reduce_dq_shares(prog, u, m, i_h, j: gl.constexpr):
+        """The writer's u-th reduction pass (_reduce_dq): both warpgroups' staged shares. Warpgroup w's share is
+        share 2 w + j of the tile under WIDE (four [64, 64] column shares of a [64, 256] tile), else share w."""
+        cfg = prog.cfg
         dq = prog.dq
         dq_smem = prog.smem.dq
         dq_bars = prog.smem.dq_bars
         # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
         for w in gl.static_range(2):
             mbarrier.wait(dq_bars.index(2 * w), u & 1)
+            share = w * (1 + cfg.WIDE) + j  # (j is 0 unless WIDE)
             if cfg.FLAT:
-                # The tile's two shares are 32 consecutive rows of 256 (batch_rows: Sq_pad here).
+                # The tile's shares are consecutive groups of 16 rows of 256 (batch_rows: Sq_pad here).
                 row = ((prog.walk.i_b * prog.loads.num_heads + i_h) * (dq.batch_rows * cfg.HEAD_DIM // 256)
-                       + m * cfg.HEAD_DIM // 256 + w * 16)
+                       + m * cfg.HEAD_DIM // 256 + share * 16)
                 tma_reduce_add(dq.desc, [row, 0], dq_smem.index(w))
             else:
-                # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64,
+                # The share of the tile (_bwd_step): 64 columns from share * 64 at d128 and d256, 64 rows at d64,
                 # from 128-byte swizzled staging: 32 columns per reduction.
-                col = i_h * cfg.HEAD_DIM + w * 64 if cfg.BLOCK_M == 64 else i_h * cfg.HEAD_DIM
+                col = i_h * cfg.HEAD_DIM + share * 64 if cfg.BLOCK_M == 64 else i_h * cfg.HEAD_DIM
                 row = prog.walk.i_b * dq.batch_rows + prog.walk.q0 + m + (0 if cfg.BLOCK_M == 64 else w * 64)
                 tma_reduce_add(dq.desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
                 tma_reduce_add(dq.desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
@@ -833,6 +889,91 @@ if AVAILABLE:
         return _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok)
 
     @gluon.jit
+    def _kv_views(smem, t):
+        """WIDE: views of K and V (smem.bias holds both: _bwd_smem) indexed by a number that is 0 but that the
+        compilers cannot fold (t >= 0: the step count). With the block's fixed views, ptxas kept the descriptors of
+        every 16-column step of the 256-column products as loop invariants (64 registers for K and V) and spilled
+        them; from a view taken per step it derives them from one base."""
+        zero = t // 1073741824
+        return smem.bias.index(zero), smem.bias.index(zero + 1)
+
+    @gluon.jit
+    def _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, MASK: gl.constexpr):
+        """_bwd_step for tiles of 256 columns (WIDE: d192 and d256). A consumer warpgroup cannot hold dK and dV
+        of 64 keys at 256 columns (256 registers a thread), so both warpgroups share the block's 64 keys and split
+        the work: warpgroup w computes S^T and dP^T for the step's queries 32 w .. 32 w + 31 (all 256 columns of
+        the contraction, [64 keys, 32 queries] each), P^T and dS^T from them, and stores both into shared memory
+        ([64 queries, 64 keys] tiles, two alternating pairs, as dS^T's at d128); once both halves are in, it adds
+        columns 128 w .. 128 w + 127 of dV = P^T dO and dK = dS^T Q over all 64 queries, and computes the same
+        columns of dQ_i = dS K as two [64, 64] shares for the writer. dO has one buffer (_load_q_tile_wide): it is
+        released as soon as the dV product has read it, Q's slot once dK's has. MASK as in _bwd_step; no ALiBi,
+        attn_mask or dropout here (flashtile/dispatch.py declines them). Returns dK, dV."""
+        cfg = prog.cfg
+        smem = prog.smem
+        s_layout: gl.constexpr = cfg.s_layout
+        HALF_M: gl.constexpr = cfg.BLOCK_M // 2
+        slot = smem.q_bar.wait_full(t)
+        q = smem.q.index(slot)
+        mbarrier.wait(smem.q_bar.full.index(cfg.STAGES), t & 1)
+        do = smem.do.index(0)
+        k, v = _kv_views(smem, t)
+        zero = gl.zeros([64, HALF_M], gl.float32, layout=s_layout)
+        st_tok = warpgroup_mma(k, q.slice(wg.half * HALF_M, HALF_M).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+        dpt_tok = warpgroup_mma(v, do.slice(wg.half * HALF_M, HALF_M).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+        if cfg.SOFTCAP:
+            st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
+            tt = tanh_approx(st * prog.mods.pre_scale)
+            score = tt
+        else:
+            st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
+            score = st
+        # This warpgroup's queries' LSE and delta (see _bwd_step), as [1, HALF_M] rows of the scores' layout.
+        lse = smem.lse.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
+        pt = gl.exp2(score * prog.mods.qk_scale - lse)
+        if MASK:
+            band = prog.band
+            cols = m + wg.half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
+            if cfg.MASK_RIGHT:
+                keep = keep & (gl.expand_dims(wg.key, 1)
+                               <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
+            if cfg.MASK_LEFT:
+                keep = keep & (gl.expand_dims(wg.key, 1)
+                               >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
+            pt = gl.where(keep, pt, 0.0)
+        if not cfg.SOFTCAP:
+            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+        delta = smem.delta.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
+        dst = pt * (dpt * prog.mods.sm_scale - delta)
+        if cfg.SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
+        ds_tile = smem.ds.index(2 * (t % 2))
+        p_tile = smem.ds.index(2 * (t % 2) + 1)
+        p_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(pt.to(cfg.dtype))
+        ds_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(dst.to(cfg.dtype))
+        fence_async_shared()
+        thread_barrier()
+        mbarrier.arrive(smem.ds_ready.index(t % 2), count=1)
+        mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
+        col0: gl.constexpr = wg.half * cfg.KV_COLS
+        dv_tok = warpgroup_mma(p_tile.permute((1, 0)), do.slice(col0, cfg.KV_COLS, dim=1), dv, is_async=True)
+        dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q.slice(col0, cfg.KV_COLS, dim=1), dk, is_async=True)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 64, 16])
+        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+        dq0_tok = warpgroup_mma(ds_tile, k.slice(col0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+        dq1_tok = warpgroup_mma(ds_tile, k.slice(col0 + 64, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma_wait(3, deps=(dv_tok, ))
+        mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read
+        dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok, dq1_tok))
+        mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
+        _stage_dq(dq0, wg.dq, smem.dq_bars, 2 * t, wg.half, cfg.FLAT)
+        _stage_dq(dq1, wg.dq, smem.dq_bars, 2 * t + 1, wg.half, cfg.FLAT)
+        return dk, dv
+
+    @gluon.jit
     def _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok):
         """The end of _bwd_step, once dV's and dK's products are issued: dQ_i's share from both warpgroups' dS^T
         halves (and the bias's gradient stored), the ring slot released, the share handed to the writer. Returns
@@ -918,9 +1059,17 @@ if AVAILABLE:
     def _half(prog, offsets, half: gl.constexpr):
         """Consumer warpgroup half's BwdHalf of the work item."""
         smem = prog.smem
-        key0 = prog.walk.start_n + half * 64
-        return BwdHalf(key0, key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, prog.cfg.s_layout)),
-                       smem.k.slice(half * 64, 64), smem.v.slice(half * 64, 64), smem.dq.index(half), offsets, half)
+        if prog.cfg.WIDE:
+            # Both warpgroups take all 64 keys of the block (_bwd_step_wide).
+            key0 = prog.walk.start_n
+            k = smem.k
+            v = smem.v
+        else:
+            key0 = prog.walk.start_n + half * 64
+            k = smem.k.slice(half * 64, 64)
+            v = smem.v.slice(half * 64, 64)
+        return BwdHalf(key0, key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, prog.cfg.s_layout)), k, v,
+                       smem.dq.index(half), offsets, half)
 
     @gluon.jit
     def _bwd_item(prog, wg, t, seed):
@@ -928,8 +1077,8 @@ if AVAILABLE:
         count of tiles after them."""
         cfg = prog.cfg
         walk = prog.walk
-        dk = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
-        dv = gl.zeros([64, cfg.HEAD_DIM], gl.float32, layout=cfg.kv_layout)
+        dk = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
+        dv = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
         for g in range(walk.group_size):
             i_h = walk.i_hk * walk.group_size + g
             slope = 0.0
@@ -946,11 +1095,17 @@ if AVAILABLE:
                 # The masked query tiles first, then the rest (the order of _tile_start).
                 for p in range(0, walk.n_mask):
                     m = walk.m_lo + _masked_tile(walk, p) * cfg.BLOCK_M
-                    dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
+                    if cfg.WIDE:
+                        dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, True)
+                    else:
+                        dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
                 for jj in range(0, walk.n_q - walk.n_mask):
                     m = walk.m_lo + _free_tile(walk, jj, cfg.ROTATE) * cfg.BLOCK_M
-                    dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, False)
+                    if cfg.WIDE:
+                        dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, False)
+                    else:
+                        dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, False)
                     t += 1
         return dk, dv, t
 
@@ -963,7 +1118,9 @@ if AVAILABLE:
         i_b = prog.walk.i_b
         i_hk = prog.walk.i_hk
         rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.kv_layout))  # in the sequence
-        dcol = gl.expand_dims(gl.arange(0, cfg.HEAD_DIM, layout=gl.SliceLayout(0, cfg.kv_layout)), 0)
+        dcol = gl.expand_dims(gl.arange(0, cfg.KV_COLS, layout=gl.SliceLayout(0, cfg.kv_layout)), 0)
+        if cfg.WIDE:
+            dcol += wg.half * cfg.KV_COLS  # (this warpgroup's columns: _bwd_step_wide)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
         if cfg.PAD_D:
             keep = keep & (dcol < cfg.D)
@@ -1128,14 +1285,26 @@ if AVAILABLE:
 
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
-        v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
-        q_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        do_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        if cfg.DBIAS and not cfg.SOFTCAP:
-            ds_smem = q_smem  # never read: dS rides in the ring's bias tiles (_dq_step)
+        if cfg.WIDE:
+            # K and V in one allocation: _bwd_step_wide takes its views of them anew each step (_kv_views).
+            kv_smem = gl.allocate_shared_memory(cfg.dtype, [2, cfg.BLOCK_N, HEAD_DIM], layout)
+            k_smem = kv_smem.index(0)
+            v_smem = kv_smem.index(1)
         else:
-            ds_smem = gl.allocate_shared_memory(cfg.dtype, [2, cfg.BLOCK_N, BLOCK_M], layout)
+            k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
+            v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
+        q_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        if cfg.WIDE:
+            # One dO buffer (_load_q_tile_wide); dS and P as [queries, keys] tiles, dS at 2 (t % 2), P after it
+            # (_bwd_step_wide). 224 KB in all at d256.
+            do_smem = gl.allocate_shared_memory(cfg.dtype, [1, BLOCK_M, HEAD_DIM], layout)
+            ds_smem = gl.allocate_shared_memory(cfg.dtype, [4, BLOCK_M, cfg.BLOCK_N], layout)
+        else:
+            do_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+            if cfg.DBIAS and not cfg.SOFTCAP:
+                ds_smem = q_smem  # never read: dS rides in the ring's bias tiles (_dq_step)
+            else:
+                ds_smem = gl.allocate_shared_memory(cfg.dtype, [2, cfg.BLOCK_N, BLOCK_M], layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
@@ -1149,14 +1318,17 @@ if AVAILABLE:
             bias_smem = gl.allocate_shared_memory(b_type, [STAGES, BLOCK_M, cfg.BLOCK_N], b_layout)
         else:
             bias_smem = lse_smem  # never read
+            if cfg.WIDE:
+                bias_smem = kv_smem  # (no attn_mask at 256 columns: the field carries K and V for _kv_views)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         item_smem = gl.allocate_shared_memory(gl.int32, [2 * ITEM_FIELDS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # (WIDE: one more pair at index STAGES, dO's buffer's.)
+        q_full = gl.allocate_shared_memory(gl.int64, [STAGES + cfg.WIDE, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES + cfg.WIDE, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         mbarrier.init(kv_free, count=2)  # both consumer warpgroups
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(STAGES + cfg.WIDE):
             mbarrier.init(q_full.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a slot
         for i in gl.static_range(2):
@@ -1195,7 +1367,9 @@ if AVAILABLE:
         (query tile x key block x query head) is stored once, from the ring slot its bias tile came in."""
         gl.static_assert(not DBIAS or (BIAS == 1 and BLOCK_M == 64))
         # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
-        gl.static_assert(BLOCK_M * HEAD_DIM == 8192)
+        gl.static_assert(BLOCK_M * HEAD_DIM == 8192 or (HEAD_DIM == 256 and BLOCK_M == 64 and BLOCK_N == 64))
+        # (The WIDE step has no ALiBi, attn_mask or dropout.)
+        gl.static_assert(HEAD_DIM != 256 or not (HAS_ALIBI or BIAS or DROPOUT))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
                         VARLEN, DROPOUT, PERSISTENT, D, Q.dtype.element_ty)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
@@ -1390,12 +1564,12 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(req.softmax_scale, req.softcap)
     stride_alibi_b = feats.alibi_args(None)[1]
-    block_m = BLOCK_M[TILE_DIM[head_dim]]
-    plan.tiles = (block_m, BLOCK_N)
+    block_m, block_n = BLOCK_M[TILE_DIM[head_dim]], BLOCK_NS[TILE_DIM[head_dim]]
+    plan.tiles = (block_m, block_n)
     bias_mul_b, bias_mul_h, stride_cnt_b, stride_cnt_h, n_cols = 0, 0, 0, 0, 0
     if req.attn_bias is not None:
-        bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(req.attn_bias, block_m, BLOCK_N)[1:]
-        lists = feats.block_lists(block_m, BLOCK_N, True, seqlen_q, seqlen_k)
+        bias_mul_b, bias_mul_h = hopper_fwd.bias_descriptor(req.attn_bias, block_m, block_n)[1:]
+        lists = feats.block_lists(block_m, block_n, True, seqlen_q, seqlen_k)
         if lists is not None:
             (stride_cnt_b, stride_cnt_h), n_cols = lists.strides, lists.cols
     plan.mul, plan.lists = _Mul(bias_mul_b, bias_mul_h), (stride_cnt_b, stride_cnt_h, n_cols, seqlen_q, seqlen_k)
@@ -1411,14 +1585,14 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         req.diagonal_offset, req.window_left, req.window_right,
         _Scales(pre_scale, qk_scale, req.softmax_scale, dropout_threshold(req.dropout_p), 1.0 / (1.0 - req.dropout_p)),
         _Heads(num_heads, num_kv_heads, head_group, batch * num_kv_heads, q.shape[0], k.shape[0]))
-    n_blocks = triton.cdiv(seqlen_k, BLOCK_N)
+    n_blocks = triton.cdiv(seqlen_k, block_n)
     plan.persistent = seqlen_k <= PERSISTENT_MAX_SEQLEN_K  # (varlen: the longest sequence's)
     if plan.persistent:
         grid = (min(n_blocks * batch * num_kv_heads, hopper_fwd._num_sms(q.get_device())), )
     else:
         grid = (n_blocks, batch * num_kv_heads)  # one work item per program
     plan.launch = _launch.Bound(_bwd_kernel, grid, (), dict(
-        HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, MASK_LEFT=req.mask_left,
+        HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
         D=head_dim),
