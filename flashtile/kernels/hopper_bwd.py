@@ -734,16 +734,58 @@ if AVAILABLE:
         the program's batch entry into the buffer (the kernel's dq_desc note)."""
         cfg = prog.cfg
         if cfg.WIDE:
-            # Each warpgroup stages two shares per step (_bwd_step_wide): columns 128 w + 64 j for j = 0, 1.
-            for j in gl.static_range(2):
-                _reduce_dq_shares(prog, 2 * u + j, m, i_h, j)
+            _reduce_dq_wide(prog, u, m, i_h)
         else:
-            _reduce_dq_shares(prog, u, m, i_h, 0)
+            _reduce_dq_shares(prog, u, m, i_h)
+
+    @gluon.constexpr_function
+    def _wide_dq_shares(D, w):
+        """WIDE: how many [64, 64] dQ shares warpgroup w stages per step: those of its columns 128 w + 64 j that
+        hold any of the head dim D (2 and 2 at d256, 2 and 1 at d192)."""
+        return min(2, (D - 128 * w + 63) // 64)
 
     @gluon.jit
-    def _reduce_dq_shares(prog, u, m, i_h, j: gl.constexpr):
-        """The writer's u-th reduction pass (_reduce_dq): both warpgroups' staged shares. Warpgroup w's share is
-        share 2 w + j of the tile under WIDE (four [64, 64] column shares of a [64, 256] tile), else share w."""
+    def _reduce_dq_wide(prog, t, m, i_h):
+        """_reduce_dq under WIDE: warpgroup w stages shares 2 w + j, j < _wide_dq_shares (its u-th staging is
+        N_w t + j); pass j reduces both warpgroups' j-th and releases each tile once its reduction has read it."""
+        cfg = prog.cfg
+        dq_bars = prog.smem.dq_bars
+        N0: gl.constexpr = _wide_dq_shares(cfg.D, 0)
+        N1: gl.constexpr = _wide_dq_shares(cfg.D, 1)
+        PER: gl.constexpr = 1 if cfg.FLAT else 2  # bulk groups per share
+        for j in gl.static_range(2):
+            mbarrier.wait(dq_bars.index(0), (N0 * t + j) & 1)
+            _reduce_share(prog, 0, j, m, i_h)
+            if j < N1:
+                mbarrier.wait(dq_bars.index(2), (N1 * t + j) & 1)
+                _reduce_share(prog, 1, 2 + j, m, i_h)
+                tma.store_wait(pendings=PER)
+                mbarrier.arrive(dq_bars.index(1), count=1)
+                tma.store_wait(pendings=0)
+                mbarrier.arrive(dq_bars.index(3), count=1)
+            else:
+                tma.store_wait(pendings=0)
+                mbarrier.arrive(dq_bars.index(1), count=1)
+
+    @gluon.jit
+    def _reduce_share(prog, w: gl.constexpr, share: gl.constexpr, m, i_h):
+        """Add warpgroup w's staged tile, share `share` of query head i_h's dQ tile at query m (WIDE: columns
+        64 share), into the buffer (the kernel's dq_desc note)."""
+        cfg = prog.cfg
+        dq = prog.dq
+        dq_smem = prog.smem.dq
+        if cfg.FLAT:
+            row = (prog.walk.i_b * prog.loads.num_heads + i_h) * dq.batch_rows + m + share * 16
+            tma_reduce_add(dq.desc, [row, 0], dq_smem.index(w))
+        else:
+            col = i_h * cfg.HEAD_DIM + share * 64
+            row = prog.walk.i_b * dq.batch_rows + prog.walk.q0 + m
+            tma_reduce_add(dq.desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
+            tma_reduce_add(dq.desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
+
+    @gluon.jit
+    def _reduce_dq_shares(prog, u, m, i_h):
+        """_reduce_dq below 256 columns: both warpgroups' staged shares."""
         cfg = prog.cfg
         dq = prog.dq
         dq_smem = prog.smem.dq
@@ -751,16 +793,15 @@ if AVAILABLE:
         # Both warpgroups' tiles in flight at once; each is released as soon as its reductions have read it.
         for w in gl.static_range(2):
             mbarrier.wait(dq_bars.index(2 * w), u & 1)
-            share = w * (1 + cfg.WIDE) + j  # (j is 0 unless WIDE)
             if cfg.FLAT:
-                # The tile's shares are consecutive groups of 16 rows of 256 (batch_rows: Sq_pad here).
+                # The tile's two shares are 32 consecutive rows of 256 (batch_rows: Sq_pad here).
                 row = ((prog.walk.i_b * prog.loads.num_heads + i_h) * (dq.batch_rows * cfg.HEAD_DIM // 256)
-                       + m * cfg.HEAD_DIM // 256 + share * 16)
+                       + m * cfg.HEAD_DIM // 256 + w * 16)
                 tma_reduce_add(dq.desc, [row, 0], dq_smem.index(w))
             else:
-                # The share of the tile (_bwd_step): 64 columns from share * 64 at d128 and d256, 64 rows at d64,
+                # Warpgroup w's share of the tile (_bwd_step): 64 columns from w * 64 at d128, 64 rows at d64,
                 # from 128-byte swizzled staging: 32 columns per reduction.
-                col = i_h * cfg.HEAD_DIM + share * 64 if cfg.BLOCK_M == 64 else i_h * cfg.HEAD_DIM
+                col = i_h * cfg.HEAD_DIM + w * 64 if cfg.BLOCK_M == 64 else i_h * cfg.HEAD_DIM
                 row = prog.walk.i_b * dq.batch_rows + prog.walk.q0 + m + (0 if cfg.BLOCK_M == 64 else w * 64)
                 tma_reduce_add(dq.desc, [row, col], dq_smem.index(w).slice(0, 32, dim=1))
                 tma_reduce_add(dq.desc, [row, col + 32], dq_smem.index(w).slice(32, 32, dim=1))
@@ -898,6 +939,20 @@ if AVAILABLE:
         return smem.bias.index(zero), smem.bias.index(zero + 1)
 
     @gluon.jit
+    def _head_dim_product(a, rows, zero, D: gl.constexpr):
+        """a rows^T (a: [64, 256], rows: [n, 256] tiles in shared memory) over the head dim's first D columns,
+        issued asynchronously: one product at d256, two (128 and 64 columns) at d192, whose last 64 columns are
+        TMA's zero fill."""
+        if D > 192:
+            acc = warpgroup_mma(a, rows.permute((1, 0)), zero, use_acc=False, is_async=True)
+        else:
+            acc = warpgroup_mma(a.slice(0, 128, dim=1), rows.slice(0, 128, dim=1).permute((1, 0)), zero,
+                                use_acc=False, is_async=True)
+            acc = warpgroup_mma(a.slice(128, 64, dim=1), rows.slice(128, 64, dim=1).permute((1, 0)), acc,
+                                is_async=True)
+        return acc
+
+    @gluon.jit
     def _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, MASK: gl.constexpr):
         """_bwd_step for tiles of 256 columns (WIDE: d192 and d256). A consumer warpgroup cannot hold dK and dV
         of 64 keys at 256 columns (256 registers a thread), so both warpgroups share the block's 64 keys and split
@@ -918,16 +973,15 @@ if AVAILABLE:
         do = smem.do.index(0)
         k, v = _kv_views(smem, t)
         zero = gl.zeros([64, HALF_M], gl.float32, layout=s_layout)
-        st_tok = warpgroup_mma(k, q.slice(wg.half * HALF_M, HALF_M).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-        dpt_tok = warpgroup_mma(v, do.slice(wg.half * HALF_M, HALF_M).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
+        st_tok = _head_dim_product(k, q.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
+        dpt_tok = _head_dim_product(v, do.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
         if cfg.SOFTCAP:
             st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
             tt = tanh_approx(st * prog.mods.pre_scale)
             score = tt
         else:
-            st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
+            # (dP^T's products, one or two, still in flight.)
+            st, dpt_tok = warpgroup_mma_wait(1 + (cfg.D <= 192), deps=(st_tok, dpt_tok))
             score = st
         # This warpgroup's queries' LSE and delta (see _bwd_step), as [1, HALF_M] rows of the scores' layout.
         lse = smem.lse.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
@@ -963,14 +1017,22 @@ if AVAILABLE:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, 64, 16])
         dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+        # dQ's shares of this warpgroup's columns that hold any of the head dim (d192: one for warpgroup 1).
+        N_DQ: gl.constexpr = _wide_dq_shares(cfg.D, wg.half)
         dq0_tok = warpgroup_mma(ds_tile, k.slice(col0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
-        dq1_tok = warpgroup_mma(ds_tile, k.slice(col0 + 64, 64, dim=1), dq_zero, use_acc=False, is_async=True)
-        dv = warpgroup_mma_wait(3, deps=(dv_tok, ))
+        if N_DQ == 2:
+            dq1_tok = warpgroup_mma(ds_tile, k.slice(col0 + 64, 64, dim=1), dq_zero, use_acc=False,
+                                    is_async=True)
+        dv = warpgroup_mma_wait(N_DQ + 1, deps=(dv_tok, ))
         mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read
-        dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok, dq1_tok))
+        if N_DQ == 2:
+            dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok, dq1_tok))
+        else:
+            dk, dq0 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok))
         mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
-        _stage_dq(dq0, wg.dq, smem.dq_bars, 2 * t, wg.half, cfg.FLAT)
-        _stage_dq(dq1, wg.dq, smem.dq_bars, 2 * t + 1, wg.half, cfg.FLAT)
+        _stage_dq(dq0, wg.dq, smem.dq_bars, N_DQ * t, wg.half, cfg.FLAT)
+        if N_DQ == 2:
+            _stage_dq(dq1, wg.dq, smem.dq_bars, N_DQ * t + 1, wg.half, cfg.FLAT)
         return dk, dv
 
     @gluon.jit
