@@ -40,8 +40,10 @@ GLUON_HEAD_DIMS = (64, 96, 128, 192, 256)  # (d96 on d128's tiles, d192 on d256'
 # block between the warpgroups has none of them; the portable backward takes those calls).
 GLUON_BWD_PLAIN_HEAD_DIMS = (192, 256)
 # (q/k head dim, v head dim) pairs whose forward runs on the Gluon kernel although they differ: MLA's 192/128
-# (DeepSeek's prefill), on d256's tiles for Q and K and d128's for V.
+# (DeepSeek's prefill), on d256's tiles for Q and K and d128's for V; and its backward, on d256's tiles for all four
+# (V and dO zero-filled past 128: hopper_bwd._bwd_step_wide).
 GLUON_FWD_SPLIT_DIMS = ((192, 128),)
+GLUON_BWD_SPLIT_DIMS = ((192, 128),)
 # The head dims whose float8_e4m3fn forward runs on the Gluon kernel (interface.flash_attn_func's q_descale, ...):
 # d128's float8 rows are 128 bytes, the kernel's swizzle width; the others run the portable kernel.
 GLUON_FP8_HEAD_DIMS = (128,)
@@ -117,8 +119,8 @@ class _KernelBackend:
 class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
     summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 96, 128, 192 or "
-               "256 (the backward: without ALiBi, attn_mask or dropout at 192 and 256); float8_e4m3fn forward at head "
-               "dim 128")
+               "256, and MLA's 192/128 (the backward: without ALiBi, attn_mask or dropout at 192 and 256); "
+               "float8_e4m3fn forward at head dim 128")
 
     @staticmethod
     def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS, fp8=False, split=()):
@@ -192,7 +194,7 @@ class GluonHopper(_KernelBackend):
         if req.deterministic:
             return ("deterministic=True (or torch.use_deterministic_algorithms): this backward adds dQ by bulk "
                     "reductions in a varying order")
-        reason = self._decline_inputs(q, k, v, req, target)
+        reason = self._decline_inputs(q, k, v, req, target, split=GLUON_BWD_SPLIT_DIMS)
         if reason is not None:
             return reason
         if q.shape[-1] in GLUON_BWD_PLAIN_HEAD_DIMS:

@@ -93,9 +93,12 @@ def test_gluon_allow_list_reasons():
     from flashtile.kernels import hopper_fwd
     assert set(dispatch.GLUON_FWD_HEAD_DIMS) == set(hopper_fwd.TILE_DIM)
     qm, km, _ = _qkv(d=192)
-    vm = _qkv(d=128)[2]  # MLA: q and k at 192, v at 128 take the forward, not the backward
+    vm = _qkv(d=128)[2]  # MLA: q and k at 192, v at 128 take the forward and the backward
     assert gluon.decline_forward(qm, km, vm, req, H100) is None
-    assert "head dim" in gluon.decline_backward(torch.empty_like(qm), qm, km, vm, req, H100)
+    dout_m = torch.empty(qm.shape[:-1] + (128,), dtype=qm.dtype)
+    assert gluon.decline_backward(dout_m, qm, km, vm, req, H100) is None
+    v64 = _qkv(d=64)[2]
+    assert "192 for q and k with 128 for v" in gluon.decline_backward(dout_m, qm, km, v64, req, H100)
     assert "192 for q and k with 128 for v" in gluon.decline_forward(qm, km, _qkv(d=64)[2], req, H100)
     q96, k96, v96 = _qkv(d=96)  # both take d96 (on d128's tiles)
     assert gluon.decline_forward(q96, k96, v96, req, H100) is None

@@ -86,15 +86,46 @@ MLA_SHAPES = [
                               for b, sq, sk, h, hk, c, t in MLA_SHAPES])
 def test_mla_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, causal, dtype):
     """MLA's head dims (q, k 192; v 128): the Gluon forward (Q and K on d256's tiles, V and the output on d128's)
-    and the portable backward, which reads its LSE, against float64."""
+    and the Gluon backward (all four on d256's tiles, V and dO zero-filled past 128), against float64."""
     q, k, _ = make_qkv(b, sq, sk, h, hk, 192, dtype, device=DEVICE, seed=sq + sk)
     v = torch.randn((b, sk, hk, 128), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sk)).to(dtype)
     v.requires_grad_()
     dout = torch.randn((b, sq, h, 128), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sq)).to(dtype)
     got = _fwd_bwd(q, k, v, dout, causal)
     assert got[0].shape == (b, sq, h, 128)
-    assert len(spy) == 1 and len(bwd_spy) == 0, "MLA: the Gluon forward and the portable backward"
+    assert len(spy) == 1 and len(bwd_spy) == 1, "MLA: the Gluon forward and backward"
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, 192 ** -0.5, causal, sk - sq)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=("fixed", "varlen"))
+def test_mla_features(poison, bwd_spy, varlen):
+    """MLA's head dims on the Gluon backward with a window, softcap and sinks at once, GQA; fixed-length (Sq > Sk)
+    or a varlen batch with empty and one-row sequences; against float64 (per sequence for varlen)."""
+    from flashtile.testing import check_varlen_against_reference, cu_seqlens
+    lens_q, lens_k = ([513, 0, 1, 250], [600, 9, 1, 250]) if varlen else ([900], [700])
+    gen = torch.Generator(DEVICE).manual_seed(7 + varlen)
+    q, k, v, dout = (torch.randn(shape, device=DEVICE, generator=gen).to(torch.bfloat16) for shape in (
+        (sum(lens_q), 8, 192), (sum(lens_k), 2, 192), (sum(lens_k), 2, 128), (sum(lens_q), 8, 128)))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sink = torch.randn(8, device=DEVICE, generator=gen).requires_grad_()
+    kw = dict(causal=True, window_size=(200, 0), softcap=5.0, sinks=sink, return_attn_probs=True)
+    if varlen:
+        cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
+        out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+    else:
+        out, lse, _ = flashtile.flash_attn_func(*(t[None] for t in (q, k, v)), **kw)
+        out, lse = out[0], lse[0]
+    grads = torch.autograd.grad((out * dout).sum(), (q, k, v, sink))
+    assert len(bwd_spy) == 1
+    got = (out.detach(), lse.detach(), *grads[:3])
+    feats = dict(window_size=(200, 0), softcap=5.0, sinks=sink.detach())
+    if varlen:
+        check_varlen_against_reference(got, q.detach(), k.detach(), v.detach(), dout, cu_q, cu_k, True,
+                                       dsinks=grads[3], **feats)
+    else:
+        check_against_reference((got[0][None], got[1][None], *(g[None] for g in got[2:]), None, grads[3]),
+                                *(t.detach()[None] for t in (q, k, v)), dout[None], 192 ** -0.5, True,
+                                lens_k[0] - lens_q[0], **feats)
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))

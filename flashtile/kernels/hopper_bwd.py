@@ -178,6 +178,7 @@ if AVAILABLE:
         DROPOUT: gl.constexpr
         PERSISTENT: gl.constexpr
         D: gl.constexpr
+        D_V: gl.constexpr
         PAD_D: gl.constexpr
         FLAT: gl.constexpr
         ROTATE: gl.constexpr
@@ -190,7 +191,7 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                     VARLEN, DROPOUT, PERSISTENT, D, dtype):
+                     VARLEN, DROPOUT, PERSISTENT, D, D_V, dtype):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -205,7 +206,8 @@ if AVAILABLE:
             self.DROPOUT = gl.constexpr(DROPOUT)
             self.PERSISTENT = gl.constexpr(PERSISTENT)
             self.D = gl.constexpr(D)
-            self.PAD_D = gl.constexpr(D != HEAD_DIM)
+            self.D_V = gl.constexpr(D_V)
+            self.PAD_D = gl.constexpr(D != HEAD_DIM or D_V != HEAD_DIM)
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
             self.WIDE = gl.constexpr(HEAD_DIM == 256)
@@ -941,10 +943,13 @@ if AVAILABLE:
     @gluon.jit
     def _head_dim_product(a, rows, zero, D: gl.constexpr):
         """a rows^T (a: [64, 256], rows: [n, 256] tiles in shared memory) over the head dim's first D columns,
-        issued asynchronously: one product at d256, two (128 and 64 columns) at d192, whose last 64 columns are
-        TMA's zero fill."""
+        issued asynchronously: one product at d256, two (128 and 64 columns) at d192, one over 128 columns at d128
+        (MLA's v and dO); the columns past D are TMA's zero fill."""
         if D > 192:
             acc = warpgroup_mma(a, rows.permute((1, 0)), zero, use_acc=False, is_async=True)
+        elif D <= 128:
+            acc = warpgroup_mma(a.slice(0, 128, dim=1), rows.slice(0, 128, dim=1).permute((1, 0)), zero,
+                                use_acc=False, is_async=True)
         else:
             acc = warpgroup_mma(a.slice(0, 128, dim=1), rows.slice(0, 128, dim=1).permute((1, 0)), zero,
                                 use_acc=False, is_async=True)
@@ -974,14 +979,14 @@ if AVAILABLE:
         k, v = _kv_views(smem, t)
         zero = gl.zeros([64, HALF_M], gl.float32, layout=s_layout)
         st_tok = _head_dim_product(k, q.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
-        dpt_tok = _head_dim_product(v, do.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
+        dpt_tok = _head_dim_product(v, do.slice(wg.half * HALF_M, HALF_M), zero, cfg.D_V)
         if cfg.SOFTCAP:
             st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
             tt = tanh_approx(st * prog.mods.pre_scale)
             score = tt
         else:
             # (dP^T's products, one or two, still in flight.)
-            st, dpt_tok = warpgroup_mma_wait(1 + (cfg.D <= 192), deps=(st_tok, dpt_tok))
+            st, dpt_tok = warpgroup_mma_wait(1 + (128 < cfg.D_V and cfg.D_V <= 192), deps=(st_tok, dpt_tok))
             score = st
         # This warpgroup's queries' LSE and delta (see _bwd_step), as [1, HALF_M] rows of the scores' layout.
         lse = smem.lse.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
@@ -1012,7 +1017,12 @@ if AVAILABLE:
         mbarrier.arrive(smem.ds_ready.index(t % 2), count=1)
         mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
         col0: gl.constexpr = wg.half * cfg.KV_COLS
-        dv_tok = warpgroup_mma(p_tile.permute((1, 0)), do.slice(col0, cfg.KV_COLS, dim=1), dv, is_async=True)
+        # dV's columns of this warpgroup hold some of v's head dim (not warpgroup 1's under MLA: D_V 128).
+        HAS_DV: gl.constexpr = col0 < cfg.D_V
+        if HAS_DV:
+            dv_tok = warpgroup_mma(p_tile.permute((1, 0)), do.slice(col0, cfg.KV_COLS, dim=1), dv, is_async=True)
+        else:
+            mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read (by dP^T's product)
         dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q.slice(col0, cfg.KV_COLS, dim=1), dk, is_async=True)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, 64, 16])
@@ -1023,8 +1033,9 @@ if AVAILABLE:
         if N_DQ == 2:
             dq1_tok = warpgroup_mma(ds_tile, k.slice(col0 + 64, 64, dim=1), dq_zero, use_acc=False,
                                     is_async=True)
-        dv = warpgroup_mma_wait(N_DQ + 1, deps=(dv_tok, ))
-        mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read
+        if HAS_DV:
+            dv = warpgroup_mma_wait(N_DQ + 1, deps=(dv_tok, ))
+            mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read
         if N_DQ == 2:
             dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok, dq1_tok))
         else:
@@ -1184,7 +1195,9 @@ if AVAILABLE:
         if cfg.WIDE:
             dcol += wg.half * cfg.KV_COLS  # (this warpgroup's columns: _bwd_step_wide)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
+        keep_v = keep
         if cfg.PAD_D:
+            keep_v = keep & (dcol < cfg.D_V)
             keep = keep & (dcol < cfg.D)
         k0 = prog.walk.k0.to(gl.int64)
         p_dk = (ptrs.dK + i_b.to(gl.int64) * strides.dk_b + i_hk.to(gl.int64) * strides.dk_h + k0 * strides.dk_s
@@ -1196,7 +1209,7 @@ if AVAILABLE:
         # In the buffers' dtype: q's for the public API; float32 for context parallelism's block gradients, which
         # are summed over the ring (flashtile/distributed/_local.py) and would otherwise be rounded once per block.
         gl.store(p_dk, dk.to(ptrs.dK.dtype.element_ty), mask=keep)
-        gl.store(p_dv, dv.to(ptrs.dV.dtype.element_ty), mask=keep)
+        gl.store(p_dv, dv.to(ptrs.dV.dtype.element_ty), mask=keep_v)
 
     @gluon.jit
     def _grouped_order(i_n, i_bh, group, n_blocks, n_bh):
@@ -1269,13 +1282,13 @@ if AVAILABLE:
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
         if cfg.PAD_D:
             q_desc = _padded_descriptor(cfg, Q, heads.num_heads, n_bh // heads.num_kv_heads, q_rows, strides.q_b,
-                                        strides.q_s, cfg.BLOCK_M)
+                                        strides.q_s, cfg.BLOCK_M, cfg.D)
             do_desc = _padded_descriptor(cfg, dOut, heads.num_heads, n_bh // heads.num_kv_heads, q_rows,
-                                         strides.do_b, strides.do_s, cfg.BLOCK_M)
+                                         strides.do_b, strides.do_s, cfg.BLOCK_M, cfg.D_V)
             k_desc = _padded_descriptor(cfg, K, heads.num_kv_heads, n_bh // heads.num_kv_heads, seqlen_k, strides.k_b,
-                                        strides.k_s, cfg.BLOCK_N)
+                                        strides.k_s, cfg.BLOCK_N, cfg.D)
             v_desc = _padded_descriptor(cfg, V, heads.num_kv_heads, n_bh // heads.num_kv_heads, seqlen_k, strides.v_b,
-                                        strides.v_s, cfg.BLOCK_N)
+                                        strides.v_s, cfg.BLOCK_N, cfg.D_V)
         elif cfg.VARLEN:
             layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
             q_desc = tma.make_tensor_descriptor(Q, [q_rows, heads.num_heads * HEAD_DIM], [strides.q_s, 1],
@@ -1307,16 +1320,17 @@ if AVAILABLE:
         return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc
 
     @gluon.jit
-    def _padded_descriptor(cfg, T, heads, batch, rows, stride_b, stride_s, BLOCK: gl.constexpr):
+    def _padded_descriptor(cfg, T, heads, batch, rows, stride_b, stride_s, BLOCK: gl.constexpr, D: gl.constexpr):
         """PAD_D: the descriptor of [BLOCK, HEAD_DIM] tiles over T's [B, S, heads, D] (VARLEN: [S, heads, D]) with
-        the head dim apart, so that the columns from D on are zero-filled."""
+        the head dim apart, so that the columns from D on are zero-filled (D: cfg.D for q and k, cfg.D_V for v
+        and dO)."""
         if cfg.VARLEN:
             layout3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-            desc = tma.make_tensor_descriptor(T, [rows, heads, cfg.D], [stride_s, cfg.D, 1], [BLOCK, 1, cfg.HEAD_DIM],
+            desc = tma.make_tensor_descriptor(T, [rows, heads, D], [stride_s, D, 1], [BLOCK, 1, cfg.HEAD_DIM],
                                               layout3)
         else:
             layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-            desc = tma.make_tensor_descriptor(T, [batch, rows, heads, cfg.D], [stride_b, stride_s, cfg.D, 1],
+            desc = tma.make_tensor_descriptor(T, [batch, rows, heads, D], [stride_b, stride_s, D, 1],
                                               [1, BLOCK, 1, cfg.HEAD_DIM], layout4)
         return desc
 
@@ -1407,7 +1421,8 @@ if AVAILABLE:
                     bias_mul, DBias, Counts, Idx, lists, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
-                    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, D: gl.constexpr):
+                    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, D: gl.constexpr,
+                    D_V: gl.constexpr):
         """One program per (key block, batch entry x kv head), or PERSISTENT one per SM over them (BwdSched); the
         partitions and their roles are the module docstring's. strides, scales, heads, bias_mul and lists: the named
         tuples _Strides, _Scales, _Heads, _Mul, _Lists (attention_backward).
@@ -1433,7 +1448,7 @@ if AVAILABLE:
         # (The WIDE step has no ALiBi, attn_mask or dropout.)
         gl.static_assert(HEAD_DIM != 256 or not (HAS_ALIBI or BIAS or DROPOUT))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                        VARLEN, DROPOUT, PERSISTENT, D, Q.dtype.element_ty)
+                        VARLEN, DROPOUT, PERSISTENT, D, D_V, Q.dtype.element_ty)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
         # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
         # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
@@ -1657,7 +1672,7 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
-        D=head_dim),
+        D=head_dim, D_V=v.shape[-1]),
         dict(num_warps=4))
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
