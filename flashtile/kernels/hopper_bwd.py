@@ -71,6 +71,11 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # Query tiles in flight (the ring of Q, LSE and delta; dO's too below 256, where dO has one buffer of its own).
 STAGES = 2
+# The (q/k, v) head dims whose WIDE backward has warpgroup 0 compute S^T and warpgroup 1 dP^T for a whole query tile
+# (_wide_roles), rather than each both for half of its queries: d256 only. H100, one run, three alternating rounds
+# (2026-11-26-h100-bwd-wide-roles-ab.json): d256 1.015-1.09x; d192 0.975x and MLA 0.96-0.97x (their products over
+# fewer columns save less of K's and V's reads than the hand-over of P^T costs).
+WIDE_ROLES = ((256, 256),)
 # Calls with at most this many keys (varlen: in the longest sequence) run a persistent grid (PERSISTENT: one program
 # per SM taking work items from a counter, the next item's K and V loaded while the last one's dK and dV are
 # stored); longer ones one program per item. docs/design-record.md, "A persistent backward for short sequences".
@@ -183,6 +188,7 @@ if AVAILABLE:
         FLAT: gl.constexpr
         ROTATE: gl.constexpr
         WIDE: gl.constexpr
+        ROLES: gl.constexpr
         KV_COLS: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
@@ -191,7 +197,7 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                     VARLEN, DROPOUT, PERSISTENT, D, D_V, dtype):
+                     VARLEN, DROPOUT, PERSISTENT, D, D_V, dtype, ROLES=False):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -211,11 +217,12 @@ if AVAILABLE:
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
             self.WIDE = gl.constexpr(HEAD_DIM == 256)
+            self.ROLES = gl.constexpr(HEAD_DIM == 256 and ROLES)
             self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if HEAD_DIM == 256 else HEAD_DIM)
             self.dtype = gl.constexpr(dtype)
             kv_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, self.KV_COLS.value, 16])
-            s_cols = BLOCK_M // 2 if HEAD_DIM == 256 else BLOCK_M
+            s_cols = BLOCK_M // 2 if HEAD_DIM == 256 and not ROLES else BLOCK_M
             self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                    instr_shape=[16, s_cols, 16]))
             self.kv_layout = gl.constexpr(kv_layout)
@@ -958,6 +965,55 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
+    def _wide_roles(prog, wg, t, m, slot, q, do, k, v, ds_tile, p_tile, MASK: gl.constexpr):
+        """_bwd_step_wide's first half with ROLES: warpgroup 0 computes S^T and P^T for all 64 queries ([64 keys,
+        64 queries]: K read once per step, not once per warpgroup), warpgroup 1 dP^T, then dS^T from P^T as
+        warpgroup 0 stored it (with softcap, P^T (1 - t^2), stored where dS^T goes and replaced by it)."""
+        cfg = prog.cfg
+        smem = prog.smem
+        s_layout: gl.constexpr = cfg.s_layout
+        zero = gl.zeros([64, cfg.BLOCK_M], gl.float32, layout=s_layout)
+        if wg.half == 0:
+            st = warpgroup_mma_wait(0, deps=(_head_dim_product(k, q, zero, cfg.D), ))
+            if cfg.SOFTCAP:
+                tt = tanh_approx(st * prog.mods.pre_scale)
+                score = tt
+            else:
+                score = st
+            pt = gl.exp2(score * prog.mods.qk_scale - smem.lse.index(slot).load(s_layout))
+            if MASK:
+                band = prog.band
+                cols = m + gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
+                if cfg.MASK_RIGHT:
+                    keep = keep & (gl.expand_dims(wg.key, 1)
+                                   <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
+                if cfg.MASK_LEFT:
+                    keep = keep & (gl.expand_dims(wg.key, 1)
+                                   >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
+                pt = gl.where(keep, pt, 0.0)
+            p_tile.permute((1, 0)).store(pt.to(cfg.dtype))
+            if cfg.SOFTCAP:
+                ds_tile.permute((1, 0)).store((pt * (1.0 - tt * tt)).to(cfg.dtype))
+            fence_async_shared()
+            thread_barrier()
+            mbarrier.arrive(smem.ds_ready.index(2 + t % 2), count=1)
+        else:
+            dpt = warpgroup_mma_wait(0, deps=(_head_dim_product(v, do, zero, cfg.D_V), ))
+            delta = smem.delta.index(slot).load(s_layout)
+            mbarrier.wait(smem.ds_ready.index(2 + t % 2), (t // 2) & 1)
+            if cfg.SOFTCAP:
+                g = ds_tile.permute((1, 0)).load(s_layout).to(gl.float32)
+                thread_barrier()  # (every thread's read before any write over the tile)
+            else:
+                g = p_tile.permute((1, 0)).load(s_layout).to(gl.float32)
+            ds_tile.permute((1, 0)).store((g * (dpt * prog.mods.sm_scale - delta)).to(cfg.dtype))
+            fence_async_shared()
+            thread_barrier()
+        mbarrier.arrive(smem.ds_ready.index(t % 2), count=1)
+        mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
+
+    @gluon.jit
     def _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, MASK: gl.constexpr):
         """_bwd_step for tiles of 256 columns (WIDE: d192 and d256). A consumer warpgroup cannot hold dK and dV
         of 64 keys at 256 columns (256 registers a thread), so both warpgroups share the block's 64 keys and split
@@ -966,8 +1022,10 @@ if AVAILABLE:
         ([64 queries, 64 keys] tiles, two alternating pairs, as dS^T's at d128); once both halves are in, it adds
         columns 128 w .. 128 w + 127 of dV = P^T dO and dK = dS^T Q over all 64 queries, and computes the same
         columns of dQ_i = dS K as two [64, 64] shares for the writer. dO has one buffer (_load_q_tile_wide): it is
-        released as soon as the dV product has read it, Q's slot once dK's has. MASK as in _bwd_step; no ALiBi,
-        attn_mask or dropout here (flashtile/dispatch.py declines them). Returns dK, dV."""
+        released as soon as the dV product has read it, Q's slot once dK's has. With ROLES (d256: WIDE_ROLES) the
+        first half differs: warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, each for all the tile's
+        queries (_wide_roles). MASK as in _bwd_step; no ALiBi, attn_mask or dropout here (flashtile/dispatch.py
+        declines them). Returns dK, dV."""
         cfg = prog.cfg
         smem = prog.smem
         s_layout: gl.constexpr = cfg.s_layout
@@ -977,45 +1035,48 @@ if AVAILABLE:
         mbarrier.wait(smem.q_bar.full.index(cfg.STAGES), t & 1)
         do = smem.do.index(0)
         k, v = _kv_views(smem, t)
-        zero = gl.zeros([64, HALF_M], gl.float32, layout=s_layout)
-        st_tok = _head_dim_product(k, q.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
-        dpt_tok = _head_dim_product(v, do.slice(wg.half * HALF_M, HALF_M), zero, cfg.D_V)
-        if cfg.SOFTCAP:
-            st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
-            tt = tanh_approx(st * prog.mods.pre_scale)
-            score = tt
-        else:
-            # (dP^T's products, one or two, still in flight.)
-            st, dpt_tok = warpgroup_mma_wait(1 + (128 < cfg.D_V and cfg.D_V <= 192), deps=(st_tok, dpt_tok))
-            score = st
-        # This warpgroup's queries' LSE and delta (see _bwd_step), as [1, HALF_M] rows of the scores' layout.
-        lse = smem.lse.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
-        pt = gl.exp2(score * prog.mods.qk_scale - lse)
-        if MASK:
-            band = prog.band
-            cols = m + wg.half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
-            if cfg.MASK_RIGHT:
-                keep = keep & (gl.expand_dims(wg.key, 1)
-                               <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
-            if cfg.MASK_LEFT:
-                keep = keep & (gl.expand_dims(wg.key, 1)
-                               >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
-            pt = gl.where(keep, pt, 0.0)
-        if not cfg.SOFTCAP:
-            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-        delta = smem.delta.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
-        dst = pt * (dpt * prog.mods.sm_scale - delta)
-        if cfg.SOFTCAP:
-            dst = dst * (1.0 - tt * tt)
         ds_tile = smem.ds.index(2 * (t % 2))
         p_tile = smem.ds.index(2 * (t % 2) + 1)
-        p_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(pt.to(cfg.dtype))
-        ds_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(dst.to(cfg.dtype))
-        fence_async_shared()
-        thread_barrier()
-        mbarrier.arrive(smem.ds_ready.index(t % 2), count=1)
-        mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
+        if cfg.ROLES:
+            _wide_roles(prog, wg, t, m, slot, q, do, k, v, ds_tile, p_tile, MASK)
+        else:
+            zero = gl.zeros([64, HALF_M], gl.float32, layout=s_layout)
+            st_tok = _head_dim_product(k, q.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
+            dpt_tok = _head_dim_product(v, do.slice(wg.half * HALF_M, HALF_M), zero, cfg.D_V)
+            if cfg.SOFTCAP:
+                st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
+                tt = tanh_approx(st * prog.mods.pre_scale)
+                score = tt
+            else:
+                # (dP^T's products, one or two, still in flight.)
+                st, dpt_tok = warpgroup_mma_wait(1 + (128 < cfg.D_V and cfg.D_V <= 192), deps=(st_tok, dpt_tok))
+                score = st
+            # This warpgroup's queries' LSE and delta (see _bwd_step), as [1, HALF_M] rows of the scores' layout.
+            lse = smem.lse.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
+            pt = gl.exp2(score * prog.mods.qk_scale - lse)
+            if MASK:
+                band = prog.band
+                cols = m + wg.half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
+                if cfg.MASK_RIGHT:
+                    keep = keep & (gl.expand_dims(wg.key, 1)
+                                   <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
+                if cfg.MASK_LEFT:
+                    keep = keep & (gl.expand_dims(wg.key, 1)
+                                   >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
+                pt = gl.where(keep, pt, 0.0)
+            if not cfg.SOFTCAP:
+                dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+            delta = smem.delta.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
+            dst = pt * (dpt * prog.mods.sm_scale - delta)
+            if cfg.SOFTCAP:
+                dst = dst * (1.0 - tt * tt)
+            p_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(pt.to(cfg.dtype))
+            ds_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(dst.to(cfg.dtype))
+            fence_async_shared()
+            thread_barrier()
+            mbarrier.arrive(smem.ds_ready.index(t % 2), count=1)
+            mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
         col0: gl.constexpr = wg.half * cfg.KV_COLS
         # dV's columns of this warpgroup hold some of v's head dim (not warpgroup 1's under MLA: D_V 128).
         HAS_DV: gl.constexpr = col0 < cfg.D_V
@@ -1381,7 +1442,8 @@ if AVAILABLE:
                 ds_smem = q_smem  # never read: dS rides in the ring's bias tiles (_dq_step)
             else:
                 ds_smem = gl.allocate_shared_memory(cfg.dtype, [2, cfg.BLOCK_N, BLOCK_M], layout)
-        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # (ROLES: two more, P^T's, from warpgroup 0 to warpgroup 1: _bwd_step_wide.)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2 + 2 * cfg.ROLES, 1], mbarrier.MBarrierLayout())
         dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
@@ -1409,6 +1471,8 @@ if AVAILABLE:
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a slot
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T are in shared memory
+        for i in gl.static_range(2 * cfg.ROLES):
+            mbarrier.init(ds_ready.index(2 + i), count=1)
         for i in gl.static_range(4):
             mbarrier.init(dq_bars.index(i), count=1)
         smem = BwdSmem(lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars, k_smem, v_smem, q_smem, do_smem,
@@ -1422,7 +1486,7 @@ if AVAILABLE:
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, D: gl.constexpr,
-                    D_V: gl.constexpr):
+                    D_V: gl.constexpr, ROLES: gl.constexpr = False):
         """One program per (key block, batch entry x kv head), or PERSISTENT one per SM over them (BwdSched); the
         partitions and their roles are the module docstring's. strides, scales, heads, bias_mul and lists: the named
         tuples _Strides, _Scales, _Heads, _Mul, _Lists (attention_backward).
@@ -1448,7 +1512,7 @@ if AVAILABLE:
         # (The WIDE step has no ALiBi, attn_mask or dropout.)
         gl.static_assert(HEAD_DIM != 256 or not (HAS_ALIBI or BIAS or DROPOUT))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                        VARLEN, DROPOUT, PERSISTENT, D, D_V, Q.dtype.element_ty)
+                        VARLEN, DROPOUT, PERSISTENT, D, D_V, Q.dtype.element_ty, ROLES)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
         # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
         # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
@@ -1672,7 +1736,7 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
-        D=head_dim, D_V=v.shape[-1]),
+        D=head_dim, D_V=v.shape[-1], ROLES=(head_dim, v.shape[-1]) in WIDE_ROLES),
         dict(num_warps=4))
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
