@@ -837,6 +837,17 @@ if AVAILABLE:
             _walk_tiles(prog, gl.program_id(0) * 0, _reduce_dq)
 
     @gluon.jit
+    def _band_keep(cfg, band, key, cols, keep):
+        """keep, narrowed to the pairs inside the band's edges (kernels/_common._visible, transposed: key, the keys
+        of the scores' rows; cols, the queries of its columns). The WIDE steps' mask; _bwd_step keeps its own
+        inline copy, which its measured d64 SASS depends on (through this helper ptxas orders it differently)."""
+        if cfg.MASK_RIGHT:
+            keep = keep & (gl.expand_dims(key, 1) <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
+        if cfg.MASK_LEFT:
+            keep = keep & (gl.expand_dims(key, 1) >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
+        return keep
+
+    @gluon.jit
     def _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, bh, MASK: gl.constexpr):
         """One query tile (rows from m of query head i_h, the program's t-th step) for the warpgroup's half of the
         key block (wg). The scores in log2 units are S^T * qk_scale, or with a softcap tanh(S^T * pre_scale) *
@@ -944,7 +955,7 @@ if AVAILABLE:
         compilers cannot fold (t >= 0: the step count). With the block's fixed views, ptxas kept the descriptors of
         every 16-column step of the 256-column products as loop invariants (64 registers for K and V) and spilled
         them; from a view taken per step it derives them from one base."""
-        zero = t // 1073741824
+        zero = t // (1 << 30)
         return smem.bias.index(zero), smem.bias.index(zero + 1)
 
     @gluon.jit
@@ -985,13 +996,7 @@ if AVAILABLE:
                 band = prog.band
                 cols = m + gl.arange(0, cfg.BLOCK_M, layout=gl.SliceLayout(0, s_layout))
                 keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
-                if cfg.MASK_RIGHT:
-                    keep = keep & (gl.expand_dims(wg.key, 1)
-                                   <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
-                if cfg.MASK_LEFT:
-                    keep = keep & (gl.expand_dims(wg.key, 1)
-                                   >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
-                pt = gl.where(keep, pt, 0.0)
+                pt = gl.where(_band_keep(cfg, band, wg.key, cols, keep), pt, 0.0)
             p_tile.permute((1, 0)).store(pt.to(cfg.dtype))
             if cfg.SOFTCAP:
                 ds_tile.permute((1, 0)).store((pt * (1.0 - tt * tt)).to(cfg.dtype))
@@ -1058,13 +1063,7 @@ if AVAILABLE:
                 band = prog.band
                 cols = m + wg.half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
                 keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
-                if cfg.MASK_RIGHT:
-                    keep = keep & (gl.expand_dims(wg.key, 1)
-                                   <= gl.expand_dims(cols + (band.diag_offset + band.window_right), 0))
-                if cfg.MASK_LEFT:
-                    keep = keep & (gl.expand_dims(wg.key, 1)
-                                   >= gl.expand_dims(cols + (band.diag_offset - band.window_left), 0))
-                pt = gl.where(keep, pt, 0.0)
+                pt = gl.where(_band_keep(cfg, band, wg.key, cols, keep), pt, 0.0)
             if not cfg.SOFTCAP:
                 dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
             delta = smem.delta.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
