@@ -84,8 +84,8 @@ PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
 # The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at
 # (the configuration tables' key, and V's and the output's width): d96 and d192 run d128's and d256's kernels over
 # columns zero-filled past the head dim (TMA fills them on loads and clips them on stores; _store_o masks them,
-# PAD_D): their P V gains zero output columns, which nothing stores, and d96's q K^T zero terms (d192's Q and K
-# come in chunks of their own width: QK_TILE_DIM).
+# PAD_D): d96's P V gains zero output columns, which nothing stores, and its q K^T zero terms (d192's Q and K
+# come in chunks of their own width, QK_TILE_DIM, and its P V covers its own 192 columns, FwdConfig.V_SPLIT).
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # Q's and K's width where it differs from TILE_DIM: d192's 192 columns, read as three 64-column chunks (the
 # descriptors' tile width QK_CHUNK; Gluon's shapes are powers of two) whose products add up (FwdConfig.QK_CHUNKS).
@@ -186,10 +186,12 @@ if AVAILABLE:
         DROPOUT: gl.constexpr
         PAGE: gl.constexpr
         PAD_D: gl.constexpr
+        V_SPLIT: gl.constexpr
         FP8: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
         o_layout: gl.constexpr
+        o_layout_b: gl.constexpr
         dot_a: gl.constexpr
         row_layout: gl.constexpr
 
@@ -225,6 +227,11 @@ if AVAILABLE:
             self.DROPOUT = gl.constexpr(DROPOUT)
             self.PAGE = gl.constexpr(PAGE)
             self.PAD_D = gl.constexpr(PAD_D)
+            # d192's V (256-column tiles, PAD_D): P V over its 192 columns only, as two products of 128 and 64
+            # columns into an accumulator each (Gluon's tensors are powers of two; _issue_pv), not one over 256.
+            # (MLA's 192/128 has V on d128's tiles; 256 is the only padded tile wider than 128.)
+            v_split = PAD_D and HEAD_DIM_V == 256
+            self.V_SPLIT = gl.constexpr(v_split)
             # float8 inputs (FP8): wgmma's K step is 32 elements instead of 16, a register operand packs 4 of them
             # per 32 bits instead of 2, and both shared operands are K-major (V comes transposed: _load_vt).
             fp8 = dtype.primitive_bitwidth == 8
@@ -234,9 +241,12 @@ if AVAILABLE:
             s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_N, k_step])
             o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, HEAD_DIM_V, k_step])
+                                                 instr_shape=[16, 128 if v_split else HEAD_DIM_V, k_step])
             self.s_layout = gl.constexpr(s_layout)
             self.o_layout = gl.constexpr(o_layout)
+            # (V_SPLIT: the second accumulator's, over columns 128-191.)
+            self.o_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                     instr_shape=[16, 64, k_step]))
             self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if fp8 else 2))
             self.row_layout = gl.constexpr(gl.SliceLayout(1, s_layout))
 
@@ -847,16 +857,41 @@ if AVAILABLE:
         thread_barrier()
 
     @gluon.jit
-    def _issue_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr = True):
+    def _issue_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr = True, V_SPLIT: gl.constexpr = False):
         """Rescale O by the alpha of P's block (RESCALE), then issue O += P V_i (the V ring's i-th use; float8 P:
-        the slot holds V_i transposed, _load_vt)."""
-        if RESCALE:
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-        slot = smem.v_bar.wait_full(i)
-        if p.dtype.primitive_bitwidth == 8:
-            return warpgroup_mma(p, smem.v.index(slot).permute((1, 0)), acc, is_async=True)
+        the slot holds V_i transposed, _load_vt). V_SPLIT: O is d192's pair of accumulators (FwdConfig.V_SPLIT),
+        and the two products, of V's columns 0-127 and 128-191, return a pair of tokens."""
+        if V_SPLIT:
+            if RESCALE:
+                acc = _split_times(acc, alpha)
+            v = smem.v.index(smem.v_bar.wait_full(i))
+            lo, hi = acc
+            return (warpgroup_mma(p, v.slice(0, 128, dim=1), lo, is_async=True),
+                    warpgroup_mma(p, v.slice(128, 64, dim=1), hi, is_async=True))
         else:
-            return warpgroup_mma(p, smem.v.index(slot), acc, is_async=True)
+            if RESCALE:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+            slot = smem.v_bar.wait_full(i)
+            if p.dtype.primitive_bitwidth == 8:
+                return warpgroup_mma(p, smem.v.index(slot).permute((1, 0)), acc, is_async=True)
+            else:
+                return warpgroup_mma(p, smem.v.index(slot), acc, is_async=True)
+
+    @gluon.jit
+    def _split_times(acc, f):
+        """d192's pair of accumulators (FwdConfig.V_SPLIT), each row times f (per row)."""
+        lo, hi = acc
+        return (lo * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, lo.type.layout)), 1),
+                hi * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, hi.type.layout)), 1))
+
+    @gluon.jit
+    def _retire_pv(acc_tok, p, V_SPLIT: gl.constexpr):
+        """Wait for every product issued, P V last (p: its register operand, kept alive until then): (O, p)."""
+        if V_SPLIT:
+            lo, hi, p = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1], p))
+            return (lo, hi), p
+        else:
+            return warpgroup_mma_wait(0, deps=(acc_tok, p))
 
     @gluon.jit
     def _read_bias(cfg, smem, i, s, part: gl.constexpr, RELEASE: gl.constexpr):
@@ -910,16 +945,23 @@ if AVAILABLE:
         row's scores grew past m_i + log2 of it: P would lose range in fp16 or float8, or overflow), it issues S_j
         again (K_j's slot is released only after the check) and takes the usual softmax step, rescaling O there; the
         next P V never rescales."""
-        acc_tok = _issue_pv(smem, p_prev, c + j - 1, acc, alpha_prev, not cfg.LAZY)
-        # wgmma groups retire in issue order: one left outstanding means S_j is done, P_{j-1} V_{j-1} may not be.
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        acc_tok = _issue_pv(smem, p_prev, c + j - 1, acc, alpha_prev, not cfg.LAZY, cfg.V_SPLIT)
+        # wgmma groups retire in issue order: one left outstanding (two: V_SPLIT's two products) means S_j is
+        # done, P_{j-1} V_{j-1} may not be.
+        if cfg.V_SPLIT:
+            s = warpgroup_mma_wait(2, deps=(s_tok, ))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
         if not cfg.LAZY:
             smem.k_bar.release(c + j)
         blk, mask = _block_mask(cfg, rows, j)
         if cfg.LAZY:
             p, l_blk = _lazy_exp(cfg, mods, rows, s, m_i, blk * cfg.BLOCK_N, mask)
             alpha = alpha_prev  # not read: LAZY never rescales at issue
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+            if cfg.V_SPLIT:
+                acc, p_prev = _retire_pv(acc_tok, p_prev, True)
+            else:
+                acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
             # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
             big = _wg_max(l_blk, smem.flag.index(rows.part * 2 + (c + j) % 2))
             if cfg.FP8:
@@ -931,13 +973,19 @@ if AVAILABLE:
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
                 p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask,
                                                        bc)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+                if cfg.V_SPLIT:
+                    acc = _split_times(acc, alpha)
+                else:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
             else:
                 l_i = l_i + l_blk
             smem.k_bar.release(c + j)
         else:
             p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask, bc)
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+            if cfg.V_SPLIT:
+                acc, p_prev = _retire_pv(acc_tok, p_prev, True)
+            else:
+                acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
         smem.v_bar.release(c + j - 1)
         if cfg.DROPOUT:
             p = _drop(p, rows.row, blk * cfg.BLOCK_N, drop)
@@ -973,10 +1021,13 @@ if AVAILABLE:
         return gl.reshape(gl.permute(gl.reshape(p, [rows, n // 8, 4, 2]), [0, 2, 1, 3]), [rows, n])
 
     @gluon.jit
-    def _last_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr):
+    def _last_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr, V_SPLIT: gl.constexpr = False):
         """The work item's last P V (block i), retired at once: the epilogue needs O."""
-        acc_tok = _issue_pv(smem, p, i, acc, alpha, RESCALE)
-        acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+        if V_SPLIT:
+            acc, p = _retire_pv(_issue_pv(smem, p, i, acc, alpha, RESCALE, True), p, True)
+        else:
+            acc_tok = _issue_pv(smem, p, i, acc, alpha, RESCALE)
+            acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
         smem.v_bar.release(i)
         return acc
 
@@ -1001,7 +1052,7 @@ if AVAILABLE:
         mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
         # (LAZY: O was rescaled where a step took the maximum, and is 0 after step 0.)
-        acc = _last_pv(smem, p, c + n_blocks - 1, acc, alpha, not cfg.LAZY)
+        acc = _last_pv(smem, p, c + n_blocks - 1, acc, alpha, not cfg.LAZY, cfg.V_SPLIT)
         return acc, m_i, l_i, bc
 
     @gluon.jit
@@ -1039,14 +1090,16 @@ if AVAILABLE:
         tma_store(o_desc, [i_b, row0, i_h, 0], o_buf.reshape([1, o_buf.shape[0], 1, o_buf.shape[1]]))
 
     @gluon.jit
-    def _store_o(out, o, item, row, o_layout: gl.constexpr, PAD_D: gl.constexpr):
-        """Store a warpgroup's output rows (those below the item's seqlen_q) from registers; PAD_D: of their
-        columns only those below the head dim (TILE_DIM pads d96 and d192 tiles to d128 and d256; out is
-        contiguous, so its head stride is the head dim)."""
+    def _store_o(out, o, item, row, o_layout: gl.constexpr, PAD_D: gl.constexpr, COL0: gl.constexpr = 0):
+        """Store a warpgroup's output rows (those below the item's seqlen_q) from registers, o's columns from
+        column COL0 on; PAD_D: of their columns only those below the head dim (TILE_DIM pads d96 and d192 tiles
+        to d128 and d256; out is contiguous, so its head stride is the head dim)."""
         o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
         o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
                  + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1) + gl.expand_dims(o_cols, 0))
+        if COL0 != 0:
+            o_ptr += COL0
         mask = gl.expand_dims(o_rows < item.seqlen_q, 1)
         if PAD_D:
             mask = mask & gl.expand_dims(o_cols < out.stride_oh, 0)
@@ -1115,7 +1168,11 @@ if AVAILABLE:
         cfg = prog.cfg
         m_i = gl.full([cfg.PART_M], float("-inf"), gl.float32, layout=cfg.row_layout)
         l_i = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
-        acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM_V], gl.float32, layout=cfg.o_layout)
+        if cfg.V_SPLIT:
+            acc = (gl.zeros([cfg.PART_M, 128], gl.float32, layout=cfg.o_layout),
+                   gl.zeros([cfg.PART_M, 64], gl.float32, layout=cfg.o_layout_b))
+        else:
+            acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM_V], gl.float32, layout=cfg.o_layout)
         mods = prog.mods
         v_factor = 1.0
         if cfg.FP8:
@@ -1142,7 +1199,10 @@ if AVAILABLE:
             m_sub = gl.where(m_fin == float("-inf"), 0.0, m_fin)
             alpha = gl.exp2(m_i - m_sub)
             l_i = l_i * alpha + gl.exp2(sink - m_sub)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout)), 1)
+            if cfg.V_SPLIT:
+                acc = _split_times(acc, alpha)
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o_layout)), 1)
             m_i = m_fin
         # A row that saw no key has l = 0: it outputs 0 and its LSE is -inf (as in kernels/forward.py).
         empty = l_i == 0.0
@@ -1153,13 +1213,21 @@ if AVAILABLE:
         if cfg.FP8:
             # v's factor (any sign or 0) times the weighted sum: one multiply per row, with the division.
             acc = acc * gl.expand_dims(gl.convert_layout(v_factor / l_safe, gl.SliceLayout(1, cfg.o_layout)), 1)
+        elif cfg.V_SPLIT:
+            acc = _split_times(acc, 1.0 / l_safe)
         else:
             acc = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, cfg.o_layout)), 1)
         # (Varlen: lse is [H, total_q], stride_lb 0; the sequence's rows start at q_start.)
         lse_base = (out.Lse + item.i_b.to(gl.int64) * out.stride_lb + item.i_h.to(gl.int64) * out.stride_lh
                     + item.q_start)
         gl.store(lse_base + rows.row, lse, mask=rows.row < item.seqlen_q)
-        if cfg.STAGE_O:
+        if cfg.V_SPLIT:
+            # (d192 stores from registers: _smem_plan leaves no room for a staging buffer at 256-column tiles.)
+            gl.static_assert(not cfg.STAGE_O)
+            dtype: gl.constexpr = out.Out.dtype.element_ty
+            _store_o(out, acc[0].to(dtype), item, rows.row, cfg.o_layout, False)
+            _store_o(out, acc[1].to(dtype), item, rows.row, cfg.o_layout_b, False, 128)
+        elif cfg.STAGE_O:
             if cfg.VARLEN:
                 # A descriptor clips rows past Sq, but under VARLEN the rows past a sequence's end belong to the
                 # next one: a part that runs past it is stored from registers.
