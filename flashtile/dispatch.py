@@ -147,7 +147,7 @@ class GluonHopper(_KernelBackend):
                 # A page smaller than a key block is copied into a row slice of the block's shared-memory tile,
                 # which must start where the tile's 128-byte swizzle pattern starts over: every 8 rows.
                 from .kernels import hopper_fwd
-                page, block_n = k.shape[1], hopper_fwd.BLOCK_NS[hopper_fwd.TILE_DIM[q.shape[-1]]]
+                page, block_n = k.shape[1], hopper_fwd.key_block_rows(q.shape[-1], v.shape[-1])
                 if not (page % block_n == 0 or (block_n % page == 0 and page >= 8)):
                     return (f"pages of {page} rows: it reads whole pages or {block_n}-row blocks of one "
                             f"(page sizes that divide {block_n}, 8 or more, or its multiples)")

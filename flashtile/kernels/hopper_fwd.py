@@ -96,6 +96,12 @@ QK_CHUNK = 64
 # d256: 2 stages of 64-row K and V blocks (128 KB) and one query buffer (64 KB); its output is stored from
 # registers (a staging buffer would need 64 KB more).
 STAGES = {64: 3, 128: 2, 256: 2}
+# (q/k head dim, v head dim) -> (BLOCK_N, STAGES, QBUF) of a shape whose Q and K come in 64-column chunks
+# (QK_TILE_DIM), which take 192 columns of shared memory rather than their tile's 256. MLA's 192/128 then has room
+# for d128's 128-key blocks (2 x 48 KB of K, 2 x 32 KB of V, 48 KB of Q): 1.09-1.21x its 64-key blocks on an H100.
+# d192 keeps d256's tiling: two query buffers (208 KB) or three stages (216 KB) ran no faster there
+# (docs/design-record.md, "The forward at head dims 96 and 192").
+CHUNKED_TILES = {(192, 128): (128, 2, 1)}
 # (head_dim, causal) -> (consumer warpgroups NUM_WG, query buffers QBUF, dynamic schedule DYNAMIC). Same H200 run,
 # TFLOP/s at S4k / S16k against the previous kernel (2 warpgroups, 1 buffer, causal one program per tile):
 # plain d64 477 / 492 vs 441 / 446; causal d64 412 / 441 vs 386 / 444 (3 warpgroups there: 388 / 449);
@@ -165,7 +171,6 @@ if AVAILABLE:
         HEAD_DIM_V: gl.constexpr
         QK_W: gl.constexpr
         QK_CHUNKS: gl.constexpr
-        QK_SLOTS: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
         PART_M: gl.constexpr
@@ -204,9 +209,6 @@ if AVAILABLE:
             # at head dim 192, whose 192-column tile Gluon cannot hold (its shapes are powers of two).
             self.QK_W = gl.constexpr(QK_W)
             self.QK_CHUNKS = gl.constexpr(HEAD_DIM // QK_W)
-            # Row blocks of a Q or K buffer (QK_CHUNKS rounded up to a power of two; one of four left unused at
-            # head dim 192, the shared memory of d256's padded tiles).
-            self.QK_SLOTS = gl.constexpr(1 << (HEAD_DIM // QK_W - 1).bit_length())
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
             self.PART_M = gl.constexpr(BLOCK_M // NUM_WG)
@@ -588,7 +590,8 @@ if AVAILABLE:
                 tma_load(producer.q_desc,
                          [item.t_b, item.q_start + item.start_m + part * cfg.PART_M, item.i_h, ch * cfg.QK_W],
                          smem.q_bar.full.index(qb),
-                         _tma_chunk(smem.q.index(qb * cfg.NUM_WG + part), ch, cfg.PART_M, cfg.QK_CHUNKS))
+                         _tma_chunk(_tile_view(smem.q, qb * cfg.NUM_WG + part, cfg.QK_CHUNKS), ch, cfg.PART_M,
+                                    cfg.QK_CHUNKS))
         # K runs one block ahead of V, the order the consumers use them in: step j reads K_j (and its bias
         # tile) and V_{j-1}.
         for j in range(n_blocks + 1):
@@ -621,7 +624,7 @@ if AVAILABLE:
     def _load_block(cfg, buf, ring, desc, i, item, col, i_hk, producer, CHUNKS: gl.constexpr = 1):
         """Load the key block at col (K or V: its buffers, ring and descriptor) of the item's kv head i_hk as the
         ring's i-th use, in CHUNKS column chunks of the buffers' width (K at head dim 192: FwdConfig.QK_CHUNKS),
-        chunk ch in rows ch * BLOCK_N of the slot's buffer (_chunk). Paged (PAGE > 0): the descriptor is over the
+        each into a buffer of its own (_tile_view). Paged (PAGE > 0): the descriptor is over the
         [pages, PAGE, Hk, D] cache, one copy per page the block spans (PAGE < BLOCK_N) or one from within a page; a
         table entry past the row's columns becomes a page past the cache, which the copy fills with zeros (the
         block's rows past the sequence are masked, and a bad entry reads zeros: the safety policy of
@@ -632,7 +635,7 @@ if AVAILABLE:
             mbarrier.expect(ring.full.index(slot), CHUNKS * desc.block_type.nbytes)
             for ch in gl.static_range(CHUNKS):
                 tma_load(desc, [item.t_b, item.k_start + col, i_hk, ch * W], ring.full.index(slot),
-                         _tma_chunk(buf.index(slot), ch, cfg.BLOCK_N, CHUNKS))
+                         _tma_chunk(_tile_view(buf, slot, CHUNKS), ch, cfg.BLOCK_N, CHUNKS))
         else:
             # The table entries are read before the wait for a free slot, so their latency hides behind it.
             row = producer.Table + item.i_b.to(gl.int64) * producer.stride_table
@@ -644,7 +647,7 @@ if AVAILABLE:
                 mbarrier.expect(ring.full.index(slot), CHUNKS * desc.block_type.nbytes)
                 for ch in gl.static_range(CHUNKS):
                     tma_load(desc, [page, col % cfg.PAGE, i_hk, ch * W], ring.full.index(slot),
-                             _tma_chunk(buf.index(slot), ch, cfg.BLOCK_N, CHUNKS))
+                             _tma_chunk(_tile_view(buf, slot, CHUNKS), ch, cfg.BLOCK_N, CHUNKS))
             else:
                 # Every lane holds all the block's entries (at most 16: pages of 8 rows or more), so a page index
                 # is a register: the copies need no cross-lane reduction (one lane per entry took three dependent
@@ -659,30 +662,42 @@ if AVAILABLE:
                     for ch in gl.static_range(CHUNKS):
                         tma_load(desc, [gl.sum(gl.where(offs == p, pages, 0), 0), 0, i_hk, ch * W],
                                  ring.full.index(slot),
-                                 _tma_chunk(buf.index(slot), ch, cfg.BLOCK_N, CHUNKS, p * cfg.PAGE, cfg.PAGE))
+                                 _tma_chunk(_tile_view(buf, slot, CHUNKS), ch, cfg.BLOCK_N, CHUNKS, p * cfg.PAGE,
+                                            cfg.PAGE))
 
     @gluon.jit
-    def _chunk(buf, ch: gl.constexpr, rows: gl.constexpr, CHUNKS: gl.constexpr):
-        """Column chunk ch of a Q or K tile whose CHUNKS chunks are stacked along the rows of buf (rows each): the
-        whole buffer when there is one."""
+    def _tile_view(buf, i, CHUNKS: gl.constexpr):
+        """Tile i of a Q or K buffer ([n * CHUNKS, rows, W]): the [rows, W] buffer i, or with CHUNKS > 1 (three: d192's
+        Q and K, FwdConfig.QK_CHUNKS) the tuple of its column chunks' buffers, entries i * CHUNKS on. (Shared
+        buffers have power-of-two shapes: stacked along the rows of one, three chunks would take four's memory.)"""
         if CHUNKS == 1:
-            return buf
+            return buf.index(i)
         else:
-            return buf.slice(ch * rows, rows)
+            gl.static_assert(CHUNKS == 3)
+            return buf.index(i * 3), buf.index(i * 3 + 1), buf.index(i * 3 + 2)
 
     @gluon.jit
-    def _tma_chunk(buf, ch: gl.constexpr, rows: gl.constexpr, CHUNKS: gl.constexpr, first: gl.constexpr = 0,
+    def _chunk(tile, ch: gl.constexpr, rows: gl.constexpr, CHUNKS: gl.constexpr):
+        """Column chunk ch of a _tile_view: the whole tile when there is one chunk."""
+        if CHUNKS == 1:
+            return tile
+        else:
+            return tile[ch]
+
+    @gluon.jit
+    def _tma_chunk(tile, ch: gl.constexpr, rows: gl.constexpr, CHUNKS: gl.constexpr, first: gl.constexpr = 0,
                    count: gl.constexpr = 0):
-        """_chunk's rows as a TMA copy's [1, rows, 1, W] destination (rows first .. first + count of it, count >
-        0: one page of a paged block). (A sliced buffer cannot be reshaped, so the slice comes last.)"""
-        W: gl.constexpr = buf.shape[1]
+        """_chunk of a _tile_view as a TMA copy's [1, rows, 1, W] destination (rows first .. first + count of it,
+        count > 0: one page of a paged block). (A sliced buffer cannot be reshaped, so the slice comes last.)"""
         if CHUNKS == 1:
-            dst = buf.reshape([1, rows, 1, W])
-            if count > 0:
-                dst = dst.slice(first, count, 1)
-            return dst
+            W: gl.constexpr = tile.shape[1]
+            dst = tile.reshape([1, rows, 1, W])
         else:
-            return buf.reshape([1, buf.shape[0], 1, W]).slice(ch * rows + first, count if count > 0 else rows, 1)
+            W: gl.constexpr = tile[ch].shape[1]
+            dst = tile[ch].reshape([1, rows, 1, W])
+        if count > 0:
+            dst = dst.slice(first, count, 1)
+        return dst
 
     @gluon.jit
     def _load_vt(cfg, buf, ring, desc, i, item, col, i_hk):
@@ -819,7 +834,7 @@ if AVAILABLE:
         else:
             rows: gl.constexpr = s_buf.shape[0]
             keys: gl.constexpr = s_buf.shape[1]
-            k = smem.k.index(slot)
+            k = _tile_view(smem.k, slot, CHUNKS)
             s = warpgroup_mma(_chunk(q, 0, rows, CHUNKS), _chunk(k, 0, keys, CHUNKS).permute((1, 0)), s_buf,
                               use_acc=USE_ACC, is_async=True)
             for ch in gl.static_range(1, CHUNKS):
@@ -1283,7 +1298,7 @@ if AVAILABLE:
             item = _consumer_item(prog, tile, it)
             rows, n_blocks = _item_rows(prog, item, part)
             qb = it % cfg.QBUF
-            q = smem.q.index(qb * cfg.NUM_WG + part)
+            q = _tile_view(smem.q, qb * cfg.NUM_WG + part, cfg.QK_CHUNKS)
             if not cfg.DYNAMIC:
                 smem.q_bar.wait_full(it)
             if rows.row_start >= item.seqlen_q:
@@ -1305,10 +1320,10 @@ if AVAILABLE:
         """Allocate the forward's shared memory (FwdSmem) and initialize its barriers."""
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                     element_bitwidth=cfg.dtype.primitive_bitwidth, rank=2)
-        # (Q's and K's column chunks, QK_CHUNKS > 1, are stacked along the rows of a buffer: _chunk.)
-        q_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG * cfg.QBUF, cfg.QK_SLOTS * cfg.PART_M, cfg.QK_W],
+        # (Q's and K's column chunks, QK_CHUNKS > 1, take a buffer each: _tile_view.)
+        q_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.NUM_WG * cfg.QBUF * cfg.QK_CHUNKS, cfg.PART_M, cfg.QK_W],
                                            layout)
-        k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.QK_SLOTS * cfg.BLOCK_N, cfg.QK_W], layout)
+        k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES * cfg.QK_CHUNKS, cfg.BLOCK_N, cfg.QK_W], layout)
         if cfg.FP8:
             v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.STAGES, cfg.HEAD_DIM_V, cfg.BLOCK_N], layout)
         else:
@@ -1416,17 +1431,22 @@ if AVAILABLE:
                                 (_load_partition, (prog, ))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _smem_plan(head_dim, num_wg, qbuf, bias_bytes):
-    """(QBUF, STAGE_O) for a launch with attn_mask tiles of bias_bytes per element: the configuration's query
-    buffers and output staging buffer if the ring of BIAS_STAGES tiles fits beside them, else one query buffer,
-    else no staging buffer either (d128 with a 16-bit bias: 32 KB of Q, 128 KB of K/V, 64 KB of bias)."""
-    tile = WG_M * head_dim * 2
-    block_n = BLOCK_NS[head_dim]
-    fixed = 2 * STAGES[head_dim] * block_n * head_dim * 2 + BIAS_STAGES * num_wg * WG_M * block_n * bias_bytes
-    for qb, stage_o in ((qbuf, True), (1, True), (1, False)):
-        if fixed + num_wg * tile * (qb + stage_o) <= SMEM_BYTES:
-            return qb, stage_o
-    raise ValueError(f"no shared-memory plan for head_dim={head_dim} with a {bias_bytes}-byte attn_mask")
+def key_block_rows(head_dim, head_dim_v):
+    """Key rows per block of the forward at these head dims (q/k, v): the tile width's (BLOCK_NS), or CHUNKED_TILES'."""
+    tiles = CHUNKED_TILES.get((head_dim, head_dim_v))
+    return BLOCK_NS[TILE_DIM[head_dim]] if tiles is None else tiles[0]
+
+
+def _smem_plan(num_wg, qbuf, bias_bytes, qk_d, v_d, block_n, stages, stage_o=True):
+    """(QBUF, STAGE_O) for a launch with attn_mask tiles of bias_bytes per element, Q and K qk_d columns wide in
+    shared memory and V and the output v_d, STAGES of BLOCK_N keys: the configuration's query buffers and output
+    staging buffer (unless stage_o is False) if the ring of BIAS_STAGES tiles fits beside them, else one query
+    buffer, else no staging buffer either (d128 with a 16-bit bias: 32 KB of Q, 128 KB of K/V, 64 KB of bias)."""
+    fixed = stages * block_n * (qk_d + v_d) * 2 + BIAS_STAGES * num_wg * WG_M * block_n * bias_bytes
+    for qb, staged in ((qbuf, stage_o), (1, stage_o), (1, False)):
+        if fixed + num_wg * WG_M * 2 * (qb * qk_d + staged * v_d) <= SMEM_BYTES:
+            return qb, staged
+    raise ValueError(f"no shared-memory plan for head dims {qk_d}/{v_d} with a {bias_bytes}-byte attn_mask")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1763,7 +1783,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     tile_d, tile_dv = TILE_DIM[head_dim], TILE_DIM[head_dim_v]
     tile_qk = QK_TILE_DIM.get(head_dim, tile_d)
     qk_cols = tile_qk if tile_qk == tile_d else QK_CHUNK
-    block_n = plan.block_n = BLOCK_NS[tile_d]
+    block_n = plan.block_n = key_block_rows(head_dim, head_dim_v)
     # FP8: P's columns and V's transposed copy share an order within each key block (_key_order, _vt_keys).
     assert not plan.fp8 or block_n == _TRANSPOSE_KEYS
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
@@ -1793,15 +1813,21 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # attn_mask: room for its tiles in shared memory, and for a bool mask the lists of key blocks each query tile
     # visits (made per call: Features.block_lists).
     bias_mul_b, bias_mul_h = 0, 0
-    qbuf, stage_o = _smem_plan(tile_d, num_wg, qbuf, 0)
     stages = STAGES[tile_d]
+    chunked = CHUNKED_TILES.get((head_dim, head_dim_v))
+    if chunked is not None:
+        stages, qbuf = chunked[1], max(qbuf, chunked[2])
+    # Shared memory: Q and K at their chunks' width, V and the output at their tile's. d192 stores its output from
+    # registers (FwdConfig.V_SPLIT: its two accumulators).
+    smem_widths = (tile_qk, tile_dv, block_n, stages, head_dim_v != 192)
+    qbuf, stage_o = _smem_plan(num_wg, qbuf, 0, *smem_widths)
     if plan.fp8:
         # Float8 tiles take half the shared memory: two query buffers at every configuration (FP8_RING).
         stages, qbuf = FP8_RING
     count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
         bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, block_n)[1:]
-        qbuf, stage_o = _smem_plan(tile_d, num_wg, qbuf, req.attn_bias.element_size())
+        qbuf, stage_o = _smem_plan(num_wg, qbuf, req.attn_bias.element_size(), *smem_widths)
         if bias_kind == BIAS_BOOL:
             dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
             # Without a band, the blocks the mask leaves entirely visible need no tile (mark_full); with one,
