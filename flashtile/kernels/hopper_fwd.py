@@ -192,6 +192,7 @@ if AVAILABLE:
         PAGE: gl.constexpr
         PAD_D: gl.constexpr
         V_SPLIT: gl.constexpr
+        Q_REGS: gl.constexpr
         FP8: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
@@ -234,6 +235,10 @@ if AVAILABLE:
             # (MLA's 192/128 has V on d128's tiles; 256 is the only padded tile wider than 128.)
             v_split = PAD_D and HEAD_DIM_V == 256
             self.V_SPLIT = gl.constexpr(v_split)
+            # d192 (V_SPLIT) also takes Q K^T with Q as the register operand, loaded once per work item (_tile_blocks):
+            # of 64-key blocks, each product read the 64-row query chunk from shared memory again. 1.00-1.09x on an
+            # H100; d256 (64 more registers) and MLA's 192/128 (128-key blocks) spill 17-88 stores with it.
+            self.Q_REGS = gl.constexpr(v_split)
             # float8 inputs (FP8): wgmma's K step is 32 elements instead of 16, a register operand packs 4 of them
             # per 32 bits instead of 2, and both shared operands are K-major (V comes transposed: _load_vt).
             fp8 = dtype.primitive_bitwidth == 8
@@ -964,7 +969,8 @@ if AVAILABLE:
         # wgmma groups retire in issue order: one left outstanding (two: V_SPLIT's two products) means S_j is
         # done, P_{j-1} V_{j-1} may not be.
         if cfg.V_SPLIT:
-            s = warpgroup_mma_wait(2, deps=(s_tok, ))
+            # (Q_REGS: Q's registers stay alive until the product that reads them is done.)
+            s, q0, q1, q2 = warpgroup_mma_wait(2, deps=(s_tok, q[0], q[1], q[2]))
         else:
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
         if not cfg.LAZY:
@@ -1050,6 +1056,13 @@ if AVAILABLE:
     def _tile_blocks(cfg, smem, mods, rows, drop, q, q_empty, c, bc, n_blocks, acc, m_i, l_i, s_zero):
         """All key blocks of one work item (n_blocks >= 1) for one warpgroup: returns O (unnormalized), m, l and
         the attn_mask tile count bc."""
+        if cfg.Q_REGS:
+            # The query tile's chunks into registers, once for all the item's products; its buffer goes back to
+            # the producer at once (behind a proxy fence: TMA refills what the generic proxy read).
+            dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=cfg.s_layout, k_width=2)
+            q = (q[0].load(dl), q[1].load(dl), q[2].load(dl))
+            fence_async_shared()
+            mbarrier.arrive(q_empty, count=1)
         s_tok, bc = _issue_scores(cfg, smem, q, c, s_zero, bc, rows.part)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         smem.k_bar.release(c)
@@ -1064,7 +1077,8 @@ if AVAILABLE:
             p, alpha, acc, m_i, l_i, bc = _finish_step(cfg, smem, mods, rows, drop, q, s_tok, s_zero, j, c, bc, p,
                                                        alpha, acc, m_i, l_i)
         # Every Q K^T of this tile is done: the producer may load the next query tile.
-        mbarrier.arrive(q_empty, count=1)
+        if not cfg.Q_REGS:
+            mbarrier.arrive(q_empty, count=1)
         # Last step: P_{n-1} V_{n-1}.
         # (LAZY: O was rescaled where a step took the maximum, and is 0 after step 0.)
         acc = _last_pv(smem, p, c + n_blocks - 1, acc, alpha, not cfg.LAZY, cfg.V_SPLIT)
