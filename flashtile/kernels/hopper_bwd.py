@@ -865,8 +865,14 @@ if AVAILABLE:
         q = smem.q.index(slot)
         do = smem.do.index(slot)
         zero = gl.zeros([64, cfg.BLOCK_M], gl.float32, layout=s_layout)
-        st_tok = warpgroup_mma(wg.k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(wg.v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if cfg.D == 96:
+            # d96 on d128's tiles: S^T and dP^T sum over the head dim's 96 columns only (64 + 32), not over TMA's
+            # zeros past them. (dV, dK and dQ have the head dim as their width: their accumulators keep 128.)
+            st_tok = _narrow_product(wg.k, q, zero)
+            dpt_tok = _narrow_product(wg.v, do, zero)
+        else:
+            st_tok = warpgroup_mma(wg.k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(wg.v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         ds_scale = prog.mods.sm_scale
         if cfg.DROPOUT:
             # Drawn while the products run: keys as rows, this tile's queries as columns, in four chunks (fewer
@@ -882,7 +888,8 @@ if AVAILABLE:
             tt = tanh_approx(st * prog.mods.pre_scale)
             score = tt
         else:
-            st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
+            # (wgmma groups retire in order: dP^T's products may stay outstanding, one, or two at d96.)
+            st, dpt_tok = warpgroup_mma_wait(1 + (cfg.D == 96), deps=(st_tok, dpt_tok))
             score = st
         # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask; so is a row that
         # sees no key (the preprocess turned its LSE of -inf into +inf). Both are read as [1, BLOCK_M] rows of the
@@ -957,6 +964,15 @@ if AVAILABLE:
         them; from a view taken per step it derives them from one base."""
         zero = t // (1 << 30)
         return smem.bias.index(zero), smem.bias.index(zero + 1)
+
+    @gluon.jit
+    def _narrow_product(a, rows, zero):
+        """a rows^T (a: [64, 128], rows: [n, 128] tiles in shared memory) over the first 96 columns, as two products
+        (64 and 32 columns) issued asynchronously: d96's S^T and dP^T on d128's tiles (the columns past 96 are
+        TMA's zero fill)."""
+        acc = warpgroup_mma(a.slice(0, 64, dim=1), rows.slice(0, 64, dim=1).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        return warpgroup_mma(a.slice(64, 32, dim=1), rows.slice(64, 32, dim=1).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
     def _head_dim_product(a, rows, zero, D: gl.constexpr):

@@ -84,8 +84,9 @@ PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
 # The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at
 # (the configuration tables' key, and V's and the output's width): d96 and d192 run d128's and d256's kernels over
 # columns zero-filled past the head dim (TMA fills them on loads and clips them on stores; _store_o masks them,
-# PAD_D): d96's P V gains zero output columns, which nothing stores, and its q K^T zero terms (d192's Q and K
-# come in chunks of their own width, QK_TILE_DIM, and its P V covers its own 192 columns, FwdConfig.V_SPLIT).
+# PAD_D): d96's P V gains zero output columns, which nothing stores (its Q K^T sums over its own 96 columns,
+# FwdConfig.NARROW_QK; d192's Q and K come in chunks of their own width, QK_TILE_DIM, and its P V covers its own 192
+# columns, FwdConfig.V_SPLIT).
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # Q's and K's width where it differs from TILE_DIM: d192's 192 columns, read as three 64-column chunks (the
 # descriptors' tile width QK_CHUNK; Gluon's shapes are powers of two) whose products add up (FwdConfig.QK_CHUNKS).
@@ -192,6 +193,9 @@ if AVAILABLE:
         PAGE: gl.constexpr
         PAD_D: gl.constexpr
         V_SPLIT: gl.constexpr
+        V_LO: gl.constexpr
+        V_HI: gl.constexpr
+        NARROW_QK: gl.constexpr
         Q_REGS: gl.constexpr
         FP8: gl.constexpr
         dtype: gl.constexpr
@@ -230,13 +234,19 @@ if AVAILABLE:
             self.DROPOUT = gl.constexpr(DROPOUT)
             self.PAGE = gl.constexpr(PAGE)
             self.PAD_D = gl.constexpr(PAD_D)
-            # d192's V (256-column tiles, PAD_D): P V over its 192 columns only, as two products of 128 and 64
-            # columns into an accumulator each (Gluon's tensors are powers of two; _issue_pv), not one over 256.
-            # (MLA's 192/128 has V on d128's tiles; 256 is the only padded tile wider than 128.)
+            # d192's V (256-column tiles, PAD_D): P V over its 192 columns only, as two products of V_LO + V_HI
+            # (128 + 64) columns into an accumulator each (Gluon's tensors are powers of two; _issue_pv), not one
+            # over 256. (MLA's 192/128 has V on d128's tiles, unpadded.) d96's Q K^T sums over its 96 columns
+            # (64 + 32, NARROW_QK) rather than 128; its P V stays on 128 columns: split like d192's, it stores O from
+            # registers (no staging buffer takes the 32-column part), which cost more at 1k-2k (0.95-0.99x) than the
+            # products saved at 16k (1.03-1.08x, H100).
             v_split = PAD_D and HEAD_DIM_V == 256
             self.V_SPLIT = gl.constexpr(v_split)
-            # d192 (V_SPLIT) also takes Q K^T with Q as the register operand, loaded once per work item (_tile_blocks):
-            # of 64-key blocks, each product read the 64-row query chunk from shared memory again. 1.00-1.09x on an
+            self.V_LO = gl.constexpr(HEAD_DIM_V // 2)
+            self.V_HI = gl.constexpr(HEAD_DIM_V // 4)
+            self.NARROW_QK = gl.constexpr(PAD_D and HEAD_DIM == 128)
+            # d192 also takes Q K^T with Q as the register operand, loaded once per work item (_tile_blocks): of
+            # 64-key blocks, each product read the 64-row query chunk from shared memory again. 1.00-1.09x on an
             # H100; d256 (64 more registers) and MLA's 192/128 (128-key blocks) spill 17-88 stores with it.
             self.Q_REGS = gl.constexpr(v_split)
             # float8 inputs (FP8): wgmma's K step is 32 elements instead of 16, a register operand packs 4 of them
@@ -248,12 +258,13 @@ if AVAILABLE:
             s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_N, k_step])
             o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 128 if v_split else HEAD_DIM_V, k_step])
+                                                 instr_shape=[16, HEAD_DIM_V // 2 if v_split else HEAD_DIM_V,
+                                                              k_step])
             self.s_layout = gl.constexpr(s_layout)
             self.o_layout = gl.constexpr(o_layout)
-            # (V_SPLIT: the second accumulator's, over columns 128-191.)
+            # (V_SPLIT: the second accumulator's, over columns V_LO to V_LO + V_HI.)
             self.o_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                     instr_shape=[16, 64, k_step]))
+                                                                     instr_shape=[16, HEAD_DIM_V // 4, k_step]))
             self.dot_a = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if fp8 else 2))
             self.row_layout = gl.constexpr(gl.SliceLayout(1, s_layout))
 
@@ -829,13 +840,20 @@ if AVAILABLE:
         return gl.max(buf.load(layout), 0)
 
     @gluon.jit
-    def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr, CHUNKS: gl.constexpr = 1):
+    def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr, CHUNKS: gl.constexpr = 1, NARROW: gl.constexpr = False):
         """Issue S = Q K_i^T for the program's block i (the K ring's i-th use) into the registers of s_buf:
         S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read. CHUNKS > 1: the query tile's and each K
-        slot's column chunks are stacked along their buffers' rows (_chunk); their products add up."""
+        slot's column chunks are stacked along their buffers' rows (_chunk); their products add up. NARROW (d96 on
+        128-column tiles, FwdConfig.NARROW_QK): over the first 96 columns, as two products (64 and 32)."""
         slot = smem.k_bar.wait_full(i)
         if CHUNKS == 1:
-            return warpgroup_mma(q, smem.k.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
+            if NARROW:
+                k = smem.k.index(slot)
+                s = warpgroup_mma(q.slice(0, 64, dim=1), k.slice(0, 64, dim=1).permute((1, 0)), s_buf,
+                                  use_acc=USE_ACC, is_async=True)
+                return warpgroup_mma(q.slice(64, 32, dim=1), k.slice(64, 32, dim=1).permute((1, 0)), s, is_async=True)
+            else:
+                return warpgroup_mma(q, smem.k.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
         else:
             rows: gl.constexpr = s_buf.shape[0]
             keys: gl.constexpr = s_buf.shape[1]
@@ -855,12 +873,12 @@ if AVAILABLE:
         widening. Returns (the product's token, bc)."""
         if cfg.BIAS == 1 and not cfg.SOFTCAP:
             b = _read_bias(cfg, smem, bc, s_zero, part, False)
-            tok = _issue_s(smem, q, i, to_float32(b), True, cfg.QK_CHUNKS)
+            tok = _issue_s(smem, q, i, to_float32(b), True, cfg.QK_CHUNKS, cfg.NARROW_QK)
             # The product's issue needed the tile in registers: its read is complete, the slot may be refilled.
             smem.b_bar.release(bc)
             return tok, bc + 1
         else:
-            return _issue_s(smem, q, i, s_zero, False, cfg.QK_CHUNKS), bc
+            return _issue_s(smem, q, i, s_zero, False, cfg.QK_CHUNKS, cfg.NARROW_QK), bc
 
     @gluon.jit
     def _scale_q(q, factor):
@@ -879,15 +897,17 @@ if AVAILABLE:
     @gluon.jit
     def _issue_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr = True, V_SPLIT: gl.constexpr = False):
         """Rescale O by the alpha of P's block (RESCALE), then issue O += P V_i (the V ring's i-th use; float8 P:
-        the slot holds V_i transposed, _load_vt). V_SPLIT: O is d192's pair of accumulators (FwdConfig.V_SPLIT),
-        and the two products, of V's columns 0-127 and 128-191, return a pair of tokens."""
+        the slot holds V_i transposed, _load_vt). V_SPLIT: O is d192's pair of accumulators
+        (FwdConfig.V_SPLIT), and the two products, of V's columns below V_LO and the V_HI after, return a pair of
+        tokens."""
         if V_SPLIT:
             if RESCALE:
                 acc = _split_times(acc, alpha)
             v = smem.v.index(smem.v_bar.wait_full(i))
             lo, hi = acc
-            return (warpgroup_mma(p, v.slice(0, 128, dim=1), lo, is_async=True),
-                    warpgroup_mma(p, v.slice(128, 64, dim=1), hi, is_async=True))
+            V_LO: gl.constexpr = lo.shape[1]
+            return (warpgroup_mma(p, v.slice(0, V_LO, dim=1), lo, is_async=True),
+                    warpgroup_mma(p, v.slice(V_LO, hi.shape[1], dim=1), hi, is_async=True))
         else:
             if RESCALE:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
@@ -899,7 +919,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _split_times(acc, f):
-        """d192's pair of accumulators (FwdConfig.V_SPLIT), each row times f (per row)."""
+        """The pair of accumulators of FwdConfig.V_SPLIT, each row times f (per row)."""
         lo, hi = acc
         return (lo * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, lo.type.layout)), 1),
                 hi * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, hi.type.layout)), 1))
@@ -967,9 +987,9 @@ if AVAILABLE:
         next P V never rescales."""
         acc_tok = _issue_pv(smem, p_prev, c + j - 1, acc, alpha_prev, not cfg.LAZY, cfg.V_SPLIT)
         # wgmma groups retire in issue order: one left outstanding (two: V_SPLIT's two products) means S_j is
-        # done, P_{j-1} V_{j-1} may not be.
-        if cfg.V_SPLIT:
-            # (Q_REGS: Q's registers stay alive until the product that reads them is done.)
+        # done (however many products it took), P_{j-1} V_{j-1} may not be.
+        if cfg.Q_REGS:
+            # (Q's registers stay alive until the product that reads them is done.)
             s, q0, q1, q2 = warpgroup_mma_wait(2, deps=(s_tok, q[0], q[1], q[2]))
         else:
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
@@ -990,7 +1010,7 @@ if AVAILABLE:
             else:
                 limit = LAZY_LIMIT
             if big > limit:
-                s_tok = _issue_s(smem, q, c + j, s_zero, False, cfg.QK_CHUNKS)
+                s_tok = _issue_s(smem, q, c + j, s_zero, False, cfg.QK_CHUNKS, cfg.NARROW_QK)
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
                 p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask,
                                                        bc)
@@ -1198,8 +1218,8 @@ if AVAILABLE:
         m_i = gl.full([cfg.PART_M], float("-inf"), gl.float32, layout=cfg.row_layout)
         l_i = gl.zeros([cfg.PART_M], gl.float32, layout=cfg.row_layout)
         if cfg.V_SPLIT:
-            acc = (gl.zeros([cfg.PART_M, 128], gl.float32, layout=cfg.o_layout),
-                   gl.zeros([cfg.PART_M, 64], gl.float32, layout=cfg.o_layout_b))
+            acc = (gl.zeros([cfg.PART_M, cfg.V_LO], gl.float32, layout=cfg.o_layout),
+                   gl.zeros([cfg.PART_M, cfg.V_HI], gl.float32, layout=cfg.o_layout_b))
         else:
             acc = gl.zeros([cfg.PART_M, cfg.HEAD_DIM_V], gl.float32, layout=cfg.o_layout)
         mods = prog.mods
@@ -1251,11 +1271,11 @@ if AVAILABLE:
                     + item.q_start)
         gl.store(lse_base + rows.row, lse, mask=rows.row < item.seqlen_q)
         if cfg.V_SPLIT:
-            # (d192 stores from registers: _smem_plan leaves no room for a staging buffer at 256-column tiles.)
+            # (d192 stores from registers: the plan gives it no staging buffer, _fwd_plan.)
             gl.static_assert(not cfg.STAGE_O)
             dtype: gl.constexpr = out.Out.dtype.element_ty
             _store_o(out, acc[0].to(dtype), item, rows.row, cfg.o_layout, False)
-            _store_o(out, acc[1].to(dtype), item, rows.row, cfg.o_layout_b, False, 128)
+            _store_o(out, acc[1].to(dtype), item, rows.row, cfg.o_layout_b, False, cfg.V_LO)
         elif cfg.STAGE_O:
             if cfg.VARLEN:
                 # A descriptor clips rows past Sq, but under VARLEN the rows past a sequence's end belong to the
@@ -1832,7 +1852,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     if chunked is not None:
         stages, qbuf = chunked[1], max(qbuf, chunked[2])
     # Shared memory: Q and K at their chunks' width, V and the output at their tile's. d192 stores its output from
-    # registers (FwdConfig.V_SPLIT: its two accumulators).
+    # registers (FwdConfig.V_SPLIT: two accumulators).
     smem_widths = (tile_qk, tile_dv, block_n, stages, head_dim_v != 192)
     qbuf, stage_o = _smem_plan(num_wg, qbuf, 0, *smem_widths)
     if plan.fp8:
