@@ -34,11 +34,35 @@ def _check_dtype(name, t, fp8):
                     f"convert it with .to(torch.bfloat16) (or float16/float32).")
 
 
+# Signatures of q, k, v that passed check_qkv: (layout, fp8, then per tensor its shape, dtype, device and
+# strides; plain tensors only). The checks read nothing else, so a repeated call with a known signature skips them
+# (a loop of small eager calls spends a good part of its host time on its Python). Past MAX_SIGNATURES the cache
+# starts over.
+MAX_SIGNATURES = 1024
+_VALID: dict = {}
+
+
 def check_qkv(q, k, v, layout="bshd", fp8=False):
     """Validate attention inputs. layout "bshd": (batch, seqlen, heads, headdim), flash-attn's;
     "bhsd": (batch, heads, seqlen, headdim), torch SDPA's; "thd": (total_seqlen, heads, headdim), the varlen
     packing (treated as one batch entry here). fp8: the FP8 forward's inputs, float8_e4m3fn. Returns nothing;
     raises TypeError/ValueError."""
+    sig = None
+    # (Not for tensor subclasses, nor while torch.compile traces: symbolic shapes make no key.)
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
+            and not torch.compiler.is_compiling():
+        sig = (layout, fp8, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               q.stride(), k.stride(), v.stride())
+        if sig in _VALID:
+            return
+    _check_qkv(q, k, v, layout, fp8)
+    if sig is not None:
+        if len(_VALID) >= MAX_SIGNATURES:
+            _VALID.clear()
+        _VALID[sig] = True
+
+
+def _check_qkv(q, k, v, layout, fp8):
     names = ("query", "key", "value") if layout == "bhsd" else ("q", "k", "v")
     dims = {"bshd": "(batch, seqlen, heads, headdim)", "bhsd": "(batch, heads, seqlen, headdim)",
             "thd": "(total_seqlen, heads, headdim)"}[layout]

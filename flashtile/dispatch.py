@@ -439,10 +439,21 @@ def _settings_key(q):
 def plan_key(q, tensors, req, extra=None):
     """The plan key of a call with these tensors (None for absent ones) and request, on q's device; extra: what
     else the call's launches depend on (the backward's bias_requires_grad)."""
-    return (len(tensors), q.get_device(), *map(_tensor_key, tensors), req.softmax_scale, req.diagonal_offset,
-            req.window_left, req.window_right, req.softcap, req.dropout_p, req.max_seqlen_q, req.max_seqlen_k,
-            req.deterministic, *(_tensor_key(getattr(req, name)) for name in req._tensor_fields), extra,
-            _settings_key(q))
+    return (len(tensors), q.get_device(), *map(_tensor_key, tensors), _request_key(req), extra, _settings_key(q))
+
+
+def _request_key(req):
+    """The request's part of a plan key: its scalars and its tensors' _tensor_key. A request without tensors keeps
+    it (requests are frozen, and flashtile.interface hands one request to every call with the same options)."""
+    key = req.__dict__.get("_plan_key")
+    if key is not None:
+        return key
+    tensors = tuple(getattr(req, name) for name in req._tensor_fields)
+    key = (req.softmax_scale, req.diagonal_offset, req.window_left, req.window_right, req.softcap, req.dropout_p,
+           req.max_seqlen_q, req.max_seqlen_k, req.deterministic, *map(_tensor_key, tensors))
+    if all(t is None for t in tensors):
+        object.__setattr__(req, "_plan_key", key)  # (a cache beside the fields: not one of them)
+    return key
 
 
 # ---------------------------------------------------------------------------------------------------------------

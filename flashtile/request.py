@@ -61,9 +61,15 @@ class _Fields:
         return cls(**kwargs)
 
     def tensors(self):
-        """(name, tensor) of the tensor fields that are set."""
-        return [(name, getattr(self, name)) for name in self._tensor_fields
-                if isinstance(getattr(self, name), torch.Tensor)]
+        """(name, tensor) of the tensor fields that are set, as a tuple. A request with none remembers it (requests
+        are frozen, and the public functions hand one request to every call with the same options)."""
+        if "_no_tensors" in self.__dict__:
+            return ()
+        found = tuple((name, getattr(self, name)) for name in self._tensor_fields
+                      if isinstance(getattr(self, name), torch.Tensor))
+        if not found:
+            object.__setattr__(self, "_no_tensors", True)  # (a cache beside the fields: not one of them)
+        return found
 
 
 def _finalize(cls):

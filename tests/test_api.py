@@ -240,6 +240,31 @@ def test_last_dim_not_contiguous(api, which, how, gen):
 
 
 @pytest.mark.parametrize("api", APIS)
+def test_checks_after_a_valid_call(api, gen):
+    """check_qkv remembers the signatures of inputs that passed (flashtile._validate._VALID), not their values: after
+    valid calls of a shape, inputs of that shape with another dtype, a strided last dim, a mismatched device or a
+    tensor subclass still get their errors, and only the passing signature is remembered."""
+    from flashtile import _validate
+    qkv = api.make(gen)
+    api.fn(*qkv)
+    api.fn(*qkv)
+    passed = len(_validate._VALID)
+    with pytest.raises(TypeError, match=r"has dtype torch\.float64"):
+        api.fn(*_replace(qkv, 1, qkv[1].double()))
+    strided = _randn(qkv[2].shape + (2,), gen)[..., 0]
+    with pytest.raises(ValueError, match=r"last dimension \(headdim\) must be contiguous"):
+        api.fn(*_replace(qkv, 2, strided))
+    with pytest.raises(ValueError, match=api.fmt("{q}, {k}, {v} must be on one device")):
+        api.fn(*_replace(qkv, 0, qkv[0].to("meta")))
+    assert len(_validate._VALID) == passed
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        api.fn(*_replace(qkv, 0, qkv[0].numpy()))
+    # A subclass of Tensor (nn.Parameter) takes the full checks every time and is not remembered.
+    api.fn(torch.nn.Parameter(qkv[0], requires_grad=False), *qkv[1:])
+    assert len(_validate._VALID) == passed
+
+
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("sizes, bad", [
     pytest.param(dict(b=0), 0, id="B0"),
     pytest.param(dict(sq=0), 0, id="Sq0"),
