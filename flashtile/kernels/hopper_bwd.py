@@ -868,8 +868,8 @@ if AVAILABLE:
         if cfg.D == 96:
             # d96 on d128's tiles: S^T and dP^T sum over the head dim's 96 columns only (64 + 32), not over TMA's
             # zeros past them. (dV, dK and dQ have the head dim as their width: their accumulators keep 128.)
-            st_tok = _narrow_product(wg.k, q, zero)
-            dpt_tok = _narrow_product(wg.v, do, zero)
+            st_tok = _head_dim_product(wg.k, q, zero, cfg.D)
+            dpt_tok = _head_dim_product(wg.v, do, zero, cfg.D_V)
         else:
             st_tok = warpgroup_mma(wg.k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
             dpt_tok = warpgroup_mma(wg.v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -966,21 +966,18 @@ if AVAILABLE:
         return smem.bias.index(zero), smem.bias.index(zero + 1)
 
     @gluon.jit
-    def _narrow_product(a, rows, zero):
-        """a rows^T (a: [64, 128], rows: [n, 128] tiles in shared memory) over the first 96 columns, as two products
-        (64 and 32 columns) issued asynchronously: d96's S^T and dP^T on d128's tiles (the columns past 96 are
-        TMA's zero fill)."""
-        acc = warpgroup_mma(a.slice(0, 64, dim=1), rows.slice(0, 64, dim=1).permute((1, 0)), zero, use_acc=False,
-                            is_async=True)
-        return warpgroup_mma(a.slice(64, 32, dim=1), rows.slice(64, 32, dim=1).permute((1, 0)), acc, is_async=True)
-
-    @gluon.jit
     def _head_dim_product(a, rows, zero, D: gl.constexpr):
         """a rows^T (a: [64, 256], rows: [n, 256] tiles in shared memory) over the head dim's first D columns,
         issued asynchronously: one product at d256, two (128 and 64 columns) at d192, one over 128 columns at d128
-        (MLA's v and dO); the columns past D are TMA's zero fill."""
+        (MLA's v and dO); and on d128's [64, 128] tiles two (64 and 32 columns) at d96 (its S^T and dP^T in
+        _bwd_step). The columns past D are TMA's zero fill."""
         if D > 192:
             acc = warpgroup_mma(a, rows.permute((1, 0)), zero, use_acc=False, is_async=True)
+        elif D == 96:
+            acc = warpgroup_mma(a.slice(0, 64, dim=1), rows.slice(0, 64, dim=1).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            acc = warpgroup_mma(a.slice(64, 32, dim=1), rows.slice(64, 32, dim=1).permute((1, 0)), acc,
+                                is_async=True)
         elif D <= 128:
             acc = warpgroup_mma(a.slice(0, 128, dim=1), rows.slice(0, 128, dim=1).permute((1, 0)), zero,
                                 use_acc=False, is_async=True)

@@ -97,12 +97,12 @@ QK_CHUNK = 64
 # d256: 2 stages of 64-row K and V blocks (128 KB) and one query buffer (64 KB); its output is stored from
 # registers (a staging buffer would need 64 KB more).
 STAGES = {64: 3, 128: 2, 256: 2}
-# (q/k head dim, v head dim) -> (BLOCK_N, STAGES, QBUF) of a shape whose Q and K come in 64-column chunks
+# (q/k head dim, v head dim) -> (BLOCK_N, STAGES) of a shape whose Q and K come in 64-column chunks
 # (QK_TILE_DIM), which take 192 columns of shared memory rather than their tile's 256. MLA's 192/128 then has room
 # for d128's 128-key blocks (2 x 48 KB of K, 2 x 32 KB of V, 48 KB of Q): 1.09-1.21x its 64-key blocks on an H100.
 # d192 keeps d256's tiling: two query buffers (208 KB) or three stages (216 KB) ran no faster there
 # (docs/design-record.md, "The forward at head dims 96 and 192").
-CHUNKED_TILES = {(192, 128): (128, 2, 1)}
+CHUNKED_TILES = {(192, 128): (128, 2)}
 # (head_dim, causal) -> (consumer warpgroups NUM_WG, query buffers QBUF, dynamic schedule DYNAMIC). Same H200 run,
 # TFLOP/s at S4k / S16k against the previous kernel (2 warpgroups, 1 buffer, causal one program per tile):
 # plain d64 477 / 492 vs 441 / 446; causal d64 412 / 441 vs 386 / 444 (3 warpgroups there: 388 / 449);
@@ -842,8 +842,8 @@ if AVAILABLE:
     @gluon.jit
     def _issue_s(smem, q, i, s_buf, USE_ACC: gl.constexpr, CHUNKS: gl.constexpr = 1, NARROW: gl.constexpr = False):
         """Issue S = Q K_i^T for the program's block i (the K ring's i-th use) into the registers of s_buf:
-        S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read. CHUNKS > 1: the query tile's and each K
-        slot's column chunks are stacked along their buffers' rows (_chunk); their products add up. NARROW (d96 on
+        S = s_buf + Q K_i^T with USE_ACC, else s_buf's values are not read. CHUNKS > 1: q and the K slot are
+        _tile_views of column chunks (q's may be in registers: FwdConfig.Q_REGS); their products add up. NARROW (d96 on
         128-column tiles, FwdConfig.NARROW_QK): over the first 96 columns, as two products (64 and 32)."""
         slot = smem.k_bar.wait_full(i)
         if CHUNKS == 1:
@@ -925,13 +925,11 @@ if AVAILABLE:
                 hi * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, hi.type.layout)), 1))
 
     @gluon.jit
-    def _retire_pv(acc_tok, p, V_SPLIT: gl.constexpr):
-        """Wait for every product issued, P V last (p: its register operand, kept alive until then): (O, p)."""
-        if V_SPLIT:
-            lo, hi, p = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1], p))
-            return (lo, hi), p
-        else:
-            return warpgroup_mma_wait(0, deps=(acc_tok, p))
+    def _retire_split_pv(acc_tok, p):
+        """V_SPLIT: wait for every product issued, P V's two last (p: their register operand, kept alive until
+        then): (O's pair of accumulators, p)."""
+        lo, hi, p = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1], p))
+        return (lo, hi), p
 
     @gluon.jit
     def _read_bias(cfg, smem, i, s, part: gl.constexpr, RELEASE: gl.constexpr):
@@ -1000,7 +998,7 @@ if AVAILABLE:
             p, l_blk = _lazy_exp(cfg, mods, rows, s, m_i, blk * cfg.BLOCK_N, mask)
             alpha = alpha_prev  # not read: LAZY never rescales at issue
             if cfg.V_SPLIT:
-                acc, p_prev = _retire_pv(acc_tok, p_prev, True)
+                acc, p_prev = _retire_split_pv(acc_tok, p_prev)
             else:
                 acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
             # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
@@ -1024,7 +1022,7 @@ if AVAILABLE:
         else:
             p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask, bc)
             if cfg.V_SPLIT:
-                acc, p_prev = _retire_pv(acc_tok, p_prev, True)
+                acc, p_prev = _retire_split_pv(acc_tok, p_prev)
             else:
                 acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
         smem.v_bar.release(c + j - 1)
@@ -1065,7 +1063,7 @@ if AVAILABLE:
     def _last_pv(smem, p, i, acc, alpha, RESCALE: gl.constexpr, V_SPLIT: gl.constexpr = False):
         """The work item's last P V (block i), retired at once: the epilogue needs O."""
         if V_SPLIT:
-            acc, p = _retire_pv(_issue_pv(smem, p, i, acc, alpha, RESCALE, True), p, True)
+            acc, p = _retire_split_pv(_issue_pv(smem, p, i, acc, alpha, RESCALE, True), p)
         else:
             acc_tok = _issue_pv(smem, p, i, acc, alpha, RESCALE)
             acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
@@ -1850,18 +1848,19 @@ def _fwd_plan(q, k, v, req, out_dtype):
     stages = STAGES[tile_d]
     chunked = CHUNKED_TILES.get((head_dim, head_dim_v))
     if chunked is not None:
-        stages, qbuf = chunked[1], max(qbuf, chunked[2])
+        stages = chunked[1]
     # Shared memory: Q and K at their chunks' width, V and the output at their tile's. d192 stores its output from
-    # registers (FwdConfig.V_SPLIT: two accumulators).
-    smem_widths = (tile_qk, tile_dv, block_n, stages, head_dim_v != 192)
-    qbuf, stage_o = _smem_plan(num_wg, qbuf, 0, *smem_widths)
+    # registers (FwdConfig.V_SPLIT's rule: V's 256-column tile over fewer columns; two accumulators).
+    v_split = tile_dv == 256 and head_dim_v != tile_dv
+    ring = (tile_qk, tile_dv, block_n, stages, not v_split)
+    qbuf, stage_o = _smem_plan(num_wg, qbuf, 0, *ring)
     if plan.fp8:
         # Float8 tiles take half the shared memory: two query buffers at every configuration (FP8_RING).
         stages, qbuf = FP8_RING
     count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
         bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, block_n)[1:]
-        qbuf, stage_o = _smem_plan(num_wg, qbuf, req.attn_bias.element_size(), *smem_widths)
+        qbuf, stage_o = _smem_plan(num_wg, qbuf, req.attn_bias.element_size(), *ring)
         if bias_kind == BIAS_BOOL:
             dynamic = True  # tiles see as many blocks as the mask lets them: take them from the counter
             # Without a band, the blocks the mask leaves entirely visible need no tile (mark_full); with one,
