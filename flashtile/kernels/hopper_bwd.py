@@ -168,7 +168,8 @@ if AVAILABLE:
         starts its unmasked tiles at a different one), WIDE (tiles of 256 columns: _bwd_step_wide's split of the
         work), the layouts of a warpgroup's [64, BLOCK_M] transposed scores (s_layout; WIDE: [64, BLOCK_M / 2])
         and [64, KV_COLS] dK / dV accumulators (kv_layout; KV_COLS is HEAD_DIM, or its half for WIDE), and the
-        register-operand layout dot_a."""
+        register-operand layout dot_a. KV_SPLIT (d96 on d128's tiles): dK and dV are each a pair of accumulators,
+        [64, 64] (kv_layout) and [64, 32] (kv_layout_b), over the head dim's 96 columns instead of the tile's 128."""
         HEAD_DIM: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
@@ -190,9 +191,11 @@ if AVAILABLE:
         WIDE: gl.constexpr
         ROLES: gl.constexpr
         KV_COLS: gl.constexpr
+        KV_SPLIT: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
         kv_layout: gl.constexpr
+        kv_layout_b: gl.constexpr
         dot_a: gl.constexpr
 
         @gluon.constexpr_function
@@ -219,9 +222,14 @@ if AVAILABLE:
             self.WIDE = gl.constexpr(HEAD_DIM == 256)
             self.ROLES = gl.constexpr(HEAD_DIM == 256 and ROLES)
             self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if HEAD_DIM == 256 else HEAD_DIM)
+            self.KV_SPLIT = gl.constexpr(HEAD_DIM == 128 and D == 96 and D_V == 96)
             self.dtype = gl.constexpr(dtype)
             kv_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, self.KV_COLS.value, 16])
+                                                  instr_shape=[16, 64 if self.KV_SPLIT else self.KV_COLS.value, 16])
+            # (KV_SPLIT: P^T and dS^T are both products' operand in kv_layout's dot_a, as the forward's P for d192's
+            # two V products: a register operand's layout does not depend on the product's width.)
+            self.kv_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                      instr_shape=[16, 32, 16]))
             s_cols = BLOCK_M // 2 if HEAD_DIM == 256 and not ROLES else BLOCK_M
             self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                    instr_shape=[16, s_cols, 16]))
@@ -952,9 +960,21 @@ if AVAILABLE:
         dst = dst.to(cfg.dtype)
         if cfg.DROPOUT:
             pt = gl.where(keep_t, pt, 0.0)  # (dS above took P before dropout)
-        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(cfg.dtype), cfg.dot_a), do, dv, is_async=True)
-        dk_tok = warpgroup_mma(gl.convert_layout(dst, cfg.dot_a), q, dk, is_async=True)
+        dv_tok = _kv_product(gl.convert_layout(pt.to(cfg.dtype), cfg.dot_a), do, dv, cfg.KV_SPLIT)
+        dk_tok = _kv_product(gl.convert_layout(dst, cfg.dot_a), q, dk, cfg.KV_SPLIT)
         return _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok)
+
+    @gluon.jit
+    def _kv_product(a, rows, acc, KV_SPLIT: gl.constexpr):
+        """acc += a rows (a: P^T or dS^T in registers; rows: the step's dO or Q tile), issued asynchronously.
+        KV_SPLIT: acc is the pair of d96's accumulators, and the two products over the rows' columns 0-63 and
+        64-95 (past them TMA's zeros) return a pair of tokens."""
+        if KV_SPLIT:
+            lo, hi = acc
+            return (warpgroup_mma(a, rows.slice(0, 64, dim=1), lo, is_async=True),
+                    warpgroup_mma(a, rows.slice(64, 32, dim=1), hi, is_async=True))
+        else:
+            return warpgroup_mma(a, rows, acc, is_async=True)
 
     @gluon.jit
     def _kv_views(smem, t):
@@ -1158,7 +1178,12 @@ if AVAILABLE:
         else:
             dq_tok = warpgroup_mma(ds_tile.slice(wg.half * 64, 64, dim=1).permute((1, 0)), smem.k, dq_zero,
                                    use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        if cfg.KV_SPLIT:
+            dv0, dv1, dk0, dk1, dq = warpgroup_mma_wait(0, deps=(dv_tok[0], dv_tok[1], dk_tok[0], dk_tok[1], dq_tok))
+            dv = (dv0, dv1)
+            dk = (dk0, dk1)
+        else:
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
         if cfg.DBIAS:
             tma.store_wait(pendings=0)  # the store has read the tile: the producer may refill the slot
         mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
@@ -1223,8 +1248,14 @@ if AVAILABLE:
         count of tiles after them."""
         cfg = prog.cfg
         walk = prog.walk
-        dk = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
-        dv = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
+        if cfg.KV_SPLIT:
+            dk = (gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout),
+                  gl.zeros([64, 32], gl.float32, layout=cfg.kv_layout_b))
+            dv = (gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout),
+                  gl.zeros([64, 32], gl.float32, layout=cfg.kv_layout_b))
+        else:
+            dk = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
+            dv = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
         for g in range(walk.group_size):
             i_h = walk.i_hk * walk.group_size + g
             slope = 0.0
@@ -1259,17 +1290,32 @@ if AVAILABLE:
     def _store_dkdv(prog, wg, dk, dv):
         """Store the warpgroup's 64 rows of dK and dV (those below Sk; DROPOUT: dV's 1 / (1 - p) applied here)."""
         cfg = prog.cfg
+        if cfg.KV_SPLIT:
+            if cfg.DROPOUT:
+                dv = (dv[0] * prog.drop.rescale, dv[1] * prog.drop.rescale)
+            _store_kv_cols(prog, wg, dk[0], dv[0], 0, cfg.kv_layout)
+            _store_kv_cols(prog, wg, dk[1], dv[1], 64, cfg.kv_layout_b)
+        else:
+            if cfg.DROPOUT:
+                dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
+            _store_kv_cols(prog, wg, dk, dv, 0, cfg.kv_layout)
+
+    @gluon.jit
+    def _store_kv_cols(prog, wg, dk, dv, col0: gl.constexpr, layout: gl.constexpr):
+        """_store_dkdv's stores of dK's and dV's columns col0 on (WIDE: of this warpgroup's half of them), rows below
+        Sk and, with PAD_D, columns below the head dims."""
+        cfg = prog.cfg
         ptrs = prog.ptrs
         strides = prog.strides
         i_b = prog.walk.i_b
         i_hk = prog.walk.i_hk
-        rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, cfg.kv_layout))  # in the sequence
-        dcol = gl.expand_dims(gl.arange(0, cfg.KV_COLS, layout=gl.SliceLayout(0, cfg.kv_layout)), 0)
+        rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))  # in the sequence
+        dcol = gl.expand_dims(gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout)), 0) + col0
         if cfg.WIDE:
             dcol += wg.half * cfg.KV_COLS  # (this warpgroup's columns: _bwd_step_wide)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
         keep_v = keep
-        if cfg.PAD_D:
+        if cfg.PAD_D and not cfg.KV_SPLIT:  # (KV_SPLIT's columns end at the head dim)
             keep_v = keep & (dcol < cfg.D_V)
             keep = keep & (dcol < cfg.D)
         k0 = prog.walk.k0.to(gl.int64)
@@ -1277,8 +1323,6 @@ if AVAILABLE:
                 + gl.expand_dims(rows.to(gl.int64) * strides.dk_s, 1) + dcol)
         p_dv = (ptrs.dV + i_b.to(gl.int64) * strides.dv_b + i_hk.to(gl.int64) * strides.dv_h + k0 * strides.dv_s
                 + gl.expand_dims(rows.to(gl.int64) * strides.dv_s, 1) + dcol)
-        if cfg.DROPOUT:
-            dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
         # In the buffers' dtype: q's for the public API; float32 for context parallelism's block gradients, which
         # are summed over the ring (flashtile/distributed/_local.py) and would otherwise be rounded once per block.
         gl.store(p_dk, dk.to(ptrs.dK.dtype.element_ty), mask=keep)
