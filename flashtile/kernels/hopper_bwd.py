@@ -1293,40 +1293,64 @@ if AVAILABLE:
         if cfg.KV_SPLIT:
             if cfg.DROPOUT:
                 dv = (dv[0] * prog.drop.rescale, dv[1] * prog.drop.rescale)
-            _store_kv_cols(prog, wg, dk[0], dv[0], 0, cfg.kv_layout)
-            _store_kv_cols(prog, wg, dk[1], dv[1], 64, cfg.kv_layout_b)
+            _store_kv_cols(prog, wg, dk[0], dv[0], 0)
+            _store_kv_cols(prog, wg, dk[1], dv[1], 64)
         else:
             if cfg.DROPOUT:
                 dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
-            _store_kv_cols(prog, wg, dk, dv, 0, cfg.kv_layout)
+            _store_kv_cols(prog, wg, dk, dv, 0)
+
+    @gluon.constexpr_function
+    def _row_store_layout(cols):
+        """A layout of a 16-bit [64, cols] tile whose rows go to memory in 16-byte pieces, a row's pieces on
+        adjacent lanes (see _rows_for_store)."""
+        lanes = min(32, cols // 8)
+        return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [4, 1], [1, 0])
 
     @gluon.jit
-    def _store_kv_cols(prog, wg, dk, dv, col0: gl.constexpr, layout: gl.constexpr):
+    def _rows_for_store(x, ty, CONVERT: gl.constexpr):
+        """An accumulator tile in the dtype ty of the buffer it goes to; 16-bit ones in _row_store_layout. In the
+        accumulator's own layout a lane holds two adjacent columns of a row, so each 4-byte store of a warp writes
+        to eight rows: the stores of one dK and one dV tile per warpgroup took ~2 us a work item (H100, short
+        sequences). Through shared memory (the conversion's scratch) a warp's store writes whole 16-byte pieces of
+        consecutive columns, a quarter as many stores. CONVERT: the shared memory has room for the scratch (16 KB
+        at d128): not with WIDE's tiles nor an attn_mask's ring (a float mask's calls failed to launch with it);
+        float32 buffers, context parallelism's, keep the accumulator's layout too, as their scratch would not
+        fit."""
+        x = x.to(ty)
+        if CONVERT and ty.primitive_bitwidth == 16:
+            x = gl.convert_layout(x, _row_store_layout(x.shape[1]))
+        return x
+
+    @gluon.jit
+    def _store_kv_cols(prog, wg, dk, dv, col0: gl.constexpr):
         """_store_dkdv's stores of dK's and dV's columns col0 on (WIDE: of this warpgroup's half of them), rows below
         Sk and, with PAD_D, columns below the head dims."""
         cfg = prog.cfg
         ptrs = prog.ptrs
         strides = prog.strides
-        i_b = prog.walk.i_b
-        i_hk = prog.walk.i_hk
+        _store_kv_rows(prog, wg, ptrs.dK, strides.dk_b, strides.dk_s, strides.dk_h, dk, col0, cfg.D)
+        _store_kv_rows(prog, wg, ptrs.dV, strides.dv_b, strides.dv_s, strides.dv_h, dv, col0, cfg.D_V)
+
+    @gluon.jit
+    def _store_kv_rows(prog, wg, ptr, stride_b, stride_s, stride_h, acc, col0: gl.constexpr, D: gl.constexpr):
+        """One of _store_kv_cols's stores: acc (dK's or dV's columns from col0, head dim D) at ptr."""
+        cfg = prog.cfg
+        # In the buffer's dtype: q's for the public API; float32 for context parallelism's block gradients, which
+        # are summed over the ring (flashtile/distributed/_local.py) and would otherwise be rounded once per block.
+        x = _rows_for_store(acc, ptr.dtype.element_ty, not cfg.WIDE and not cfg.BIAS)
+        layout: gl.constexpr = x.type.layout
         rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))  # in the sequence
-        dcol = gl.expand_dims(gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout)), 0) + col0
+        dcol = gl.expand_dims(gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout)), 0) + col0
         if cfg.WIDE:
             dcol += wg.half * cfg.KV_COLS  # (this warpgroup's columns: _bwd_step_wide)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
-        keep_v = keep
         if cfg.PAD_D and not cfg.KV_SPLIT:  # (KV_SPLIT's columns end at the head dim)
-            keep_v = keep & (dcol < cfg.D_V)
-            keep = keep & (dcol < cfg.D)
+            keep = keep & (dcol < D)
         k0 = prog.walk.k0.to(gl.int64)
-        p_dk = (ptrs.dK + i_b.to(gl.int64) * strides.dk_b + i_hk.to(gl.int64) * strides.dk_h + k0 * strides.dk_s
-                + gl.expand_dims(rows.to(gl.int64) * strides.dk_s, 1) + dcol)
-        p_dv = (ptrs.dV + i_b.to(gl.int64) * strides.dv_b + i_hk.to(gl.int64) * strides.dv_h + k0 * strides.dv_s
-                + gl.expand_dims(rows.to(gl.int64) * strides.dv_s, 1) + dcol)
-        # In the buffers' dtype: q's for the public API; float32 for context parallelism's block gradients, which
-        # are summed over the ring (flashtile/distributed/_local.py) and would otherwise be rounded once per block.
-        gl.store(p_dk, dk.to(ptrs.dK.dtype.element_ty), mask=keep)
-        gl.store(p_dv, dv.to(ptrs.dV.dtype.element_ty), mask=keep_v)
+        p = (ptr + prog.walk.i_b.to(gl.int64) * stride_b + prog.walk.i_hk.to(gl.int64) * stride_h + k0 * stride_s
+             + gl.expand_dims(rows.to(gl.int64) * stride_s, 1) + dcol)
+        gl.store(p, x, mask=keep)
 
     @gluon.jit
     def _grouped_order(i_n, i_bh, group, n_blocks, n_bh):
