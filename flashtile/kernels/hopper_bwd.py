@@ -875,7 +875,7 @@ if AVAILABLE:
         zero = gl.zeros([64, cfg.BLOCK_M], gl.float32, layout=s_layout)
         if cfg.D == 96:
             # d96 on d128's tiles: S^T and dP^T sum over the head dim's 96 columns only (64 + 32), not over TMA's
-            # zeros past them. (dV, dK and dQ have the head dim as their width: their accumulators keep 128.)
+            # zeros past them. (dV and dK have the head dim as their width: KV_SPLIT; dQ's shares keep 64 + 64.)
             st_tok = _head_dim_product(wg.k, q, zero, cfg.D)
             dpt_tok = _head_dim_product(wg.v, do, zero, cfg.D_V)
         else:
