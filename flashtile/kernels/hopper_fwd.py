@@ -197,6 +197,7 @@ if AVAILABLE:
         V_HI: gl.constexpr
         NARROW_QK: gl.constexpr
         Q_REGS: gl.constexpr
+        CHUNK_O: gl.constexpr
         FP8: gl.constexpr
         dtype: gl.constexpr
         s_layout: gl.constexpr
@@ -249,6 +250,10 @@ if AVAILABLE:
             # 64-key blocks, each product read the 64-row query chunk from shared memory again. 1.00-1.09x on an
             # H100; d256 (64 more registers) and MLA's 192/128 (128-key blocks) spill 17-88 stores with it.
             self.Q_REGS = gl.constexpr(v_split)
+            # The wide tiles (d192, d256, MLA's) store O from registers (no room for a staging buffer): in
+            # 64-column chunks through a layout conversion (_store_o), whose 8 KB of scratch per warpgroup they
+            # have room for (not with an attn_mask's ring).
+            self.CHUNK_O = gl.constexpr(HEAD_DIM >= 192 and not BIAS)
             # float8 inputs (FP8): wgmma's K step is 32 elements instead of 16, a register operand packs 4 of them
             # per 32 bits instead of 2, and both shared operands are K-major (V comes transposed: _load_vt).
             fp8 = dtype.primitive_bitwidth == 8
@@ -1137,16 +1142,63 @@ if AVAILABLE:
         tma_store(o_desc, [i_b, row0, i_h, 0], o_buf.reshape([1, o_buf.shape[0], 1, o_buf.shape[1]]))
 
     @gluon.jit
-    def _store_o(out, o, item, row, o_layout: gl.constexpr, PAD_D: gl.constexpr, COL0: gl.constexpr = 0):
+    def _store_o(out, o, item, row, o_layout: gl.constexpr, PAD_D: gl.constexpr, COL0: gl.constexpr = 0,
+                 CHUNKS: gl.constexpr = False):
         """Store a warpgroup's output rows (those below the item's seqlen_q) from registers, o's columns from
         column COL0 on; PAD_D: of their columns only those below the head dim (TILE_DIM pads d96 and d192 tiles
-        to d128 and d256; out is contiguous, so its head stride is the head dim)."""
-        o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
+        to d128 and d256; out is contiguous, so its head stride is the head dim). CHUNKS (FwdConfig.CHUNK_O): a
+        16-bit tile goes in 64-column chunks through _row_chunk_layout (_store_o_chunk): in wgmma's layout a lane
+        holds two adjacent columns of a row, so each 4-byte store of a warp writes to eight rows."""
+        if CHUNKS and o.dtype.primitive_bitwidth == 16 and o.shape[1] >= 64:
+            if o.shape[1] == 64:
+                _store_o_chunk(out, o, item, row, PAD_D, COL0)
+            else:
+                # Column c = 64 j + i of the tile to (i, j) and split along j (both halves are in every lane).
+                _store_o_halves(out, o, item, row, PAD_D, COL0)
+        else:
+            o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
+            o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
+            o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
+                     + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1)
+                     + gl.expand_dims(o_cols, 0))
+            if COL0 != 0:
+                o_ptr += COL0
+            mask = gl.expand_dims(o_rows < item.seqlen_q, 1)
+            if PAD_D:
+                mask = mask & gl.expand_dims(o_cols < out.stride_oh, 0)
+            gl.store(o_ptr, o, mask=mask)
+
+    @gluon.jit
+    def _store_o_halves(out, o, item, row, PAD_D: gl.constexpr, COL0: gl.constexpr):
+        """_store_o of a tile of 128 or 256 columns: its two column halves, each in 64-column chunks."""
+        HALF: gl.constexpr = o.shape[1] // 2
+        lo, hi = o.reshape([o.shape[0], 2, HALF]).permute((0, 2, 1)).split()
+        if HALF == 64:
+            _store_o_chunk(out, lo, item, row, PAD_D, COL0)
+            _store_o_chunk(out, hi, item, row, PAD_D, COL0 + 64)
+        else:
+            a, b = lo.reshape([o.shape[0], 2, 64]).permute((0, 2, 1)).split()
+            _store_o_chunk(out, a, item, row, PAD_D, COL0)
+            _store_o_chunk(out, b, item, row, PAD_D, COL0 + 64)
+            c, d = hi.reshape([o.shape[0], 2, 64]).permute((0, 2, 1)).split()
+            _store_o_chunk(out, c, item, row, PAD_D, COL0 + HALF)
+            _store_o_chunk(out, d, item, row, PAD_D, COL0 + HALF + 64)
+
+    @gluon.constexpr_function
+    def _row_chunk_layout(rows):
+        """A [rows, 64] 16-bit tile with a row's eight 16-byte pieces on adjacent lanes (_store_o_chunk)."""
+        return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _store_o_chunk(out, o, item, row, PAD_D: gl.constexpr, COL0: gl.constexpr):
+        """_store_o of 64 columns from COL0, through shared memory (the conversion's 8 KB of scratch) into a layout
+        whose warp stores write whole 16-byte pieces of consecutive columns."""
+        layout: gl.constexpr = _row_chunk_layout(o.shape[0])
+        o = gl.convert_layout(o, layout)
+        o_rows = gl.convert_layout(row, gl.SliceLayout(1, layout))
+        o_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout)) + COL0
         o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
                  + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1) + gl.expand_dims(o_cols, 0))
-        if COL0 != 0:
-            o_ptr += COL0
         mask = gl.expand_dims(o_rows < item.seqlen_q, 1)
         if PAD_D:
             mask = mask & gl.expand_dims(o_cols < out.stride_oh, 0)
@@ -1272,8 +1324,8 @@ if AVAILABLE:
             # (d192 stores from registers: the plan gives it no staging buffer, _fwd_plan.)
             gl.static_assert(not cfg.STAGE_O)
             dtype: gl.constexpr = out.Out.dtype.element_ty
-            _store_o(out, acc[0].to(dtype), item, rows.row, cfg.o_layout, False)
-            _store_o(out, acc[1].to(dtype), item, rows.row, cfg.o_layout_b, False, cfg.V_LO)
+            _store_o(out, acc[0].to(dtype), item, rows.row, cfg.o_layout, False, 0, cfg.CHUNK_O)
+            _store_o(out, acc[1].to(dtype), item, rows.row, cfg.o_layout_b, False, cfg.V_LO, cfg.CHUNK_O)
         elif cfg.STAGE_O:
             if cfg.VARLEN:
                 # A descriptor clips rows past Sq, but under VARLEN the rows past a sequence's end belong to the
@@ -1282,13 +1334,14 @@ if AVAILABLE:
                     _stage_o(acc.to(cfg.dtype), prog.smem.o.index(rows.part), out.o_desc, item.t_b,
                              item.q_start + rows.row_start, item.i_h)
                 else:
-                    _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout, cfg.PAD_D)
+                    _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout, cfg.PAD_D, 0,
+                             cfg.CHUNK_O)
             else:
                 _stage_o(acc.to(cfg.dtype), prog.smem.o.index(rows.part), out.o_desc, item.t_b,
                          item.q_start + rows.row_start, item.i_h)
         else:
             # No staging buffer (its shared memory holds attn_mask tiles, or out is float32: distributed/_local.py).
-            _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout, cfg.PAD_D)
+            _store_o(out, acc.to(out.Out.dtype.element_ty), item, rows.row, cfg.o_layout, cfg.PAD_D, 0, cfg.CHUNK_O)
         return bc
 
     @gluon.jit
