@@ -1526,10 +1526,13 @@ def _smem_plan(num_wg, qbuf, bias_bytes, qk_d, v_d, block_n, stages, stage_o=Tru
     """(QBUF, STAGE_O) for a launch with attn_mask tiles of bias_bytes per element, Q and K qk_d columns wide in
     shared memory and V and the output v_d, STAGES of BLOCK_N keys: the configuration's query buffers and output
     staging buffer (unless stage_o is False) if the ring of BIAS_STAGES tiles fits beside them, else one query
-    buffer, else no staging buffer either (d128 with a 16-bit bias: 32 KB of Q, 128 KB of K/V, 64 KB of bias)."""
+    buffer, else no staging buffer either (d128 with a 16-bit bias: 32 KB of Q, 128 KB of K/V, 64 KB of bias).
+    Without one, tiles of 192 columns or more store O in chunks through 8 KB of scratch per warpgroup
+    (FwdConfig.CHUNK_O)."""
     fixed = stages * block_n * (qk_d + v_d) * 2 + BIAS_STAGES * num_wg * WG_M * block_n * bias_bytes
     for qb, staged in ((qbuf, stage_o), (1, stage_o), (1, False)):
-        if fixed + num_wg * WG_M * 2 * (qb * qk_d + staged * v_d) <= SMEM_BYTES:
+        chunks = 0 if staged or bias_bytes or qk_d < 192 else num_wg * WG_M * 64 * 2
+        if fixed + num_wg * WG_M * 2 * (qb * qk_d + staged * v_d) + chunks <= SMEM_BYTES:
             return qb, staged
     raise ValueError(f"no shared-memory plan for head dims {qk_d}/{v_d} with a {bias_bytes}-byte attn_mask")
 
