@@ -107,6 +107,16 @@ if AVAILABLE:
     # A barrier of the calling warps (a partition's, in warp_specialize): 3.6's gl.thread_barrier, gl.barrier later.
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
+    @gluon.constexpr_function
+    def row_pieces_layout(cols):
+        """The layout in which a 4-warp partition stores a 16-bit [rows, cols] tile (cols >= 8) from registers: a
+        lane holds 8 consecutive columns of a row, a row's 16-byte pieces sit on adjacent lanes, so each warp store
+        writes whole pieces of consecutive columns. (In wgmma's accumulator layout a lane holds two adjacent columns
+        of a row, and each 4-byte store of a warp writes to eight rows.) hopper_fwd._store_o_chunk and
+        hopper_bwd._rows_for_store convert to it through shared memory."""
+        lanes = min(32, cols // 8)
+        return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [4, 1], [1, 0])
+
     @gluon.jit
     def tanh_approx(x):
         """tanh.approx.f32: one special-function op (relative error ~2^-11, below the 16-bit inputs' own rounding),

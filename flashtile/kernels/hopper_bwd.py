@@ -56,8 +56,8 @@ from .features import BIAS_FLOAT, Features
 
 if AVAILABLE:
     from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
-                         mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_reduce_add, tma_store,
-                         to_float32, warpgroup_mma, warpgroup_mma_wait)
+                         mbarrier, row_pieces_layout, tanh_approx, thread_barrier, tma, tma_load, tma_reduce_add,
+                         tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
     from .hopper_fwd import _write_tile  # (the forward's hand-over of one int32 to shared memory)
 
 # Key rows per program, by tile width: two consumer warpgroups of 64 keys each up to 128; at 256 (WIDE) both
@@ -1300,26 +1300,18 @@ if AVAILABLE:
                 dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
             _store_kv_cols(prog, wg, dk, dv, 0)
 
-    @gluon.constexpr_function
-    def _row_store_layout(cols):
-        """A layout of a 16-bit [64, cols] tile whose rows go to memory in 16-byte pieces, a row's pieces on
-        adjacent lanes (see _rows_for_store)."""
-        lanes = min(32, cols // 8)
-        return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [4, 1], [1, 0])
-
     @gluon.jit
     def _rows_for_store(x, ty, CONVERT: gl.constexpr):
-        """An accumulator tile in the dtype ty of the buffer it goes to; 16-bit ones in _row_store_layout. In the
-        accumulator's own layout a lane holds two adjacent columns of a row, so each 4-byte store of a warp writes
-        to eight rows: the stores of one dK and one dV tile per warpgroup took ~2 us a work item (H100, short
-        sequences). Through shared memory (the conversion's scratch) a warp's store writes whole 16-byte pieces of
-        consecutive columns, a quarter as many stores. CONVERT: the shared memory has room for the scratch (16 KB
-        at d128): not with WIDE's tiles nor an attn_mask's ring (a float mask's calls failed to launch with it);
-        float32 buffers, context parallelism's, keep the accumulator's layout too, as their scratch would not
-        fit."""
+        """An accumulator tile in the dtype ty of the buffer it goes to; 16-bit ones in _gluon.row_pieces_layout
+        (through shared memory, the conversion's scratch): from the accumulator's layout, each 4-byte store of a
+        warp wrote to eight rows, and a work item's dK and dV stores took ~4 us (H100, d128; docs/design-record.md,
+        "A work item's edge in the backward"); now a quarter as many stores, of whole 16-byte pieces. CONVERT: the
+        shared memory has room for the scratch (16 KB at d128): not with WIDE's tiles nor an attn_mask's ring (a
+        float mask's calls failed to launch with it); float32 buffers, context parallelism's, keep the
+        accumulator's layout too, as their scratch would not fit."""
         x = x.to(ty)
         if CONVERT and ty.primitive_bitwidth == 16:
-            x = gl.convert_layout(x, _row_store_layout(x.shape[1]))
+            x = gl.convert_layout(x, row_pieces_layout(x.shape[1]))
         return x
 
     @gluon.jit

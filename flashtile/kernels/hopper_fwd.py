@@ -70,8 +70,8 @@ from .features import BIAS_BOOL, BIAS_FLOAT, Features
 
 if AVAILABLE:
     from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
-                         mbarrier, tanh_approx, thread_barrier, tma, tma_load, tma_store, to_float32,
-                         warpgroup_mma, warpgroup_mma_wait)
+                         mbarrier, row_pieces_layout, tanh_approx, thread_barrier, tma, tma_load, tma_store,
+                         to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per consumer warpgroup (a work item has NUM_WG of them).
 WG_M = 64
@@ -1147,8 +1147,7 @@ if AVAILABLE:
         """Store a warpgroup's output rows (those below the item's seqlen_q) from registers, o's columns from
         column COL0 on; PAD_D: of their columns only those below the head dim (TILE_DIM pads d96 and d192 tiles
         to d128 and d256; out is contiguous, so its head stride is the head dim). CHUNKS (FwdConfig.CHUNK_O): a
-        16-bit tile goes in 64-column chunks through _row_chunk_layout (_store_o_chunk): in wgmma's layout a lane
-        holds two adjacent columns of a row, so each 4-byte store of a warp writes to eight rows."""
+        16-bit tile goes in 64-column chunks through _gluon.row_pieces_layout (_store_o_chunk)."""
         if CHUNKS and o.dtype.primitive_bitwidth == 16 and o.shape[1] >= 64:
             if o.shape[1] == 64:
                 _store_o_chunk(out, o, item, row, PAD_D, COL0)
@@ -1184,16 +1183,11 @@ if AVAILABLE:
             _store_o_chunk(out, c, item, row, PAD_D, COL0 + HALF)
             _store_o_chunk(out, d, item, row, PAD_D, COL0 + HALF + 64)
 
-    @gluon.constexpr_function
-    def _row_chunk_layout(rows):
-        """A [rows, 64] 16-bit tile with a row's eight 16-byte pieces on adjacent lanes (_store_o_chunk)."""
-        return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
     @gluon.jit
     def _store_o_chunk(out, o, item, row, PAD_D: gl.constexpr, COL0: gl.constexpr):
         """_store_o of 64 columns from COL0, through shared memory (the conversion's 8 KB of scratch) into a layout
         whose warp stores write whole 16-byte pieces of consecutive columns."""
-        layout: gl.constexpr = _row_chunk_layout(o.shape[0])
+        layout: gl.constexpr = row_pieces_layout(64)
         o = gl.convert_layout(o, layout)
         o_rows = gl.convert_layout(row, gl.SliceLayout(1, layout))
         o_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout)) + COL0
