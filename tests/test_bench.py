@@ -307,6 +307,41 @@ def test_run_suite_nan_output_is_wrong_not_ok():
         ("flashtile", "wrong", "non-finite values in the output"), ("holey", "wrong", "non-finite values in the output")]
 
 
+def test_headdim_v_shapes_flops_and_suite():
+    # --headdim-v: v's head dim apart from q's and k's (MLA's prefill), in every shape of the suite
+    args = bench.build_parser().parse_args(["--headdim", "192", "--headdim-v", "128", "--hidden", "3072"])
+    shapes = bench.select_shapes((1024,), args.headdim, "0", hidden=args.hidden, headdim_v=args.headdim_v)
+    assert shapes == [Shape(16, 1024, 1024, 16, 16, 192, False, headdim_v=128)]
+    assert shapes[0].label == "B16 H16 S1k D192/128" and shapes[0].dv == 128
+    assert bench.select_shapes((1024,), (128,), "0", headdim_v=128) == bench.select_shapes((1024,), (128,), "0")
+    assert bench.build_parser().parse_args([]).headdim_v is None
+    with pytest.raises(ValueError, match="--headdim-v must be a positive head dim, got 0"):
+        bench.select_shapes(headdims=(64,), headdim_v=0)
+    # FLOPs: 2 B H Sq Sk (D + Dv), the same as 4 B H Sq Sk D when Dv = D
+    assert bench.flops(1, 2, 8, 8, 192, False, "fwd", 128) == 2 * 2 * 64 * (192 + 128)
+    assert bench.flops(1, 2, 8, 8, 64, True, "bwd", 64) == bench.flops(1, 2, 8, 8, 64, True, "bwd")
+    # the suite makes v, the reference and the output check at v's width; the rows keep it
+    shape = Shape(1, 48, 48, 2, 2, 32, True, headdim_v=16)
+    widths = []
+
+    def recording(q, k, v, causal, scale):
+        widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return _good(q, k, v, causal, scale)
+    reg = {"flashtile": _bshd_provider("flashtile", recording), "wrongpeer": _bshd_provider("wrongpeer", _wrong)}
+    suite = bench.run_suite([shape], ("fwd", "bwd"), device="cpu", timer=_FakeTimer(), registry=reg)
+    assert widths and set(widths) == {(32, 32, 16)}
+    by = {(r.provider, r.mode): r for r in suite["results"]}
+    assert by[("flashtile", "fwd")].status == "ok" and by[("flashtile", "fwd")].headdim_v == 16
+    n = bench.flops(1, 2, 48, 48, 32, True, "bwd", 16)
+    assert by[("flashtile", "bwd")].tflops == pytest.approx(n / 2e-3 / 1e12)
+    assert by[("wrongpeer", "fwd")].status == "wrong"
+    assert "B1 H2 S48 D32/16 causal" in bench.format_table(suite["results"])
+    # peers that need one head dim say so (skipped, not an error)
+    q, v = torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 16)
+    with pytest.raises(Unsupported, match="one head dim"):
+        _sdpa_prepare("FLASH_ATTENTION")(q, q, v, False, 1.0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # table
 
@@ -418,6 +453,8 @@ def test_plot_writes_png_next_to_json(tmp_path):
     png = plot.plot_file(path)
     assert png == tmp_path / "2026-11-21-h200.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot._dims({"headdim": 192, "headdim_v": 128}) == "192/128"
+    assert plot._dims({"headdim": 128, "headdim_v": None}) == plot._dims({"headdim": 128}) == "128"
 
 
 def test_main_without_gpu_exits_cleanly(capsys):

@@ -23,6 +23,12 @@ def _short(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _dims(row: dict) -> str:
+    """A row's head dims for its panel: "128", or "192/128" when v's (headdim_v) differs."""
+    dv = row.get("headdim_v")
+    return str(row["headdim"]) if dv in (None, row["headdim"]) else f"{row['headdim']}/{dv}"
+
+
 def plot_results(data: dict, png_path) -> Path:
     """Draw data (the JSON's content) to png_path. Needs matplotlib (raises ModuleNotFoundError without it)."""
     import matplotlib
@@ -31,16 +37,16 @@ def plot_results(data: dict, png_path) -> Path:
 
     rows = [r for r in data["results"] if r.get("mode") in _MODE_ORDER]
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    panels = sorted({(r["mode"], r["headdim"], bool(r["causal"])) for r in rows},
-                    key=lambda p: (_MODE_ORDER[p[0]], p[2], p[1]))
+    panels = sorted({(r["mode"], _dims(r), bool(r["causal"])) for r in rows},
+                    key=lambda p: (_MODE_ORDER[p[0]], p[2], tuple(int(d) for d in p[1].split("/"))))
     if not panels:
         raise ValueError("no fwd/bwd results to plot")
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False)
     width = 0.8 / max(1, len(providers))
-    for ax, (mode, headdim, causal) in zip(axes.flat, panels):
-        sel = [r for r in rows if (r["mode"], r["headdim"], bool(r["causal"])) == (mode, headdim, causal)]
+    for ax, (mode, dims, causal) in zip(axes.flat, panels):
+        sel = [r for r in rows if (r["mode"], _dims(r), bool(r["causal"])) == (mode, dims, causal)]
         seqlens = sorted({r["seqlen_q"] for r in sel})
         for j, provider in enumerate(providers):
             for x, seqlen in enumerate(seqlens):
@@ -60,7 +66,7 @@ def plot_results(data: dict, png_path) -> Path:
         ax.set_xticks(range(len(seqlens)), [_short(s) for s in seqlens])
         ax.set_xlabel("seqlen (batch = 16k / seqlen)")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{mode} d{headdim}{' causal' if causal else ''}")
+        ax.set_title(f"{mode} d{dims}{' causal' if causal else ''}")
         ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)

@@ -37,6 +37,12 @@ class Shape:
     heads_k: int
     headdim: int
     causal: bool
+    # v's (and the output's) head dim when it differs from q's and k's (MLA's 192/128, say); None: headdim.
+    headdim_v: int | None = field(default=None, kw_only=True)
+
+    @property
+    def dv(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
 
     @property
     def label(self) -> str:
@@ -44,7 +50,8 @@ class Shape:
         if self.seqlen_k != self.seqlen_q:
             seq += f"x{_short(self.seqlen_k)}"
         heads = f"H{self.heads}" if self.heads == self.heads_k else f"H{self.heads}/{self.heads_k}"
-        return f"B{self.batch} {heads} S{seq} D{self.headdim}{' causal' if self.causal else ''}"
+        dims = f"{self.headdim}" if self.dv == self.headdim else f"{self.headdim}/{self.dv}"
+        return f"B{self.batch} {heads} S{seq} D{dims}{' causal' if self.causal else ''}"
 
 
 def _short(n: int) -> str:
@@ -52,8 +59,10 @@ def _short(n: int) -> str:
 
 
 def standard_shapes(seqlens=STANDARD_SEQLENS, headdims=STANDARD_HEADDIMS, causals=(False, True),
-                    total_tokens: int = TOTAL_TOKENS, hidden: int = HIDDEN) -> list[Shape]:
-    """batch = total_tokens / seqlen (at least 1), heads = hidden / headdim; ordered seqlen, headdim, causal."""
+                    total_tokens: int = TOTAL_TOKENS, hidden: int = HIDDEN,
+                    headdim_v: int | None = None) -> list[Shape]:
+    """batch = total_tokens / seqlen (at least 1), heads = hidden / headdim; ordered seqlen, headdim, causal.
+    headdim_v: v's head dim in every shape (None: each shape's headdim)."""
     shapes = []
     for seqlen in seqlens:
         for headdim in headdims:
@@ -63,7 +72,8 @@ def standard_shapes(seqlens=STANDARD_SEQLENS, headdims=STANDARD_HEADDIMS, causal
                                  f"size it divides (--hidden 1536 for headdim 96).")
             heads = hidden // headdim
             for causal in causals:
-                shapes.append(Shape(max(1, total_tokens // seqlen), seqlen, seqlen, heads, heads, headdim, causal))
+                shapes.append(Shape(max(1, total_tokens // seqlen), seqlen, seqlen, heads, heads, headdim, causal,
+                                    headdim_v=None if headdim_v == headdim else headdim_v))
     return shapes
 
 
@@ -193,6 +203,8 @@ def _sdpa_prepare(backend_name: str) -> Callable[..., Prepared]:
         if causal and sq != sk:
             raise Unsupported("SDPA's is_causal aligns the mask top-left when seqlen_q != seqlen_k "
                               "(flashtile aligns bottom-right)")
+        if backend_name == "FLASH_ATTENTION" and v.shape[-1] != q.shape[-1]:
+            raise Unsupported("SDPA's flash backend needs one head dim for q, k and v")
         gqa = q.shape[2] != k.shape[2]
         q, k, v = _bhsd_leaf(q), _bhsd_leaf(k), _bhsd_leaf(v)
         kwargs = {"enable_gqa": True} if gqa else {}
@@ -276,6 +288,8 @@ def _fa2_available() -> str | None:
 def _fa2_prepare(q, k, v, causal, scale) -> Prepared:
     from flash_attn import flash_attn_func
 
+    if v.shape[-1] != q.shape[-1]:
+        raise Unsupported("flash-attn 2 needs one head dim for q, k and v")
     q, k, v = _leaf(q), _leaf(k), _leaf(v)
     return Prepared(lambda: flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal), (q, k, v))
 

@@ -71,15 +71,17 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
     return prefix(hi) - prefix(lo - 1)
 
 
-def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool, mode: str) -> float:
+def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool, mode: str,
+          headdim_v: int | None = None) -> float:
     """FLOPs counted for a TFLOP/s figure: fwd = 4·B·H·Sq·Sk·D (two matmuls, 2 FLOPs per multiply-add), halved for
     causal with Sq == Sk (the FlashAttention papers' convention); causal with Sq != Sk counts the exact visible
-    (i, j) pairs instead of Sq·Sk. bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd."""
+    (i, j) pairs instead of Sq·Sk. With v's head dim Dv apart from q's and k's D (headdim_v): 2·B·H·Sq·Sk·(D +
+    Dv). bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd."""
     if causal and seqlen_q == seqlen_k:
         pairs = seqlen_q * seqlen_k / 2
     else:
         pairs = visible_pairs(seqlen_q, seqlen_k, causal)
-    fwd = 4.0 * batch * heads * pairs * headdim
+    fwd = 2.0 * batch * heads * pairs * (headdim + (headdim if headdim_v is None else headdim_v))
     factors = {"fwd": 1.0, "bwd": BWD_FACTOR, "fwd+bwd": FWD_BWD_FACTOR}
     if mode not in factors:
         raise ValueError(f"mode {mode!r} is not one of {sorted(factors)}")
@@ -104,15 +106,19 @@ def parse_list(text: str) -> tuple[int, ...]:
 
 
 def select_shapes(seqlens: Sequence[int] | None = None, headdims: Sequence[int] | None = None,
-                  causal: str = "both", quick: bool = False, hidden: int = HIDDEN) -> list[Shape]:
+                  causal: str = "both", quick: bool = False, hidden: int = HIDDEN,
+                  headdim_v: int | None = None) -> list[Shape]:
     """The standard suite, filtered. Explicit seqlens/headdims win over --quick's; hidden: heads x headdim (a head
-    dim that does not divide 2048, such as 96, needs another: --hidden 1536 gives 16 heads)."""
+    dim that does not divide 2048, such as 96, needs another: --hidden 1536 gives 16 heads); headdim_v: v's head
+    dim in every shape (MLA's prefill: --headdim 192 --headdim-v 128)."""
+    if headdim_v is not None and headdim_v < 1:
+        raise ValueError(f"--headdim-v must be a positive head dim, got {headdim_v}")
     if seqlens is None:
         seqlens = QUICK_SEQLENS if quick else STANDARD_SEQLENS
     if headdims is None:
         headdims = QUICK_HEADDIMS if quick else STANDARD_HEADDIMS
     causals = {"0": (False,), "1": (True,), "both": (False, True)}[str(causal)]
-    return standard_shapes(seqlens, headdims, causals, hidden=hidden)
+    return standard_shapes(seqlens, headdims, causals, hidden=hidden, headdim_v=headdim_v)
 
 
 def select_modes(mode: str) -> tuple[str, ...]:
@@ -249,8 +255,9 @@ def _error_text(exc: BaseException) -> str:
 def make_inputs(shape: Shape, dtype, device, seed: int = 0):
     gen = torch.Generator(device=device).manual_seed(seed)
     q_shape = (shape.batch, shape.seqlen_q, shape.heads, shape.headdim)
-    kv_shape = (shape.batch, shape.seqlen_k, shape.heads_k, shape.headdim)
-    return tuple(torch.randn(s, dtype=dtype, device=device, generator=gen) for s in (q_shape, kv_shape, kv_shape))
+    k_shape = (shape.batch, shape.seqlen_k, shape.heads_k, shape.headdim)
+    v_shape = (shape.batch, shape.seqlen_k, shape.heads_k, shape.dv)
+    return tuple(torch.randn(s, dtype=dtype, device=device, generator=gen) for s in (q_shape, k_shape, v_shape))
 
 
 def _run_provider(provider: Provider, shape: Shape, q, k, v, ref, rows, modes, measure, memory: bool,
@@ -273,7 +280,7 @@ def _run_provider(provider: Provider, shape: Shape, q, k, v, ref, rows, modes, m
         with prepared.context():
             try:
                 out = prepared.fwd()
-                diff = max_abs_diff(prepared.to_bshd(out), ref, rows, q.shape)
+                diff = max_abs_diff(prepared.to_bshd(out), ref, rows, (*q.shape[:-1], v.shape[-1]))
                 del out
             except Exception as exc:
                 return [row(m, "error", detail=f"forward: {_error_text(exc)}") for m in modes]
@@ -291,7 +298,7 @@ def _run_provider(provider: Provider, shape: Shape, q, k, v, ref, rows, modes, m
                     results.append(row(mode, status, peak_mib=value, max_abs_diff=diff, detail=detail))
                 else:
                     n = flops(shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, shape.headdim, shape.causal,
-                              mode)
+                              mode, shape.dv)
                     results.append(row(mode, status, ms=value, flops=n, tflops=n / (value * 1e-3) / 1e12,
                                        max_abs_diff=diff, detail=detail))
     except Exception as exc:  # entering/leaving the provider's context failed
@@ -373,7 +380,7 @@ def run_suite(shapes: Iterable[Shape], modes: Sequence[str] = MODES, providers: 
         for name in runnable:
             for j, row0 in enumerate(per_round[name][0]):
                 n = None if memory else flops(shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
-                                              shape.headdim, shape.causal, row0.mode)
+                                              shape.headdim, shape.causal, row0.mode, shape.dv)
                 results.append(_merge_rounds([rows_out[j] for rows_out in per_round[name]], n)
                                if len(per_round[name]) > 1 else row0)
         del q, k, v, ref
@@ -411,7 +418,7 @@ def format_table(results: Sequence, skipped: dict[str, str] | None = None, basel
     providers = list(dict.fromkeys(r.provider for r in results))
     table: dict[tuple, dict[str, Result]] = {}
     for r in results:
-        key = (_MODE_ORDER.get(r.mode, 99), r.headdim, r.causal, r.seqlen_q, r.seqlen_k, r.batch, r.heads,
+        key = (_MODE_ORDER.get(r.mode, 99), r.headdim, r.dv, r.causal, r.seqlen_q, r.seqlen_k, r.batch, r.heads,
                r.heads_k, r.dtype, r.mode, r.label)
         table.setdefault(key, {})[r.provider] = r
 
@@ -579,8 +586,8 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
                   "out.backward(dout, retain_graph=True) on a graph built once; inputs require grad in every mode; "
                   "with rounds > 1 the providers of a shape alternate, round r starting at the r-th, and each row is "
                   "the median of the rounds (ms_rounds)",
-        "flops": "fwd 4*B*H*Sq*Sk*D (halved for causal with Sq == Sk, exact visible pairs when Sq != Sk); "
-                 "bwd 2.5x fwd; fwd+bwd 3.5x fwd",
+        "flops": "fwd 4*B*H*Sq*Sk*D (halved for causal with Sq == Sk, exact visible pairs when Sq != Sk; "
+                 "2*B*H*Sq*Sk*(D + Dv) with v's head dim Dv apart); bwd 2.5x fwd; fwd+bwd 3.5x fwd",
         "check": f"forward vs fp32 SDPA math on {CHECK_ROWS} query rows per batch and head, max abs diff <= "
                  f"{ATOL.get(DTYPES.get(dtype_name), 2e-2):g}",
         "args": args,
@@ -611,6 +618,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="comma-separated sequence lengths, e.g. 1k,4k,16k (default: 1k,4k,16k)")
     p.add_argument("--headdim", type=parse_list, default=None, metavar="LIST",
                    help="comma-separated head dims, e.g. 64,128 (default: 64,128,256)")
+    p.add_argument("--headdim-v", type=int, default=None, metavar="N",
+                   help="v's head dim in every shape when it differs from q's and k's, e.g. --headdim 192 "
+                        "--headdim-v 128 --hidden 3072 for MLA's prefill at 16 heads (default: the same)")
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
     p.add_argument("--mode", choices=["fwd", "bwd", "both"], default="both")
     p.add_argument("--providers", default=None, metavar="A,B",
@@ -660,7 +670,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         seqlens = seqlens or (16 * 1024,)
         headdims = headdims or (128,)
     try:
-        shapes = select_shapes(seqlens, headdims, args.causal, args.quick, args.hidden)
+        shapes = select_shapes(seqlens, headdims, args.causal, args.quick, args.hidden, args.headdim_v)
     except ValueError as exc:
         log(f"error: {exc}")
         return 2
