@@ -118,6 +118,16 @@ if AVAILABLE:
         return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [4, 1], [1, 0])
 
     @gluon.jit
+    def mma_over_96(a, rows, acc, use_acc):
+        """Issue acc + a rows^T over the first 96 columns of two 128-column shared tiles (d96 on d128's tiles: the
+        columns past 96 are TMA's zero fill), as two asynchronous products of 64 and 32 columns; returns the second
+        one's token. use_acc: add to acc, else acc is not read. (hopper_fwd's Q K^T, NARROW_QK; hopper_bwd's S^T and
+        dP^T.)"""
+        acc = warpgroup_mma(a.slice(0, 64, dim=1), rows.slice(0, 64, dim=1).permute((1, 0)), acc, use_acc=use_acc,
+                            is_async=True)
+        return warpgroup_mma(a.slice(64, 32, dim=1), rows.slice(64, 32, dim=1).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
     def tanh_approx(x):
         """tanh.approx.f32: one special-function op (relative error ~2^-11, below the 16-bit inputs' own rounding),
         as the portable kernels' _common._tanh_approx. (Hopper has no packed fp16 tanh: tanh.approx.f16x2 compiles

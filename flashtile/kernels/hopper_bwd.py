@@ -56,8 +56,8 @@ from .features import BIAS_FLOAT, Features
 
 if AVAILABLE:
     from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
-                         mbarrier, row_pieces_layout, tanh_approx, thread_barrier, tma, tma_load, tma_reduce_add,
-                         tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
+                         mbarrier, mma_over_96, row_pieces_layout, tanh_approx, thread_barrier, tma, tma_load,
+                         tma_reduce_add, tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
     from .hopper_fwd import _write_tile  # (the forward's hand-over of one int32 to shared memory)
 
 # Key rows per program, by tile width: two consumer warpgroups of 64 keys each up to 128; at 256 (WIDE) both
@@ -994,10 +994,7 @@ if AVAILABLE:
         if D > 192:
             acc = warpgroup_mma(a, rows.permute((1, 0)), zero, use_acc=False, is_async=True)
         elif D == 96:
-            acc = warpgroup_mma(a.slice(0, 64, dim=1), rows.slice(0, 64, dim=1).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
-            acc = warpgroup_mma(a.slice(64, 32, dim=1), rows.slice(64, 32, dim=1).permute((1, 0)), acc,
-                                is_async=True)
+            acc = mma_over_96(a, rows, zero, False)
         elif D <= 128:
             acc = warpgroup_mma(a.slice(0, 128, dim=1), rows.slice(0, 128, dim=1).permute((1, 0)), zero,
                                 use_acc=False, is_async=True)

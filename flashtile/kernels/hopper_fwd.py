@@ -70,8 +70,8 @@ from .features import BIAS_BOOL, BIAS_FLOAT, Features
 
 if AVAILABLE:
     from ._gluon import (Ring, TensorDescriptor, Value, aggregate, dropout_tile_keep, fence_async_shared, gl, gluon,
-                         mbarrier, row_pieces_layout, tanh_approx, thread_barrier, tma, tma_load, tma_store,
-                         to_float32, warpgroup_mma, warpgroup_mma_wait)
+                         mbarrier, mma_over_96, row_pieces_layout, tanh_approx, thread_barrier, tma, tma_load,
+                         tma_store, to_float32, warpgroup_mma, warpgroup_mma_wait)
 
 # Query rows per consumer warpgroup (a work item has NUM_WG of them).
 WG_M = 64
@@ -103,6 +103,10 @@ STAGES = {64: 3, 128: 2, 256: 2}
 # d192 keeps d256's tiling: two query buffers (208 KB) or three stages (216 KB) ran no faster there
 # (docs/design-record.md, "The forward at head dims 96 and 192").
 CHUNKED_TILES = {(192, 128): (128, 2)}
+# Q/K tiles at least this wide (d192, d256, MLA's) have no room for an output staging buffer: without an attn_mask
+# they store O from registers in 64-column chunks through a layout conversion, 8 KB of scratch per warpgroup
+# (FwdConfig.CHUNK_O, _store_o; _smem_plan counts the scratch).
+CHUNK_O_MIN_DIM = 192
 # (head_dim, causal) -> (consumer warpgroups NUM_WG, query buffers QBUF, dynamic schedule DYNAMIC). Same H200 run,
 # TFLOP/s at S4k / S16k against the previous kernel (2 warpgroups, 1 buffer, causal one program per tile):
 # plain d64 477 / 492 vs 441 / 446; causal d64 412 / 441 vs 386 / 444 (3 warpgroups there: 388 / 449);
@@ -250,10 +254,8 @@ if AVAILABLE:
             # 64-key blocks, each product read the 64-row query chunk from shared memory again. 1.00-1.09x on an
             # H100; d256 (64 more registers) and MLA's 192/128 (128-key blocks) spill 17-88 stores with it.
             self.Q_REGS = gl.constexpr(v_split)
-            # The wide tiles (d192, d256, MLA's) store O from registers (no room for a staging buffer): in
-            # 64-column chunks through a layout conversion (_store_o), whose 8 KB of scratch per warpgroup they
-            # have room for (not with an attn_mask's ring).
-            self.CHUNK_O = gl.constexpr(HEAD_DIM >= 192 and not BIAS)
+            # O from registers in 64-column chunks through a layout conversion (CHUNK_O_MIN_DIM).
+            self.CHUNK_O = gl.constexpr(HEAD_DIM >= CHUNK_O_MIN_DIM and not BIAS)
             # float8 inputs (FP8): wgmma's K step is 32 elements instead of 16, a register operand packs 4 of them
             # per 32 bits instead of 2, and both shared operands are K-major (V comes transposed: _load_vt).
             fp8 = dtype.primitive_bitwidth == 8
@@ -853,10 +855,7 @@ if AVAILABLE:
         slot = smem.k_bar.wait_full(i)
         if CHUNKS == 1:
             if NARROW:
-                k = smem.k.index(slot)
-                s = warpgroup_mma(q.slice(0, 64, dim=1), k.slice(0, 64, dim=1).permute((1, 0)), s_buf,
-                                  use_acc=USE_ACC, is_async=True)
-                return warpgroup_mma(q.slice(64, 32, dim=1), k.slice(64, 32, dim=1).permute((1, 0)), s, is_async=True)
+                return mma_over_96(q, smem.k.index(slot), s_buf, USE_ACC)
             else:
                 return warpgroup_mma(q, smem.k.index(slot).permute((1, 0)), s_buf, use_acc=USE_ACC, is_async=True)
         else:
@@ -1155,17 +1154,7 @@ if AVAILABLE:
                 # Column c = 64 j + i of the tile to (i, j) and split along j (both halves are in every lane).
                 _store_o_halves(out, o, item, row, PAD_D, COL0)
         else:
-            o_rows = gl.convert_layout(row, gl.SliceLayout(1, o_layout))
-            o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
-            o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
-                     + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1)
-                     + gl.expand_dims(o_cols, 0))
-            if COL0 != 0:
-                o_ptr += COL0
-            mask = gl.expand_dims(o_rows < item.seqlen_q, 1)
-            if PAD_D:
-                mask = mask & gl.expand_dims(o_cols < out.stride_oh, 0)
-            gl.store(o_ptr, o, mask=mask)
+            _store_o_cols(out, o, item, row, o_layout, PAD_D, COL0)
 
     @gluon.jit
     def _store_o_halves(out, o, item, row, PAD_D: gl.constexpr, COL0: gl.constexpr):
@@ -1188,9 +1177,14 @@ if AVAILABLE:
         """_store_o of 64 columns from COL0, through shared memory (the conversion's 8 KB of scratch) into a layout
         whose warp stores write whole 16-byte pieces of consecutive columns."""
         layout: gl.constexpr = row_pieces_layout(64)
-        o = gl.convert_layout(o, layout)
+        _store_o_cols(out, gl.convert_layout(o, layout), item, row, layout, PAD_D, COL0)
+
+    @gluon.jit
+    def _store_o_cols(out, o, item, row, layout: gl.constexpr, PAD_D: gl.constexpr, COL0: gl.constexpr):
+        """The stores of _store_o: o (in layout) at the output's columns COL0 on, rows below seqlen_q (PAD_D:
+        columns below the head dim)."""
         o_rows = gl.convert_layout(row, gl.SliceLayout(1, layout))
-        o_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout)) + COL0
+        o_cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, layout)) + COL0
         o_ptr = (out.Out + item.i_b.to(gl.int64) * out.stride_ob + item.i_h.to(gl.int64) * out.stride_oh
                  + gl.expand_dims((item.q_start + o_rows).to(gl.int64) * out.stride_os, 1) + gl.expand_dims(o_cols, 0))
         mask = gl.expand_dims(o_rows < item.seqlen_q, 1)
@@ -1521,11 +1515,11 @@ def _smem_plan(num_wg, qbuf, bias_bytes, qk_d, v_d, block_n, stages, stage_o=Tru
     shared memory and V and the output v_d, STAGES of BLOCK_N keys: the configuration's query buffers and output
     staging buffer (unless stage_o is False) if the ring of BIAS_STAGES tiles fits beside them, else one query
     buffer, else no staging buffer either (d128 with a 16-bit bias: 32 KB of Q, 128 KB of K/V, 64 KB of bias).
-    Without one, tiles of 192 columns or more store O in chunks through 8 KB of scratch per warpgroup
-    (FwdConfig.CHUNK_O)."""
+    Without one, Q/K tiles of CHUNK_O_MIN_DIM columns or more store O through a [WG_M, 64] 16-bit scratch per
+    warpgroup (FwdConfig.CHUNK_O)."""
     fixed = stages * block_n * (qk_d + v_d) * 2 + BIAS_STAGES * num_wg * WG_M * block_n * bias_bytes
     for qb, staged in ((qbuf, stage_o), (1, stage_o), (1, False)):
-        chunks = 0 if staged or bias_bytes or qk_d < 192 else num_wg * WG_M * 64 * 2
+        chunks = 0 if staged or bias_bytes or qk_d < CHUNK_O_MIN_DIM else num_wg * WG_M * 64 * 2
         if fixed + num_wg * WG_M * 2 * (qb * qk_d + staged * v_d) + chunks <= SMEM_BYTES:
             return qb, staged
     raise ValueError(f"no shared-memory plan for head dims {qk_d}/{v_d} with a {bias_bytes}-byte attn_mask")
