@@ -193,6 +193,15 @@ def test_varlen_tile_map(block_m, reverse, used):
     assert all(row[0] == -1 for row in got[len(expect):])
 
 
+def test_three_warpgroups_fill():
+    """The plain d64 forward's consumers by query length (hopper_fwd.three_warpgroups_fill): two warpgroups' 128-row
+    tiles where three's 192-row tiles would leave a head's last tile mostly empty (1k: its sixth tile holds 64 rows),
+    three where 192 divides Sq or the last tile is nearly full."""
+    from flashtile.kernels import hopper_fwd
+    assert not any(hopper_fwd.three_warpgroups_fill(s) for s in (1, 100, 128, 256, 512, 1000, 1024))
+    assert all(hopper_fwd.three_warpgroups_fill(s) for s in (0, 190, 192, 384, 1536, 2048, 3000, 4096, 16384))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The Hopper backward's dQ tile buffer, put back in dQ's layout (a plain Triton kernel: it runs in the interpreter)
 # ---------------------------------------------------------------------------------------------------------------

@@ -114,6 +114,13 @@ CHUNK_O_MIN_DIM = 192
 # d256 takes d128's schedules with one query buffer (STAGES above), not tuned apart.
 CONFIGS = {(64, False): (3, 2, True), (64, True): (2, 2, True), (128, False): (2, 2, False), (128, True): (2, 1, True),
            (256, False): (2, 1, False), (256, True): (2, 1, True)}
+# Three warpgroups' 192-row tiles leave the last tile of a head partly empty unless 192 divides Sq: at Sq = 1k its
+# sixth tile holds 64 rows, and two of its three warpgroups only follow the ring. A fixed-length call whose rows fill
+# the 192-row tiles less than THREE_WG_MIN_FILL times as well as they fill two warpgroups' 128-row tiles takes the
+# two-warpgroup configuration (the causal one's, with LAZY_MAX) instead. H100, one run, the two against each other at
+# d64 (docs/design-record.md, "Two warpgroups for short d64 forwards"): 1.046x at 1k (fill 0.89), 0.99x at 2k and 4k
+# (0.97), 0.97x at 16k (0.99).
+THREE_WG_MIN_FILL = 0.95
 # Tile widths whose forward takes neither an attn_mask nor dropout (offline sm90 compiles): at 256 a [64, 64] mask
 # tile is narrower than the mask ring's 128-byte swizzle, and dropout spills 93 stores.
 NO_MASK_OR_DROPOUT_TILES = (256,)
@@ -1818,6 +1825,14 @@ class GluonFwdPlan:
         return out, lse
 
 
+def three_warpgroups_fill(seqlen_q):
+    """Whether seqlen_q query rows fill three warpgroups' tiles well enough for a configuration of three
+    (THREE_WG_MIN_FILL); with fewer, a fixed-length call takes two."""
+    def fill(block_m):
+        return seqlen_q / (triton.cdiv(seqlen_q, block_m) * block_m) if seqlen_q else 1.0
+    return fill(3 * WG_M) >= THREE_WG_MIN_FILL * fill(2 * WG_M)
+
+
 def _fwd_plan(q, k, v, req, out_dtype):
     """The GluonFwdPlan of (q, k, v, req)."""
     feats = Features(req)
@@ -1875,6 +1890,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     left_offset = diagonal_offset - req.window_left if req.mask_left else 0
     bias_kind = feats.bias_kind
     num_wg, qbuf, dynamic = CONFIGS[(tile_d, req.banded)]
+    if num_wg == 3 and not varlen and not three_warpgroups_fill(seqlen_q):
+        num_wg, qbuf, dynamic = CONFIGS[(tile_d, True)]
     if num_wg == 3 and (req.softcap > 0 or req.alibi_slopes is not None or bias_kind or req.dropout_p > 0):
         # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
         # warpgroups of the causal configuration do not.
