@@ -15,7 +15,8 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
   same ring. Step j of a warpgroup issues ``S_j = Q K_j^T`` and ``P_{j-1} V_{j-1}`` together, waits for ``S_j``
   alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
   160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
-  fills the gaps the other two leave; a warpgroup whose rows all lie past Sq only follows the ring;
+  fills the gaps the other two leave (but where Sq leaves a head's last 192-row tile mostly empty:
+  ``three_warpgroups_fill``); a warpgroup whose rows all lie past Sq only follows the ring;
 * on two warpgroups without an attn_mask, a left window or ALiBi, a step after a work item's first takes no row maximum
   and does not rescale O (``LAZY_MAX``): its exponentials are taken against the reference the rows already have,
   which the online softmax allows for any reference (docs/derivation.md ch. 3) as long as P keeps its range. The
