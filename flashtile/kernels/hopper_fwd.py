@@ -1891,11 +1891,11 @@ def _fwd_plan(q, k, v, req, out_dtype):
     left_offset = diagonal_offset - req.window_left if req.mask_left else 0
     bias_kind = feats.bias_kind
     num_wg, qbuf, dynamic = CONFIGS[(tile_d, req.banded)]
-    if num_wg == 3 and not varlen and not three_warpgroups_fill(seqlen_q):
-        num_wg, qbuf, dynamic = CONFIGS[(tile_d, True)]
-    if num_wg == 3 and (req.softcap > 0 or req.alibi_slopes is not None or bias_kind or req.dropout_p > 0):
-        # Three warpgroups have 160 registers each: a softcap or ALiBi spills there (17-24 stores offline), two
-        # warpgroups of the causal configuration do not.
+    # Three warpgroups give way to the causal configuration's two where the rows fill their 192-row tiles poorly
+    # (three_warpgroups_fill), and with a softcap, ALiBi, an attn_mask or dropout: at 160 registers each a softcap
+    # or ALiBi spills there (17-24 stores offline), two warpgroups do not.
+    if num_wg == 3 and ((not varlen and not three_warpgroups_fill(seqlen_q)) or req.softcap > 0
+                        or req.alibi_slopes is not None or bias_kind or req.dropout_p > 0):
         num_wg, qbuf, dynamic = CONFIGS[(tile_d, True)]
     if req.softcap > 0:
         # Two query buffers for a softcap on every configuration (d128's causal and banded one has one): the causal
