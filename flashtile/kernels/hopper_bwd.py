@@ -26,7 +26,8 @@ loops over the query heads of its group, so dK and dV are written once, without 
 of the same loops: sliding windows (causal is the right bound 0, bottom-right aligned), softcap and ALiBi
 (docs/derivation.md#8), and sinks (they only change the LSE, which the forward folded them into; their gradient is
 computed from LSE and delta in kernels/backward.py). At 256 columns (WIDE) a program owns a block of 64 keys that
-both consumer warpgroups share (_bwd_step_wide), without ALiBi, an attn_mask or dropout.
+both consumer warpgroups share (_bwd_step_wide), without ALiBi, an attn_mask or dropout; at d192 and MLA's 192/128
+warpgroup 0 accumulates dV and warpgroup 1 dK (WIDE_OWNERS), each with the work item's K in registers (WIDE_K_REGS).
 Varlen batches (VARLEN: packed [total, H, D] sequences, flash_attn_varlen_func) run the same loops per sequence:
 each program reads its sequence's bounds, bases its descriptors at the sequence's first row with its own length
 (TMA zero-fills and clips at the sequence's end) and aligns the band to the sequence's own bottom-right corner.
@@ -76,6 +77,17 @@ STAGES = 2
 # (2026-11-26-h100-bwd-wide-roles-ab.json): d256 1.015-1.09x; d192 0.975x and MLA 0.96-0.97x (their products over
 # fewer columns save less of K's and V's reads than the hand-over of P^T costs).
 WIDE_ROLES = ((256, 256),)
+# The (q/k, v) head dims whose WIDE backward has warpgroup 0 accumulate all of dV and warpgroup 1 all of dK (OWNERS),
+# over the head dims' columns only, rather than each half of both over the tile's 256: d192 and MLA's 192/128. Split by
+# halves, at d192 a quarter of both products (warpgroup 1's) ran over TMA's zero columns, and under MLA warpgroup 0
+# carried dV, dK and two dQ shares per step while warpgroup 1 carried dK (half of it zero columns) and one. Each step
+# ends at both warpgroups' barrier, so the longer of the two sets the pace. Per step in [64, 64, 64] products, warpgroup
+# 0 / 1: MLA 6 / 3 (split) against 4 / 4 (owners), d192 6 / 5 against 5 / 4 (their S^T and dP^T, 2.5 and 3, apart).
+WIDE_OWNERS = ((192, 128), (192, 192))
+# The (q/k, v) head dims whose WIDE backward loads each work item's K into registers, once, as the S^T = K Q^T
+# products' A operand (K_REGS), rather than reading it from shared memory in every product: the WIDE step runs short
+# of shared-memory bandwidth, and each step's S^T read all of K per warpgroup. 48 registers a thread at 192 columns.
+WIDE_K_REGS = ((192, 128), (192, 192))
 # Calls with at most this many keys (varlen: in the longest sequence) run a persistent grid (PERSISTENT: one program
 # per SM taking work items from a counter, the next item's K and V loaded while the last one's dK and dV are
 # stored); longer ones one program per item. docs/design-record.md, "A persistent backward for short sequences".
@@ -169,7 +181,10 @@ if AVAILABLE:
         work), the layouts of a warpgroup's [64, BLOCK_M] transposed scores (s_layout; WIDE: [64, BLOCK_M / 2])
         and [64, KV_COLS] dK / dV accumulators (kv_layout; KV_COLS is HEAD_DIM, or its half for WIDE), and the
         register-operand layout dot_a. KV_SPLIT (d96 on d128's tiles): dK and dV are each a pair of accumulators,
-        [64, 64] (kv_layout) and [64, 32] (kv_layout_b), over the head dim's 96 columns instead of the tile's 128."""
+        [64, 64] (kv_layout) and [64, 32] (kv_layout_b), over the head dim's 96 columns instead of the tile's 128.
+        OWNERS (WIDE at d192 and MLA: WIDE_OWNERS): warpgroup 0 accumulates dV and warpgroup 1 dK, each over its
+        head dim's columns: [64, 128] (kv_layout), at 192 with a second [64, 64] accumulator (kv_layout_b).
+        K_REGS (WIDE at d192 and MLA: WIDE_K_REGS): the work item's K in registers, the S^T products' A operand."""
         HEAD_DIM: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
@@ -190,6 +205,8 @@ if AVAILABLE:
         ROTATE: gl.constexpr
         WIDE: gl.constexpr
         ROLES: gl.constexpr
+        OWNERS: gl.constexpr
+        K_REGS: gl.constexpr
         KV_COLS: gl.constexpr
         KV_SPLIT: gl.constexpr
         dtype: gl.constexpr
@@ -200,7 +217,7 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                     VARLEN, DROPOUT, PERSISTENT, D, D_V, dtype, ROLES=False):
+                     VARLEN, DROPOUT, PERSISTENT, D, D_V, dtype, ROLES=False, OWNERS=False, K_REGS=False):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -221,6 +238,8 @@ if AVAILABLE:
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
             self.WIDE = gl.constexpr(HEAD_DIM == 256)
             self.ROLES = gl.constexpr(HEAD_DIM == 256 and ROLES)
+            self.OWNERS = gl.constexpr(HEAD_DIM == 256 and D == 192 and OWNERS and not ROLES)
+            self.K_REGS = gl.constexpr(HEAD_DIM == 256 and D == 192 and K_REGS and not ROLES)
             self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if HEAD_DIM == 256 else HEAD_DIM)
             self.KV_SPLIT = gl.constexpr(HEAD_DIM == 128 and D == 96 and D_V == 96)
             self.dtype = gl.constexpr(dtype)
@@ -229,7 +248,7 @@ if AVAILABLE:
             # (KV_SPLIT: P^T and dS^T are both products' operand in kv_layout's dot_a, as the forward's P for d192's
             # two V products: a register operand's layout does not depend on the product's width.)
             self.kv_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                      instr_shape=[16, 32, 16]))
+                                                                      instr_shape=[16, 64 if self.OWNERS else 32, 16]))
             s_cols = BLOCK_M // 2 if HEAD_DIM == 256 and not ROLES else BLOCK_M
             self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                    instr_shape=[16, s_cols, 16]))
@@ -965,14 +984,18 @@ if AVAILABLE:
         return _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok)
 
     @gluon.jit
-    def _kv_product(a, rows, acc, KV_SPLIT: gl.constexpr):
-        """acc += a rows (a: P^T or dS^T in registers; rows: the step's dO or Q tile), issued asynchronously.
-        KV_SPLIT: acc is the pair of d96's accumulators, and the two products over the rows' columns 0-63 and
-        64-95 (past them TMA's zeros) return a pair of tokens."""
-        if KV_SPLIT:
+    def _kv_product(a, rows, acc, PAIR: gl.constexpr):
+        """acc += a rows (a: P^T or dS^T, in registers or shared memory; rows: the step's dO or Q tile), issued
+        asynchronously, over the rows' first acc.shape[1] columns. PAIR: acc is a pair of accumulators over the
+        rows' columns [0, w) and [w, w + w') (d96's KV_SPLIT: 64 and 32, past them TMA's zeros; OWNERS at 192: 128
+        and 64), and the two products return a pair of tokens."""
+        if PAIR:
             lo, hi = acc
-            return (warpgroup_mma(a, rows.slice(0, 64, dim=1), lo, is_async=True),
-                    warpgroup_mma(a, rows.slice(64, 32, dim=1), hi, is_async=True))
+            W: gl.constexpr = lo.shape[1]
+            return (warpgroup_mma(a, rows.slice(0, W, dim=1), lo, is_async=True),
+                    warpgroup_mma(a, rows.slice(W, hi.shape[1], dim=1), hi, is_async=True))
+        elif acc.shape[1] < rows.shape[1]:
+            return warpgroup_mma(a, rows.slice(0, acc.shape[1], dim=1), acc, is_async=True)
         else:
             return warpgroup_mma(a, rows, acc, is_async=True)
 
@@ -1004,6 +1027,21 @@ if AVAILABLE:
             acc = warpgroup_mma(a.slice(128, 64, dim=1), rows.slice(128, 64, dim=1).permute((1, 0)), acc,
                                 is_async=True)
         return acc
+
+    @gluon.jit
+    def _k_regs(cfg, k):
+        """K_REGS: the work item's K ([64 keys, 256] in shared memory) as the three [64, 64] column chunks of the
+        head dim's 192, in the register-operand layout of the S^T products (_k_regs_product)."""
+        dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=cfg.s_layout, k_width=2)
+        return k.slice(0, 64, dim=1).load(dl), k.slice(64, 64, dim=1).load(dl), k.slice(128, 64, dim=1).load(dl)
+
+    @gluon.jit
+    def _k_regs_product(kr, rows, zero):
+        """K_REGS: S^T = K rows^T over the 192 columns, K's chunks from registers (kr), issued asynchronously;
+        returns the last product's token."""
+        acc = warpgroup_mma(kr[0], rows.slice(0, 64, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(kr[1], rows.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma(kr[2], rows.slice(128, 64, dim=1).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
     def _wide_roles(prog, wg, t, m, slot, q, do, k, v, ds_tile, p_tile, MASK: gl.constexpr):
@@ -1049,7 +1087,7 @@ if AVAILABLE:
         mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
 
     @gluon.jit
-    def _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, MASK: gl.constexpr):
+    def _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, kr, MASK: gl.constexpr):
         """_bwd_step for tiles of 256 columns (WIDE: d192 and d256). A consumer warpgroup cannot hold dK and dV
         of 64 keys at 256 columns (256 registers a thread), so both warpgroups share the block's 64 keys and split
         the work: warpgroup w computes S^T and dP^T for the step's queries 32 w .. 32 w + 31 (all 256 columns of
@@ -1059,8 +1097,8 @@ if AVAILABLE:
         columns of dQ_i = dS K as two [64, 64] shares for the writer. dO has one buffer (_load_q_tile_wide): it is
         released as soon as the dV product has read it, Q's slot once dK's has. With ROLES (d256: WIDE_ROLES) the
         first half differs: warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, each for all the tile's
-        queries (_wide_roles). MASK as in _bwd_step; no ALiBi, attn_mask or dropout here (flashtile/dispatch.py
-        declines them). Returns dK, dV."""
+        queries (_wide_roles). kr: with K_REGS the work item's K in registers (_k_regs), else unused. MASK as in
+        _bwd_step; no ALiBi, attn_mask or dropout here (flashtile/dispatch.py declines them). Returns dK, dV."""
         cfg = prog.cfg
         smem = prog.smem
         s_layout: gl.constexpr = cfg.s_layout
@@ -1076,7 +1114,10 @@ if AVAILABLE:
             _wide_roles(prog, wg, t, m, slot, q, do, k, v, ds_tile, p_tile, MASK)
         else:
             zero = gl.zeros([64, HALF_M], gl.float32, layout=s_layout)
-            st_tok = _head_dim_product(k, q.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
+            if cfg.K_REGS:
+                st_tok = _k_regs_product(kr, q.slice(wg.half * HALF_M, HALF_M), zero)
+            else:
+                st_tok = _head_dim_product(k, q.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
             dpt_tok = _head_dim_product(v, do.slice(wg.half * HALF_M, HALF_M), zero, cfg.D_V)
             if cfg.SOFTCAP:
                 st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
@@ -1106,34 +1147,72 @@ if AVAILABLE:
             thread_barrier()
             mbarrier.arrive(smem.ds_ready.index(t % 2), count=1)
             mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
-        col0: gl.constexpr = wg.half * cfg.KV_COLS
-        # dV's columns of this warpgroup hold some of v's head dim (not warpgroup 1's under MLA: D_V 128).
-        HAS_DV: gl.constexpr = col0 < cfg.D_V
-        if HAS_DV:
-            dv_tok = warpgroup_mma(p_tile.permute((1, 0)), do.slice(col0, cfg.KV_COLS, dim=1), dv, is_async=True)
+        if cfg.OWNERS:
+            dk, dv = _wide_owned(prog, wg, t, slot, q, do, k, ds_tile, p_tile, dk, dv)
         else:
-            mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read (by dP^T's product)
-        dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q.slice(col0, cfg.KV_COLS, dim=1), dk, is_async=True)
+            col0: gl.constexpr = wg.half * cfg.KV_COLS
+            # dV's columns of this warpgroup hold some of v's head dim (not warpgroup 1's under MLA: D_V 128).
+            HAS_DV: gl.constexpr = col0 < cfg.D_V
+            if HAS_DV:
+                dv_tok = warpgroup_mma(p_tile.permute((1, 0)), do.slice(col0, cfg.KV_COLS, dim=1), dv, is_async=True)
+            else:
+                mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read (by dP^T's product)
+            dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q.slice(col0, cfg.KV_COLS, dim=1), dk, is_async=True)
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, 64, 16])
+            dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+            # dQ's shares of this warpgroup's columns that hold any of the head dim (d192: one for warpgroup 1).
+            N_DQ: gl.constexpr = _wide_dq_shares(cfg.D, wg.half)
+            dq0_tok = warpgroup_mma(ds_tile, k.slice(col0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+            if N_DQ == 2:
+                dq1_tok = warpgroup_mma(ds_tile, k.slice(col0 + 64, 64, dim=1), dq_zero, use_acc=False,
+                                        is_async=True)
+            if HAS_DV:
+                dv = warpgroup_mma_wait(N_DQ + 1, deps=(dv_tok, ))
+                mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read
+            if N_DQ == 2:
+                dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok, dq1_tok))
+            else:
+                dk, dq0 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok))
+            mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
+            _stage_dq(dq0, wg.dq, smem.dq_bars, N_DQ * t, wg.half, cfg.FLAT)
+            if N_DQ == 2:
+                _stage_dq(dq1, wg.dq, smem.dq_bars, N_DQ * t + 1, wg.half, cfg.FLAT)
+        return dk, dv
+
+    @gluon.jit
+    def _wide_owned(prog, wg, t, slot, q, do, k, ds_tile, p_tile, dk, dv):
+        """_bwd_step_wide's second half with OWNERS, once both warpgroups' P^T and dS^T are in shared memory:
+        warpgroup 0 adds dV += P^T dO over v's head dim and computes dQ's shares 0 and 1 (columns 0-127), warpgroup
+        1 adds dK += dS^T Q over the 192 columns and computes share 2. Returns dK, dV (the one the warpgroup does not
+        own passed through)."""
+        cfg = prog.cfg
+        smem = prog.smem
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, 64, 16])
         dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
-        # dQ's shares of this warpgroup's columns that hold any of the head dim (d192: one for warpgroup 1).
-        N_DQ: gl.constexpr = _wide_dq_shares(cfg.D, wg.half)
-        dq0_tok = warpgroup_mma(ds_tile, k.slice(col0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
-        if N_DQ == 2:
-            dq1_tok = warpgroup_mma(ds_tile, k.slice(col0 + 64, 64, dim=1), dq_zero, use_acc=False,
-                                    is_async=True)
-        if HAS_DV:
-            dv = warpgroup_mma_wait(N_DQ + 1, deps=(dv_tok, ))
+        PAIR_V: gl.constexpr = cfg.D_V == 192
+        if wg.half == 0:
+            dv_tok = _kv_product(p_tile.permute((1, 0)), do, dv, PAIR_V)
+            dq0_tok = warpgroup_mma(ds_tile, k.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+            dq1_tok = warpgroup_mma(ds_tile, k.slice(64, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+            if PAIR_V:
+                dv = warpgroup_mma_wait(2, deps=(dv_tok[0], dv_tok[1]))
+            else:
+                dv = warpgroup_mma_wait(2, deps=(dv_tok, ))
             mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read
-        if N_DQ == 2:
-            dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok, dq1_tok))
+            dq0, dq1 = warpgroup_mma_wait(0, deps=(dq0_tok, dq1_tok))
+            mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
+            _stage_dq(dq0, wg.dq, smem.dq_bars, 2 * t, 0, cfg.FLAT)
+            _stage_dq(dq1, wg.dq, smem.dq_bars, 2 * t + 1, 0, cfg.FLAT)
         else:
-            dk, dq0 = warpgroup_mma_wait(0, deps=(dk_tok, dq0_tok))
-        mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
-        _stage_dq(dq0, wg.dq, smem.dq_bars, N_DQ * t, wg.half, cfg.FLAT)
-        if N_DQ == 2:
-            _stage_dq(dq1, wg.dq, smem.dq_bars, N_DQ * t + 1, wg.half, cfg.FLAT)
+            mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read (by dP^T's product)
+            dk_tok = _kv_product(ds_tile.permute((1, 0)), q, dk, True)
+            dq_tok = warpgroup_mma(ds_tile, k.slice(128, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+            dk0, dk1, dq = warpgroup_mma_wait(0, deps=(dk_tok[0], dk_tok[1], dq_tok))
+            dk = (dk0, dk1)
+            mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
+            _stage_dq(dq, wg.dq, smem.dq_bars, t, 1, cfg.FLAT)
         return dk, dv
 
     @gluon.jit
@@ -1250,9 +1329,23 @@ if AVAILABLE:
                   gl.zeros([64, 32], gl.float32, layout=cfg.kv_layout_b))
             dv = (gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout),
                   gl.zeros([64, 32], gl.float32, layout=cfg.kv_layout_b))
+        elif cfg.OWNERS:
+            # Warpgroup 0 accumulates dV, warpgroup 1 dK (_wide_owned); the other is a placeholder, never updated.
+            unused = gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout_b)
+            if wg.half == 0:
+                dk = unused
+                dv = _owned_zeros(cfg, cfg.D_V)
+            else:
+                dk = _owned_zeros(cfg, cfg.D)
+                dv = unused
         else:
             dk = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
             dv = gl.zeros([64, cfg.KV_COLS], gl.float32, layout=cfg.kv_layout)
+        kr = 0
+        if cfg.K_REGS:
+            # (Read once K has arrived: _bwd_partition's wait on kv_bar. The loop does not change them: they stay
+            # live, and unchanged, through every product that reads them.)
+            kr = _k_regs(cfg, wg.k)
         for g in range(walk.group_size):
             i_h = walk.i_hk * walk.group_size + g
             slope = 0.0
@@ -1270,18 +1363,27 @@ if AVAILABLE:
                 for p in range(0, walk.n_mask):
                     m = walk.m_lo + _masked_tile(walk, p) * cfg.BLOCK_M
                     if cfg.WIDE:
-                        dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, True)
+                        dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, kr, True)
                     else:
                         dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
                 for jj in range(0, walk.n_q - walk.n_mask):
                     m = walk.m_lo + _free_tile(walk, jj, cfg.ROTATE) * cfg.BLOCK_M
                     if cfg.WIDE:
-                        dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, False)
+                        dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, kr, False)
                     else:
                         dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, False)
                     t += 1
         return dk, dv, t
+
+    @gluon.jit
+    def _owned_zeros(cfg, D: gl.constexpr):
+        """OWNERS: a zero accumulator over a head dim of D columns: [64, 128], at 192 with a [64, 64] one."""
+        acc = gl.zeros([64, 128], gl.float32, layout=cfg.kv_layout)
+        if D == 192:
+            return acc, gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout_b)
+        else:
+            return acc
 
     @gluon.jit
     def _store_dkdv(prog, wg, dk, dv):
@@ -1292,6 +1394,14 @@ if AVAILABLE:
                 dv = (dv[0] * prog.drop.rescale, dv[1] * prog.drop.rescale)
             _store_kv_cols(prog, wg, dk[0], dv[0], 0)
             _store_kv_cols(prog, wg, dk[1], dv[1], 64)
+        elif cfg.OWNERS:
+            # (WIDE: no dropout.) Warpgroup 0 owns dV, warpgroup 1 dK.
+            ptrs = prog.ptrs
+            strides = prog.strides
+            if wg.half == 0:
+                _store_owned(prog, wg, ptrs.dV, strides.dv_b, strides.dv_s, strides.dv_h, dv, cfg.D_V)
+            else:
+                _store_owned(prog, wg, ptrs.dK, strides.dk_b, strides.dk_s, strides.dk_h, dk, cfg.D)
         else:
             if cfg.DROPOUT:
                 dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
@@ -1322,6 +1432,15 @@ if AVAILABLE:
         _store_kv_rows(prog, wg, ptrs.dV, strides.dv_b, strides.dv_s, strides.dv_h, dv, col0, cfg.D_V)
 
     @gluon.jit
+    def _store_owned(prog, wg, ptr, stride_b, stride_s, stride_h, acc, D: gl.constexpr):
+        """OWNERS: store a warpgroup's accumulator (_owned_zeros's, over D columns) at ptr."""
+        if D == 192:
+            _store_kv_rows(prog, wg, ptr, stride_b, stride_s, stride_h, acc[0], 0, D)
+            _store_kv_rows(prog, wg, ptr, stride_b, stride_s, stride_h, acc[1], 128, D)
+        else:
+            _store_kv_rows(prog, wg, ptr, stride_b, stride_s, stride_h, acc, 0, D)
+
+    @gluon.jit
     def _store_kv_rows(prog, wg, ptr, stride_b, stride_s, stride_h, acc, col0: gl.constexpr, D: gl.constexpr):
         """One of _store_kv_cols's stores: acc (dK's or dV's columns from col0, head dim D) at ptr."""
         cfg = prog.cfg
@@ -1331,10 +1450,10 @@ if AVAILABLE:
         layout: gl.constexpr = x.type.layout
         rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))  # in the sequence
         dcol = gl.expand_dims(gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout)), 0) + col0
-        if cfg.WIDE:
+        if cfg.WIDE and not cfg.OWNERS:
             dcol += wg.half * cfg.KV_COLS  # (this warpgroup's columns: _bwd_step_wide)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
-        if cfg.PAD_D and not cfg.KV_SPLIT:  # (KV_SPLIT's columns end at the head dim)
+        if cfg.PAD_D and not cfg.KV_SPLIT and not cfg.OWNERS:  # (KV_SPLIT's and OWNERS' columns end at the head dim)
             keep = keep & (dcol < D)
         k0 = prog.walk.k0.to(gl.int64)
         p = (ptr + prog.walk.i_b.to(gl.int64) * stride_b + prog.walk.i_hk.to(gl.int64) * stride_h + k0 * stride_s
@@ -1555,7 +1674,8 @@ if AVAILABLE:
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, D: gl.constexpr,
-                    D_V: gl.constexpr, ROLES: gl.constexpr = False):
+                    D_V: gl.constexpr, ROLES: gl.constexpr = False, OWNERS: gl.constexpr = False,
+                    K_REGS: gl.constexpr = False):
         """One program per (key block, batch entry x kv head), or PERSISTENT one per SM over them (BwdSched); the
         partitions and their roles are the module docstring's. strides, scales, heads, bias_mul and lists: the named
         tuples _Strides, _Scales, _Heads, _Mul, _Lists (attention_backward).
@@ -1581,7 +1701,8 @@ if AVAILABLE:
         # (The WIDE step has no ALiBi, attn_mask or dropout.)
         gl.static_assert(HEAD_DIM != 256 or not (HAS_ALIBI or BIAS or DROPOUT))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                        VARLEN, DROPOUT, PERSISTENT, D, D_V, Q.dtype.element_ty, ROLES)
+                        VARLEN, DROPOUT, PERSISTENT, D, D_V, Q.dtype.element_ty, ROLES, OWNERS,
+                        K_REGS)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
         # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
         # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
@@ -1805,7 +1926,8 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
-        D=head_dim, D_V=v.shape[-1], ROLES=(head_dim, v.shape[-1]) in WIDE_ROLES),
+        D=head_dim, D_V=v.shape[-1], ROLES=(head_dim, v.shape[-1]) in WIDE_ROLES,
+        OWNERS=(head_dim, v.shape[-1]) in WIDE_OWNERS, K_REGS=(head_dim, v.shape[-1]) in WIDE_K_REGS),
         dict(num_warps=4))
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
