@@ -9,6 +9,8 @@ import importlib
 import importlib.util
 import types
 
+from ._source import kernel_sources
+
 
 class LazyModule(types.ModuleType):
     """Stands in for a module, bound to a global name of the module that uses it, until one of its attributes is
@@ -24,7 +26,8 @@ class LazyModule(types.ModuleType):
         self.__dict__["_LazyModule__namespace"] = namespace
 
     def _load(self):
-        module = importlib.import_module(self.__name__)
+        with kernel_sources():  # (flashtile/_source.py)
+            module = importlib.import_module(self.__name__)
         namespace = self.__namespace
         for key, value in list(namespace.items()):
             if value is self:
