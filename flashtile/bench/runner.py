@@ -540,9 +540,9 @@ def checkout_root() -> Path | None:
 
 
 def commit() -> str | None:
-    """The commit measured: the checkout's HEAD, else FLASHTILE_COMMIT (the GPU machines get a copy of the working
-    tree without .git)."""
-    return git("rev-parse", "HEAD") or os.environ.get("FLASHTILE_COMMIT")
+    """The commit measured: FLASHTILE_COMMIT when set (a copy of the working tree may have no .git, or a stale one),
+    else the checkout's HEAD."""
+    return os.environ.get("FLASHTILE_COMMIT") or git("rev-parse", "HEAD")
 
 
 def git(*args: str) -> str | None:
