@@ -32,6 +32,8 @@ def getsourcelines(obj):
         return None
     lines = linecache.getlines(code.co_filename)
     first = code.co_firstlineno  # (the first decorator's line, as inspect starts there)
+    if not (0 < first <= len(lines)) or not lines[first - 1].lstrip().startswith(("@", "def ", "async def ")):
+        return None  # (a lambda, or a line that is not a function's own: inspect's)
     i = first - 1
     while i < len(lines) and not lines[i].lstrip().startswith(("def ", "async def ")):
         i += 1

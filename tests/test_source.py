@@ -42,3 +42,13 @@ def test_kernel_sources_is_scoped_and_reentrant():
         assert inspect.getsourcelines is not original  # (the outer one still holds)
         assert _source.getsourcelines(_outside) is None
     assert inspect.getsourcelines is original
+
+
+def test_lambdas_go_to_inspect():
+    from flashtile.kernels import _common  # (any module of the package)
+    namespace = {}
+    # A lambda whose code names a file of the package, at its line 1 (the module's docstring, no def there).
+    exec(compile("f = lambda x: x", _common.__file__, "exec"), namespace)
+    assert namespace["f"].__code__.co_filename == _common.__file__
+    assert _source.getsourcelines(namespace["f"]) is None
+    assert _source.getsourcelines(_source.getsourcelines) == inspect.getsourcelines(_source.getsourcelines)
