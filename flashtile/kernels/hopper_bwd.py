@@ -80,13 +80,15 @@ WIDE_ROLES = ((256, 256),)
 # The (q/k, v) head dims whose WIDE backward has warpgroup 0 accumulate all of dV and warpgroup 1 all of dK (OWNERS),
 # over the head dims' columns only, rather than each half of both over the tile's 256: d192 and MLA's 192/128. Split by
 # halves, at d192 a quarter of both products (warpgroup 1's) ran over TMA's zero columns, and under MLA warpgroup 0
-# carried dV, dK and two dQ shares per step while warpgroup 1 carried dK (half of it zero columns) and one. Each step
-# ends at both warpgroups' barrier, so the longer of the two sets the pace. Per step in [64, 64, 64] products, warpgroup
-# 0 / 1: MLA 6 / 3 (split) against 4 / 4 (owners), d192 6 / 5 against 5 / 4 (their S^T and dP^T, 2.5 and 3, apart).
+# carried dV, dK and two dQ shares per step while warpgroup 1 carried dK (half of it zero columns) and one. Per step
+# in [64, 64, 64] products, warpgroup 0 / 1: MLA 6 / 3 (split) against 4 / 4 (owners), d192 6 / 5 against 5 / 4 (their
+# S^T and dP^T, 2.5 and 3, apart). H100 (2026-11-27-h100-bwd-wide-owners-ab.json): d192 1.01-1.05x at 4k-16k, MLA
+# 0.98-1.03x: the MLA step is held by what it moves through L2, not by the products (docs/design-record.md).
 WIDE_OWNERS = ((192, 128), (192, 192))
 # The (q/k, v) head dims whose WIDE backward loads each work item's K into registers, once, as the S^T = K Q^T
-# products' A operand (K_REGS), rather than reading it from shared memory in every product: the WIDE step runs short
-# of shared-memory bandwidth, and each step's S^T read all of K per warpgroup. 48 registers a thread at 192 columns.
+# products' A operand (K_REGS), rather than reading it from shared memory in every product (each step's S^T read all
+# of K per warpgroup). 48 registers a thread at 192 columns. With OWNERS (-bwd-wide-kregs-ab.json): d192 1.02-1.08x
+# and MLA 0.99-1.04x over the split kernel.
 WIDE_K_REGS = ((192, 128), (192, 192))
 # Calls with at most this many keys (varlen: in the longest sequence) run a persistent grid (PERSISTENT: one program
 # per SM taking work items from a counter, the next item's K and V loaded while the last one's dK and dV are
