@@ -1096,7 +1096,8 @@ if AVAILABLE:
         the contraction, [64 keys, 32 queries] each), P^T and dS^T from them, and stores both into shared memory
         ([64 queries, 64 keys] tiles, two alternating pairs, as dS^T's at d128); once both halves are in, it adds
         columns 128 w .. 128 w + 127 of dV = P^T dO and dK = dS^T Q over all 64 queries, and computes the same
-        columns of dQ_i = dS K as two [64, 64] shares for the writer. dO has one buffer (_load_q_tile_wide): it is
+        columns of dQ_i = dS K as two [64, 64] shares for the writer (with OWNERS the second half is _wide_owned's
+        instead: all of dV in warpgroup 0, all of dK in warpgroup 1). dO has one buffer (_load_q_tile_wide): it is
         released as soon as the dV product has read it, Q's slot once dK's has. With ROLES (d256: WIDE_ROLES) the
         first half differs: warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, each for all the tile's
         queries (_wide_roles). kr: with K_REGS the work item's K in registers (_k_regs), else unused. MASK as in
