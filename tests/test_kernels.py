@@ -202,6 +202,27 @@ def test_three_warpgroups_fill():
     assert all(hopper_fwd.three_warpgroups_fill(s) for s in (0, 190, 192, 384, 1536, 2048, 3000, 4096, 16384))
 
 
+@pytest.mark.parametrize("d, dv, owners", [(192, 128, True), (192, 192, True), (256, 256, False), (128, 128, False)])
+def test_wide_backward_roles(d, dv, owners):
+    """Which Gluon backward launches split dK and dV by owner and keep K in registers (hopper_bwd.WIDE_OWNERS,
+    WIDE_K_REGS: d192 and MLA's 192/128), and which take d256's roles; the plan is built without a launch (one
+    program per item past the persistent grid's bound, so no GPU is asked for its SM count)."""
+    from flashtile.kernels import hopper_bwd
+    from flashtile.request import AttentionRequest
+    if not hopper_bwd.AVAILABLE:
+        pytest.skip("Gluon is not importable here")
+    b, s, h = 1, hopper_bwd.PERSISTENT_MAX_SEQLEN_K + 1, 2
+    q, k = (torch.empty(b, s, h, d, dtype=torch.bfloat16) for _ in range(2))
+    v, dout = (torch.empty(b, s, h, dv, dtype=torch.bfloat16) for _ in range(2))
+    req = AttentionRequest(softmax_scale=d ** -0.5, window_right=0)
+    plan = hopper_bwd.gluon_plan(q, k, v, dout, (None, None, None), (b, h, s + 64), req, False)
+    constexprs = plan.launch.constexprs
+    assert not plan.persistent
+    assert constexprs["OWNERS"] is owners and constexprs["K_REGS"] is owners
+    assert constexprs["ROLES"] is (d == 256)
+    assert constexprs["HEAD_DIM"] == hopper_bwd.TILE_DIM[d] and constexprs["D_V"] == dv
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The Hopper backward's dQ tile buffer, put back in dQ's layout (a plain Triton kernel: it runs in the interpreter)
 # ---------------------------------------------------------------------------------------------------------------
