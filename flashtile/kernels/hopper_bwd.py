@@ -1161,9 +1161,7 @@ if AVAILABLE:
             else:
                 mbarrier.arrive(smem.q_bar.empty.index(cfg.STAGES), count=1)  # dO read (by dP^T's product)
             dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q.slice(col0, cfg.KV_COLS, dim=1), dk, is_async=True)
-            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, 64, 16])
-            dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+            dq_zero = _dq_zero()
             # dQ's shares of this warpgroup's columns that hold any of the head dim (d192: one for warpgroup 1).
             N_DQ: gl.constexpr = _wide_dq_shares(cfg.D, wg.half)
             dq0_tok = warpgroup_mma(ds_tile, k.slice(col0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
@@ -1184,6 +1182,12 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
+    def _dq_zero():
+        """A zero [64, 64] fp32 accumulator of one dQ share (the products' start: use_acc=False never reads it)."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        return gl.zeros([64, 64], gl.float32, layout=layout)
+
+    @gluon.jit
     def _wide_owned(prog, wg, t, slot, q, do, k, ds_tile, p_tile, dk, dv):
         """_bwd_step_wide's second half with OWNERS, once both warpgroups' P^T and dS^T are in shared memory:
         warpgroup 0 adds dV += P^T dO over v's head dim and computes dQ's shares 0 and 1 (columns 0-127), warpgroup
@@ -1191,9 +1195,7 @@ if AVAILABLE:
         own passed through)."""
         cfg = prog.cfg
         smem = prog.smem
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 64, 16])
-        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+        dq_zero = _dq_zero()
         PAIR_V: gl.constexpr = cfg.D_V == 192
         if wg.half == 0:
             dv_tok = _kv_product(p_tile.permute((1, 0)), do, dv, PAIR_V)
@@ -1226,9 +1228,7 @@ if AVAILABLE:
         cfg = prog.cfg
         smem = prog.smem
         # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 64, 16])
-        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+        dq_zero = _dq_zero()
         # Both warpgroups' dS^T halves go into one [128 keys, BLOCK_M] tile (two buffers, alternating); each
         # warpgroup then multiplies all 128 keys into its share of the dQ tile, so every dQ element is reduced once
         # per key block rather than once per warpgroup. Shares: at d128 (64 query rows) 64 of the columns, at d64
