@@ -14,6 +14,13 @@ during the first call (triton.knobs.compilation.listener: each kernel's name, ca
 stage) and the time spent building launchers (triton.runtime.build.compile_module_from_src). The issue's bars:
 first call at most 5 s cold and 0.3 s warm; `import flashtile` at most 0.3 s on top of `import torch`. Writes
 <date>-<gpu>-cold.json to --out.
+
+Python's compiled bytecode: an installed package has it (pip compiles every module when it installs), but an
+environment with PYTHONDONTWRITEBYTECODE set and packages installed without it compiles each module from source in
+every process, which a first call pays for Triton's modules (it imports Triton). --bytecode installed (the default)
+gives the children the bytecode an installation has: they read and write it under a private PYTHONPYCACHEPREFIX,
+primed by one untimed child that runs the same call first (with a Triton cache of its own, so the cold runs still
+compile everything). --bytecode as-is runs the children in the environment as it is. --bytecode both measures both.
 """
 from __future__ import annotations
 
@@ -92,10 +99,13 @@ print(json.dumps(dict(import_torch_s=t1 - t0, import_flashtile_s=t2 - t1, cuda_s
 """.replace("SHAPE", repr(SHAPE))
 
 
-def run_child(cache_dir, timeout, **env_extra):
-    """The child's measurements (a dict) in a fresh process whose Triton cache is cache_dir (env_extra: more
-    environment variables)."""
+def run_child(cache_dir, timeout, pycache=None, **env_extra):
+    """The child's measurements (a dict) in a fresh process whose Triton cache is cache_dir (pycache: a folder for
+    Python's bytecode, PYTHONPYCACHEPREFIX, written and read there; env_extra: more environment variables)."""
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, **env_extra)
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = pycache
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -128,7 +138,22 @@ def build_parser(prog=None):
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"results folder (default ./{DEFAULT_OUT})")
     p.add_argument("--runs", type=int, default=2, help="warm runs after the cold one (default 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a child may take (default 300)")
+    p.add_argument("--bytecode", choices=("installed", "as-is", "both"), default="installed",
+                   help="Python bytecode as an installation has it, the environment as it is, or both (see below)")
     return p
+
+
+def measure(root, runs, timeout, pycache=None):
+    """{cold_compile_ahead_off, cold, warm: [...]} of one bytecode setting, Triton caches under root."""
+    off = run_child(root + "/ahead-off", timeout, pycache, FLASHTILE_COMPILE_AHEAD="0")
+    log(f"cold, compile-ahead off: {summary(off)}")
+    cold = run_child(root + "/default", timeout, pycache)
+    log(f"cold: {summary(cold)}")
+    warm = []
+    for i in range(runs):
+        warm.append(run_child(root + "/default", timeout, pycache))
+        log(f"warm {i + 1}: {summary(warm[-1])}")
+    return {"cold_compile_ahead_off": off, "cold": cold, "warm": warm}
 
 
 def main(argv=None, prog=None):
@@ -138,23 +163,30 @@ def main(argv=None, prog=None):
     if not torch.cuda.is_available():
         log("error: no CUDA device; the cold start is measured on a GPU")
         return 2
+    results = {}
     with tempfile.TemporaryDirectory(prefix="flashtile-cold-") as cache_dir:
-        off = run_child(cache_dir + "/ahead-off", args.timeout, FLASHTILE_COMPILE_AHEAD="0")
-        log(f"cold, compile-ahead off: {summary(off)}")
-        cold = run_child(cache_dir + "/default", args.timeout)
-        log(f"cold: {summary(cold)}")
-        warm = []
-        for i in range(args.runs):
-            warm.append(run_child(cache_dir + "/default", args.timeout))
-            log(f"warm {i + 1}: {summary(warm[-1])}")
+        if args.bytecode in ("installed", "both"):
+            pycache = cache_dir + "/pycache"
+            log("priming the children's bytecode (one untimed call)")
+            run_child(cache_dir + "/prime", args.timeout, pycache)
+            log("bytecode as installed:")
+            results["installed"] = measure(cache_dir + "/installed", args.runs, args.timeout, pycache)
+        if args.bytecode in ("as-is", "both"):
+            log(f"bytecode as the environment has it (PYTHONDONTWRITEBYTECODE="
+                f"{os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r}):")
+            results["as-is"] = measure(cache_dir + "/as-is", args.runs, args.timeout)
+    main_result = results.get("installed", results.get("as-is"))
+    cold, off, warm = main_result["cold"], main_result["cold_compile_ahead_off"], main_result["warm"]
     checks = bars(cold, warm)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": dist_version("triton"), "flashtile_commit": commit(),
             "shape": dict(zip(("batch", "seqlen", "heads", "head_dim"), SHAPE), dtype="bf16", causal=True),
-            "argv": sys.argv[1:] if argv is None else list(argv)}
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "bytecode": "installed" if "installed" in results else "as-is"}
     out_path = report_bars(checks, args.out, meta["gpu"], "cold", meta["date"][:10],
-                           {"metadata": meta, "cold": cold, "cold_compile_ahead_off": off, "warm": warm})
+                           {"metadata": meta, "cold": cold, "cold_compile_ahead_off": off, "warm": warm,
+                            "by_bytecode": results})
     log(f"wrote {out_path}")
     return 0
 

@@ -131,10 +131,13 @@ def _run(compiled, grid, stream, args, tail):
 
 def _key(kernel, args, constexprs, options):
     # constexprs made by _common.constexpr_groups carry their plain values as `key`: hashing and comparing
-    # tl.constexpr objects costs several Python calls each.
+    # tl.constexpr objects costs several Python calls each. The kernel stands in the key as its Python function
+    # (hashed by identity): hashing a JITFunction computes Triton's cache key, which walks the source of the kernel
+    # and of every function it calls (~0.1 s for the attention kernels, once per process), and a warm process's
+    # first launch goes through the on-disk index without ever needing it (_index.py).
     plain = getattr(constexprs, "key", None)
-    return (kernel, tuple(map(_arg_key, args)), tuple(constexprs.items()) if plain is None else plain,
-            tuple(options.items()))
+    return (getattr(kernel, "fn", kernel), tuple(map(_arg_key, args)),
+            tuple(constexprs.items()) if plain is None else plain, tuple(options.items()))
 
 
 def _compile(kernel, grid, args, constexprs, options):
