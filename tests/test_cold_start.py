@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -39,6 +41,30 @@ def test_compile_only_launches_run_nothing():
     assert not _launch.dry()
     assert torch.equal(x, torch.zeros(40))
     _launch.launch(_fill_kernel, (1,), (x, 40, 3.0), {"BLOCK": 64}, None)
+    assert torch.equal(x, torch.full((40,), 3.0))
+
+
+def test_background_launches_compile_aside_and_the_block_waits(monkeypatch):
+    """Under compile_only a Bound launch made with background=True returns at once and compiles in a thread of its
+    own (named after the caller's), still compile-only; the block's end waits for it. Outside the block it launches
+    as usual."""
+    seen = []
+
+    def slow_jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
+        time.sleep(0.2)
+        seen.append((threading.current_thread().name, _launch.dry(), args))
+        return None, None
+
+    x = torch.zeros(40)
+    bound = _launch.Bound(_fill_kernel, (1,), (40, 3.0), {"BLOCK": 64}, {}, background=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(_launch, "_jit_launch", slow_jit_launch)
+        with _launch.compile_only():
+            assert bound(None, x) is None
+            assert not seen, "the launch waited for its compile"
+        assert seen == [(f"{threading.current_thread().name}/compile", True, (x, 40, 3.0))]
+    assert not _launch.dry()
+    bound(None, x)
     assert torch.equal(x, torch.full((40,), 3.0))
 
 
@@ -141,9 +167,10 @@ def test_first_backward_compiled_during_the_forward(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     compiled = [e for e in result["events"] if not e[1]]
-    in_helper = [name for name, _, thread, _ in compiled if thread == "flashtile-compile-ahead"]
+    # The helper thread, and the threads it compiles the backward's kernels in side by side ("<helper>/compile").
+    in_helper = [name for name, _, thread, _ in compiled if thread.startswith("flashtile-compile-ahead")]
     in_backward = [name for name, _, thread, phase in compiled
-                   if phase == "backward" and thread != "flashtile-compile-ahead"]
+                   if phase == "backward" and not thread.startswith("flashtile-compile-ahead")]
     assert in_helper, f"nothing compiled in the helper: {compiled}"
     assert not in_backward, f"the backward compiled {in_backward} itself"
     assert not [e for e in result["events"] if e[3] == "again"], "a second step compiles or looks up nothing"

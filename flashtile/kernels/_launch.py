@@ -40,13 +40,18 @@ _THREAD = threading.local()
 def compile_only():
     """Within the block, this thread's launches compile their kernels, load them and build their launchers, and
     keep them in the compile cache as a launch would, but run nothing (flashtile/_ahead.py compiles a backward
-    this way while the forward compiles). Other threads launch as usual."""
-    saved = getattr(_THREAD, "dry", False)
-    _THREAD.dry = True
+    this way while the forward compiles). Other threads launch as usual. Bound launches made with background=True
+    compile in threads of their own, side by side; the block's end waits for them."""
+    saved = getattr(_THREAD, "dry", False), getattr(_THREAD, "pending", None)
+    _THREAD.dry, _THREAD.pending = True, []
     try:
         yield
     finally:
-        _THREAD.dry = saved
+        try:
+            for thread in _THREAD.pending:
+                thread.join()
+        finally:
+            _THREAD.dry, _THREAD.pending = saved
 
 
 def dry():
@@ -222,10 +227,14 @@ class Bound:
     For callers whose own key fixes everything Triton specializes on (decode's plans: dtypes, alignment, the value
     of every integer argument but do_not_specialize ones): the first call with a stream goes through `launch`'s
     compile cache (the JIT path the first time the key is seen), and the bound launch keeps the compiled kernel, so
-    later calls are one call of its launcher -- no key, no dictionary, no per-argument work."""
-    __slots__ = ("kernel", "grid", "static", "constexprs", "options", "tail", "compiled")
+    later calls are one call of its launcher -- no key, no dictionary, no per-argument work.
 
-    def __init__(self, kernel, grid, static, constexprs, options):
+    background: under compile_only, this launch compiles in a thread of its own and the call returns at once (None),
+    so that the kernels of one plan compile side by side; for launches whose caller needs nothing of the compiled
+    kernel (not a tile search, which learns from a compile's failure)."""
+    __slots__ = ("kernel", "grid", "static", "constexprs", "options", "tail", "compiled", "background")
+
+    def __init__(self, kernel, grid, static, constexprs, options, background=False):
         names = list(kernel.arg_names)
         # The launcher takes every parameter in order, constexprs included (it skips them).
         assert names[len(names) - len(constexprs):] == list(constexprs), "constexprs must be the last parameters"
@@ -236,9 +245,13 @@ class Bound:
         self.options = options
         self.tail = self.static + tuple(constexprs.values())
         self.compiled = None
+        self.background = background
 
     def __call__(self, stream, *dynamic):
         compiled = self.compiled
+        if self.background and compiled is None and dry() and getattr(_THREAD, "pending", None) is not None:
+            self._compile_aside(dynamic + self.static)
+            return None
         if compiled is not None and stream is not None:
             grid = self.grid
             compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
@@ -259,3 +272,24 @@ class Bound:
         if entry is not None:
             self.compiled = entry[0]
         return compiled
+
+    def _compile_aside(self, args):
+        """compile_only's background compile of this launch (class docstring): a thread (named after this one, with
+        "/compile") that compiles, loads and keeps the kernel as the JIT path would, on the current GPU; a failure is
+        dropped (the real launch then compiles, or raises, itself)."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def work():
+            try:
+                with compile_only():
+                    if device is not None:
+                        torch.cuda.set_device(device)
+                    _, entry = _jit_launch(self.kernel, self.grid, args, self.constexprs, self.options)
+                if entry is not None:
+                    self.compiled = entry[0]
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+
+        thread = threading.Thread(target=work, name=f"{threading.current_thread().name}/compile", daemon=True)
+        _THREAD.pending.append(thread)
+        thread.start()

@@ -540,7 +540,7 @@ def _preprocess_launch(out, dout, lse, dlse, varlen, seqlen_q, batch, delta_scal
         _bwd_preprocess_kernel, (pad // _PREPROCESS_BLOCK_M, batch * num_heads),
         (out.shape[0] if varlen else 0, strides, seqlen_q, num_heads, delta_scale),
         dict(HEAD_DIM_V=out.shape[-1], HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=_PREPROCESS_BLOCK_M,
-             BLOCK_DV=block_dv, ZERO_WIDTH=zero_width), {})
+             BLOCK_DV=block_dv, ZERO_WIDTH=zero_width), {}, background=True)
 
 
 def _gluon_dbias(req, full_shape, device):

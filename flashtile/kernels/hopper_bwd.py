@@ -170,7 +170,7 @@ def _dq_from_tiles_launch(dq, seqlen_q_pad, addend=None):
     return _launch.Bound(_dq_from_tiles_kernel, grid, (dq.stride(0), dq.stride(1), dq.stride(2), *add_strides,
                                                        seqlen_q, seqlen_q_pad, num_heads),
                          dict(HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, ADD=addend is not None, D=head_dim),
-                         dict(num_warps=4))
+                         dict(num_warps=4), background=True)
 
 
 if AVAILABLE:
@@ -1931,7 +1931,7 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
         D=head_dim, D_V=v.shape[-1], ROLES=(head_dim, v.shape[-1]) in WIDE_ROLES,
         OWNERS=(head_dim, v.shape[-1]) in WIDE_OWNERS, K_REGS=(head_dim, v.shape[-1]) in WIDE_K_REGS),
-        dict(num_warps=4))
+        dict(num_warps=4), background=True)
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
     return plan
