@@ -131,6 +131,20 @@ def test_launch_keys_repeat_across_processes():
     assert {"flashtile.kernels.hopper_fwd._fwd_kernel", "flashtile.kernels.hopper_bwd._bwd_kernel"} <= names
 
 
+def test_launch_keys_do_not_compute_tritons_cache_key():
+    """A launch key hashes without Triton's cache key of the kernel (hashing a JITFunction computes it, walking the
+    source of every function the kernel calls: ~0.1 s of a warm process's first call, which never needs it)."""
+    def body(X, BLOCK: tl.constexpr):
+        _fill_kernel(X, 1, 0.0, BLOCK)
+
+    kernel = triton.runtime.jit.JITFunction(body)  # (not the interpreter's stand-in, which has no cache key)
+    key = _launch._key(kernel, (torch.zeros(4), 3), {"BLOCK": 16}, {})
+    assert key == _launch._key(kernel, (torch.zeros(4), 3), {"BLOCK": 16}, {})
+    hash(key)
+    assert kernel.hash is None, "the launch key computed Triton's cache key"
+    assert _index._stable_text(key).startswith(f"('{__name__}.")
+
+
 def test_index_stands_aside_when_triton_compiles_anew(monkeypatch):
     monkeypatch.setattr(triton.knobs.compilation, "always_compile", True)
     assert _index._path((_fill_kernel, (), (), ()), 0) is None
