@@ -1002,10 +1002,11 @@ def test_gpu_fast_launch(request, fresh_plans):
     calls = list(kvcache._CALLS.values())
     assert len(calls) == 2  # aligned q, misaligned q
     assert all(c.attn.split.compiled is not None and c.append.launch.compiled is not None for c in calls)
-    # One compile cache for every launch (kernels/_launch.py): the plans' kernels are in it.
+    # One compile cache for every launch (kernels/_launch.py): the plans' kernels are in it (a key names its kernel
+    # by the kernel's Python function).
     from flashtile.kernels import _launch
     cached = {key[0] for key in _launch._COMPILED}
-    assert {decode._kvcache_split_kernel, decode._kvcache_append_kernel} <= cached
+    assert {decode._kvcache_split_kernel.fn, decode._kvcache_append_kernel.fn} <= cached
     assert decode.fast_stream(torch.cuda.current_device()) is not None
     for got in results[1:]:
         for a, b in zip(got, results[0]):
