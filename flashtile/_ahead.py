@@ -9,9 +9,11 @@ When a forward that autograd will differentiate meets a call it has no plan for 
 `start` runs the backward once in a helper thread, on stand-in tensors shaped like the call's out, LSE and output
 gradient, with launches compile-only (kernels/_launch.compile_only): every kernel of that backward compiles, loads
 and gets its launcher, and the backward's plan is kept, while the main thread compiles and runs the forward. The
-real backward (`wait`) joins the helper first and finds the plan and the compiled kernels ready. Stand-ins are fresh
-contiguous allocations, like the gradient autograd passes for a plain loss; a real call that differs (an output
-gradient with other strides, a used LSE) builds its own plan as it would have.
+Gluon backward's three kernels (preprocess, main kernel, dQ pass) compile side by side, each in a thread of its own
+(`_launch.Bound`'s background), so the helper takes about as long as its main kernel (docs/design-record.md, "Cold
+start"). The real backward (`wait`) joins the helper first and finds the plan and the compiled kernels ready.
+Stand-ins are fresh contiguous allocations, like the gradient autograd passes for a plain loss; a real call that
+differs (an output gradient with other strides, a used LSE) builds its own plan as it would have.
 
 Each kind of call (device, dtypes, head dims, layout, which options are on: `_kind`) is prepared once per process,
 so calls whose shapes change do not start a helper every time. The helper allocates the stand-ins and the
