@@ -533,3 +533,28 @@ def test_verbs(capsys):
     assert main(["nope"]) == 2 and "unknown verb 'nope'" in capsys.readouterr().err
     assert main(["check", "--help"]) == 0 and "float64 reference" in capsys.readouterr().out
     assert main(["check", "extra"]) == 2 and "takes no arguments" in capsys.readouterr().err
+
+
+def test_cold_children_get_the_bytecode_an_installation_has(monkeypatch):
+    """bench cold's children: with a pycache folder they read and write bytecode there (PYTHONPYCACHEPREFIX), even
+    where the environment says not to write it; without one they get the environment as it is."""
+    from types import SimpleNamespace
+
+    from flashtile.bench import cold
+    envs = []
+
+    def fake_run(cmd, env, **kwargs):
+        envs.append(env)
+        return SimpleNamespace(returncode=0, stdout='noise\n{"first_call_s": 1.5}\n', stderr="")
+
+    monkeypatch.setattr(cold.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    assert cold.run_child("/tmp/triton-a", 10, "/tmp/pyc", FLASHTILE_COMPILE_AHEAD="0") == {"first_call_s": 1.5}
+    assert envs[0]["PYTHONPYCACHEPREFIX"] == "/tmp/pyc" and "PYTHONDONTWRITEBYTECODE" not in envs[0]
+    assert envs[0]["TRITON_CACHE_DIR"] == "/tmp/triton-a" and envs[0]["FLASHTILE_COMPILE_AHEAD"] == "0"
+    cold.run_child("/tmp/triton-b", 10)
+    assert envs[1]["PYTHONDONTWRITEBYTECODE"] == "1" and "PYTHONPYCACHEPREFIX" not in envs[1]
+    assert cold.build_parser().parse_args([]).bytecode == "installed"
+    with pytest.raises(SystemExit):
+        cold.build_parser().parse_args(["--bytecode", "compiled"])
