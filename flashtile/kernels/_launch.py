@@ -249,7 +249,7 @@ class Bound:
 
     def __call__(self, stream, *dynamic):
         compiled = self.compiled
-        if self.background and compiled is None and dry() and getattr(_THREAD, "pending", None) is not None:
+        if self.background and compiled is None and dry():  # (dry: inside compile_only, which keeps _THREAD.pending)
             self._compile_aside(dynamic + self.static)
             return None
         if compiled is not None and stream is not None:
