@@ -229,35 +229,62 @@ def test_fp8_portable_forward_on_gpu(monkeypatch, causal):
     assert_close("out", out.cpu(), ref, plain, torch.bfloat16)
 
 
-# The key order within each block of 128 keys of the Hopper kernel's copy of V (and of its P): position
-# 32 q + 2 i + e holds key 8 i + 2 q + e, written out here independently of hopper_fwd._vt_keys.
-VT_ORDER = [8 * i + 2 * q + e for q in range(4) for i in range(16) for e in range(2)]
+def _vt_order(n):
+    """The key order within each block of n keys of the Hopper kernel's copy of V (and of its P): position
+    n / 4 q + 2 i + e holds key 8 i + 2 q + e, written out here independently of hopper_fwd._vt_keys."""
+    return [8 * i + 2 * q + e for q in range(4) for i in range(n // 8) for e in range(2)]
 
 
-def _vt_blocks(v):
-    """v [S, H, D] bytes -> [H, D, L]: keys padded with zeros to whole blocks of 128, each block in VT_ORDER."""
-    n = -(-v.shape[0] // 128) * 128
-    padded = torch.zeros((n,) + v.shape[1:], dtype=v.dtype)
+VT_ORDER = _vt_order(128)
+
+
+def _vt_blocks(v, n=128):
+    """v [S, H, D] bytes -> [H, D, L]: keys padded with zeros to whole blocks of n, each block in _vt_order(n)."""
+    total = -(-v.shape[0] // n) * n
+    padded = torch.zeros((total,) + v.shape[1:], dtype=v.dtype)
     padded[:v.shape[0]] = v
-    order = torch.tensor([128 * blk + k for blk in range(n // 128) for k in VT_ORDER], dtype=torch.long)
+    order = torch.tensor([n * blk + k for blk in range(total // n) for k in _vt_order(n)], dtype=torch.long)
     return padded[order].permute(1, 2, 0)
 
 
-def test_transposed_v_for_the_hopper_kernel(poison):
+@pytest.mark.parametrize("block", [128, 256])
+def test_transposed_v_for_the_hopper_kernel(poison, block):
     """The Hopper FP8 forward's copy of V with the keys contiguous (hopper_fwd._transposed_v, a Triton kernel):
-    whole blocks of 128 keys, each in the kernel's key order (VT_ORDER), zeros past Sk; odd key counts, a
-    non-contiguous V, a poisoned buffer."""
+    whole blocks of the kernel's 128 or 256 keys, each in its key order (_vt_order), zeros past Sk; odd key counts,
+    a non-contiguous V, a poisoned buffer."""
     from flashtile.kernels import configs, hopper_fwd
     if not configs.INTERPRETING:
         pytest.skip("runs the Triton kernel in the interpreter (TRITON_INTERPRET=1)")
-    assert sorted(VT_ORDER) == list(range(128))
+    assert sorted(_vt_order(block)) == list(range(block))
     gen = torch.Generator().manual_seed(2)
-    wide = torch.randn(3, 203, 2, 2 * 128, generator=gen).to(FP8)
+    wide = torch.randn(3, 203 + block, 2, 2 * 128, generator=gen).to(FP8)
     v = wide[..., :128]  # rows and heads strided
-    vt = hopper_fwd._transposed_v(v)
-    assert poison and vt.shape == (3, 2, 128, 256) and vt.is_contiguous()
+    vt = hopper_fwd._transposed_v(v, block_s=block)
+    assert poison and vt.shape == (3, 2, 128, 2 * block if block == 256 else 3 * block) and vt.is_contiguous()
     for b in range(3):
-        assert torch.equal(vt[b].view(torch.uint8), _vt_blocks(v[b].view(torch.uint8)))
+        assert torch.equal(vt[b].view(torch.uint8), _vt_blocks(v[b].view(torch.uint8), block))
+
+
+def test_fp8_key_blocks():
+    """The float8 forward's keys per block (hopper_fwd.fp8_block_n): 256 for fixed-length calls with 2k keys or more
+    (16k or more with a band: causal, a window), 128 for fewer, varlen batches and dropout; the GPU cases marked
+    wide take 256."""
+    from flashtile.kernels import hopper_fwd
+    from flashtile.testing import cu_seqlens
+    plain, causal = AttentionRequest(softmax_scale=0.1), AttentionRequest(softmax_scale=0.1, window_right=0)
+    window = AttentionRequest(softmax_scale=0.1, window_left=300, window_right=300)
+    assert [hopper_fwd.fp8_block_n(sk, plain) for sk in (1, 1000, 2047, 2048, 16384)] == [128] * 3 + [256] * 2
+    assert [hopper_fwd.fp8_block_n(sk, causal) for sk in (2048, 8192, 16383, 16384)] == [128] * 3 + [256]
+    assert hopper_fwd.fp8_block_n(4096, window) == 128
+    assert hopper_fwd.fp8_block_n(20000, AttentionRequest(softmax_scale=0.1, dropout_p=0.1)) == 128
+    varlen = AttentionRequest(softmax_scale=0.1, cu_seqlens_q=cu_seqlens([4096]), cu_seqlens_k=cu_seqlens([4096]),
+                              max_seqlen_q=4096, max_seqlen_k=4096)
+    assert hopper_fwd.fp8_block_n(4096, varlen) == 128
+    for case in GLUON_CASES:
+        b, sq, sk, h, hk, d, is_causal, win, sinks = case.values
+        req = AttentionRequest(softmax_scale=0.1, diagonal_offset=sk - sq, window_right=0 if is_causal else win[1],
+                               window_left=win[0])
+        assert (hopper_fwd.fp8_block_n(sk, req) == 256) == ("wide" in case.id), case.id
 
 
 def test_transposed_v_of_a_varlen_batch():
@@ -294,6 +321,10 @@ GLUON_CASES = [
     pytest.param(2, 1033, 1033, 4, 2, 64, True, (-1, -1), False, id="d64-causal"),
     pytest.param(1, 517, 1500, 4, 2, 64, False, (-1, -1), False, id="d64-sq<sk"),
     pytest.param(1, 900, 900, 4, 2, 128, False, (200, 57), True, id="d128-window-sinks"),
+    # 256-key blocks (hopper_fwd.fp8_block_n): Sk past 2k without a band, past 16k causal (few rows, bottom-right).
+    pytest.param(2, 700, 2600, 4, 2, 128, False, (-1, -1), False, id="d128-wide-sq<sk"),
+    pytest.param(1, 2500, 2300, 2, 1, 128, False, (-1, -1), True, id="d128-wide-sq>sk-mqa-sinks"),
+    pytest.param(1, 300, 16500, 2, 1, 128, True, (-1, -1), False, id="d128-wide-causal"),
 ]
 
 

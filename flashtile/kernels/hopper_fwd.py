@@ -133,10 +133,19 @@ CONSUMER_REGS_3WG = tl.constexpr(160)
 # H100/H200 block may use, what is left beside the barriers).
 BIAS_STAGES = 2
 SMEM_BYTES = 224 * 1024
-# The float8 forward's (K/V ring depth, query buffers) at d128: 16 KB per K or V block and 16 KB per query tile,
-# beside two 8 KB P buffers (_stage_p). Rings of 3 and 4 stages fit but ran no faster at 16k on an H100, and one
-# query buffer lost 4% there (docs/design-record.md, "The FP8 forward").
+# The float8 forward's (K/V ring depth, query buffers) at d128: 16 KB per K or V block (32 KB at 256-key blocks) and
+# 16 KB per query tile, beside two P buffers of 8 KB (16 KB; _stage_p). Rings of 3 and 4 stages fit but ran no faster
+# at 16k on an H100, and one query buffer lost 4% there (docs/design-record.md, "The FP8 forward").
 FP8_RING = (2, 2)
+# The float8 forward's key blocks (fp8_block_n): 256 keys where a row sees many of them, 128 otherwise. A 256-key step
+# halves the steps' fixed costs (the waits, P's fence and barrier, the LAZY check's barrier) per key, and P is
+# stored before that check (_finish_step's EARLY: its fp32 exponentials beside O spilled 145 stores offline). On an
+# H100 (docs/design-record.md, "The FP8 forward"), 256 / 128 at d128: 1.03-1.10x from 2k keys without a band,
+# 0.97x at 1k; causal 1.06x at 16k, 0.98-1.00x at 4k-8k, 0.74-0.85x at 1k-2k. Varlen batches keep 128 (their
+# transposed copy spaces sequences VT_GAP apart for 128-key blocks), as do dropout (its P stays fp32 through the
+# check) and paged caches.
+FP8_WIDE_BLOCK_N = tl.constexpr(256)
+FP8_WIDE_MIN_KEYS = {False: 2048, True: 16384}  # by whether the call has a band (causal, a window)
 # LAZY_MAX (SETTINGS.lazy_max, on by default): without an attn_mask, a left window or ALiBi, on two warpgroups, blocks
 # after a work item's first take their exponentials against the rows' reference from earlier blocks, with no row
 # maximum and no rescale of O, unless a row's sum passes LAZY_LIMIT (_finish_step): 2-5% faster forwards
@@ -1008,11 +1017,18 @@ if AVAILABLE:
         blk, mask = _block_mask(cfg, rows, j)
         if cfg.LAZY:
             p, l_blk = _lazy_exp(cfg, mods, rows, s, m_i, blk * cfg.BLOCK_N, mask)
+            # FP8's 256-key blocks (EARLY): P goes to its buffer once the previous P V is done, before the check, so
+            # the block's fp32 exponentials are not kept through it (beside O they spilled); a redone block stores its
+            # own P over it. No float8 tensor crosses the branches' join (its bytes would be unpacked and repacked).
+            EARLY: gl.constexpr = cfg.FP8 and not cfg.DROPOUT and cfg.BLOCK_N == FP8_WIDE_BLOCK_N
             alpha = alpha_prev  # not read: LAZY never rescales at issue
             if cfg.V_SPLIT:
                 acc, p_prev = _retire_split_pv(acc_tok, p_prev)
             else:
                 acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+            if EARLY:
+                smem.p.index(rows.part).store(_key_order(p).to(cfg.dtype))
+                fence_async_shared()
             # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
             big = _wg_max(l_blk, smem.flag.index(rows.part * 2 + (c + j) % 2))
             if cfg.FP8:
@@ -1022,15 +1038,22 @@ if AVAILABLE:
             if big > limit:
                 s_tok = _issue_s(smem, q, c + j, s_zero, False, cfg.QK_CHUNKS, cfg.NARROW_QK)
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask,
-                                                       bc)
+                p_r, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N,
+                                                         mask, bc)
                 if cfg.V_SPLIT:
                     acc = _split_times(acc, alpha)
                 else:
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+                if EARLY:
+                    _store_p(smem, _key_order(p_r).to(cfg.dtype), rows.part)
+                else:
+                    p = p_r
             else:
                 l_i = l_i + l_blk
             smem.k_bar.release(c + j)
+            if EARLY:
+                smem.v_bar.release(c + j - 1)
+                return smem.p.index(rows.part), alpha, acc, m_i, l_i, bc
         else:
             p, alpha, m_i, l_i, bc = _softmax_step(cfg, smem, mods, rows, s, m_i, l_i, blk * cfg.BLOCK_N, mask, bc)
             if cfg.V_SPLIT:
@@ -1051,14 +1074,19 @@ if AVAILABLE:
         wait's register constraints stop at 16 bits), and a register operand not kept alive may be overwritten
         while the tensor cores read it (the module docstring's fact 2)."""
         if cfg.FP8:
-            buf = smem.p.index(part)
-            buf.store(_key_order(p).to(cfg.dtype))
-            # The product reads P through the async proxy, issued once every warp of the warpgroup has stored.
-            fence_async_shared()
-            thread_barrier()
-            return buf
+            return _store_p(smem, _key_order(p).to(cfg.dtype), part)
         else:
             return gl.convert_layout(p.to(cfg.dtype), cfg.dot_a)
+
+    @gluon.jit
+    def _store_p(smem, p, part: gl.constexpr):
+        """FP8: P, already float8 in the buffer's key order (_key_order), into this warpgroup's buffer: returns it."""
+        buf = smem.p.index(part)
+        buf.store(p)
+        # The product reads P through the async proxy, issued once every warp of the warpgroup has stored.
+        fence_async_shared()
+        thread_barrier()
+        return buf
 
     @gluon.jit
     def _key_order(p):
@@ -1512,6 +1540,14 @@ if AVAILABLE:
                                 (_load_partition, (prog, ))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def fp8_block_n(seqlen_k, req: AttentionRequest):
+    """Keys per block of the float8 forward (FP8_WIDE_BLOCK_N's rule): 256 for fixed-length calls whose rows see
+    at least FP8_WIDE_MIN_KEYS keys, else the transposed copy's 128."""
+    if req.varlen or req.paged or req.dropout_p > 0 or seqlen_k < FP8_WIDE_MIN_KEYS[req.banded]:
+        return _TRANSPOSE_KEYS
+    return FP8_WIDE_BLOCK_N.value
+
+
 def key_block_rows(head_dim, head_dim_v):
     """Key rows per block of the forward at these head dims (q/k, v): the tile width's (BLOCK_NS), or CHUNKED_TILES'."""
     tiles = CHUNKED_TILES.get((head_dim, head_dim_v))
@@ -1610,10 +1646,10 @@ VT_ALIGN = tl.constexpr(16)
 VT_GAP = tl.constexpr(144)
 
 
-def _transposed_v(v, cu_seqlens_k=None, max_seqlen_k=0):
+def _transposed_v(v, cu_seqlens_k=None, max_seqlen_k=0, block_s=_TRANSPOSE_KEYS):
     """V as [B, Hk, D, L] with the keys contiguous, for the FP8 forward's P V (float8 wgmma takes its shared
-    operands K-major only), each block of _TRANSPOSE_KEYS keys in _vt_keys' order: one pass per call over
-    B * Sk * Hk * D bytes (_transpose_v_kernel; torch's copy of the permuted view took ~0.22 ms for 32 MB on an
+    operands K-major only), each block of block_s keys (the kernel's BLOCK_N) in _vt_keys' order: one pass per call
+    over B * Sk * Hk * D bytes (_transpose_v_kernel; torch's copy of the permuted view took ~0.22 ms for 32 MB on an
     H100). L: Sk rounded up to whole blocks, zeros past Sk (the kernel's last block reads them with P = 0 there,
     and 0 times a stale float8 NaN would not be 0). Varlen (cu_seqlens_k given, v [total_k, Hk, D]): [1, Hk, D, L]
     with sequence b from VT_ALIGN-rounded cu_seqlens_k[b] + VT_GAP * b, zeros between."""
@@ -1624,18 +1660,19 @@ def _transposed_v(v, cu_seqlens_k=None, max_seqlen_k=0):
         n_seqs = cu_seqlens_k.numel() - 1
         length = -(-seqlen_k // VT_ALIGN.value) * VT_ALIGN.value + VT_GAP.value * (n_seqs + 1)
         vt = torch.zeros((1, num_kv_heads, head_dim, length), dtype=v.dtype, device=v.device)
-        grid = (triton.cdiv(max_seqlen_k, _TRANSPOSE_KEYS), n_seqs * num_kv_heads)
+        assert block_s == _TRANSPOSE_KEYS  # (VT_GAP spaces the sequences for 128-key blocks)
+        grid = (triton.cdiv(max_seqlen_k, block_s), n_seqs * num_kv_heads)
     else:
-        length = triton.cdiv(seqlen_k, _TRANSPOSE_KEYS) * _TRANSPOSE_KEYS
+        length = triton.cdiv(seqlen_k, block_s) * block_s
         vt = _common.empty((batch, num_kv_heads, head_dim, length), v.dtype, v.device)
-        grid = (length // _TRANSPOSE_KEYS, batch * num_kv_heads)
+        grid = (length // block_s, batch * num_kv_heads)
     if v.device.type == "meta" or v4.numel() == 0 or grid[0] * grid[1] == 0:
         return vt
     assert v4.stride(-1) == 1 and head_dim == triton.next_power_of_2(head_dim)
     src, dst = v4.view(torch.uint8), vt.view(torch.uint8)
     _launch.launch(_transpose_v_kernel, grid, (src, dst, cu_seqlens_k if varlen else src, seqlen_k, num_kv_heads,
                                                *src.stride()[:3], *dst.stride()[:3]),
-                   dict(HEAD_DIM=head_dim, BLOCK_S=_TRANSPOSE_KEYS, VARLEN=varlen), v.device.index, num_warps=4)
+                   dict(HEAD_DIM=head_dim, BLOCK_S=block_s, VARLEN=varlen), v.device.index, num_warps=4)
     return vt
 
 
@@ -1816,7 +1853,8 @@ class GluonFwdPlan:
                                        req.seqused_k)[0]
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         if self.fp8:
-            v = _transposed_v(v, *((req.cu_seqlens_k, req.max_seqlen_k) if self.varlen else ()))
+            v = _transposed_v(v, *((req.cu_seqlens_k, req.max_seqlen_k) if self.varlen else ()),
+                              block_s=self.block_n)
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     _Extras(lse if req.alibi_slopes is None else req.alibi_slopes,
@@ -1875,11 +1913,11 @@ def _fwd_plan(q, k, v, req, out_dtype):
     tile_d, tile_dv = TILE_DIM[head_dim], TILE_DIM[head_dim_v]
     tile_qk = QK_TILE_DIM.get(head_dim, tile_d)
     qk_cols = tile_qk if tile_qk == tile_d else QK_CHUNK
-    block_n = plan.block_n = key_block_rows(head_dim, head_dim_v)
-    # FP8: P's columns and V's transposed copy share an order within each key block (_key_order, _vt_keys).
-    assert not plan.fp8 or block_n == _TRANSPOSE_KEYS
+    block_n = plan.block_n = fp8_block_n(seqlen_k, req) if plan.fp8 else key_block_rows(head_dim, head_dim_v)
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
-    v_desc = (_vt_descriptor(_transposed_v(_meta(v), req.cu_seqlens_k if varlen else None), tile_dv, block_n)
+    # FP8: P's columns and V's transposed copy share an order within each key block (_key_order, _vt_keys).
+    v_desc = (_vt_descriptor(_transposed_v(_meta(v), req.cu_seqlens_k if varlen else None, block_s=block_n),
+                             tile_dv, block_n)
               if plan.fp8
               else _descriptor(_meta(v4), kv_rows, tile_dv))
     plan.descs = (_descriptor(_meta(q4), WG_M, qk_cols), _descriptor(_meta(k4), kv_rows, qk_cols), v_desc,
@@ -1915,10 +1953,11 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # registers (FwdConfig.V_SPLIT's rule: V's 256-column tile over fewer columns; two accumulators).
     v_split = tile_dv == 256 and head_dim_v != tile_dv
     ring = (tile_qk, tile_dv, block_n, stages, not v_split)
-    qbuf, stage_o = _smem_plan(num_wg, qbuf, 0, *ring)
     if plan.fp8:
         # Float8 tiles take half the shared memory: two query buffers at every configuration (FP8_RING).
-        stages, qbuf = FP8_RING
+        (stages, qbuf), stage_o = FP8_RING, False
+    else:
+        qbuf, stage_o = _smem_plan(num_wg, qbuf, 0, *ring)
     count_strides, idx_cols, plan.lists = (0, 0), 0, None
     if bias_kind:
         bias_mul_b, bias_mul_h = bias_descriptor(req.attn_bias, WG_M, block_n)[1:]
