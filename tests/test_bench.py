@@ -490,7 +490,7 @@ def test_bench_help_from_another_directory_without_a_gpu(tmp_path):
         assert f"\n  {name} " in out.stdout
 
 
-@pytest.mark.parametrize("name", ["features", "decode", "plot"])
+@pytest.mark.parametrize("name", ["features", "decode", "plot", "fp8"])
 def test_subcommand_help(name, capsys):
     from flashtile import bench as bench_pkg
     with pytest.raises(SystemExit) as exc:
@@ -505,8 +505,64 @@ def test_subcommands_without_gpu_exit_cleanly(capsys):
     from flashtile import bench as bench_pkg
     assert bench_pkg.main(["features"]) == 2
     assert bench_pkg.main(["decode", "--batch", "1", "--kv", "4k"]) == 2
+    assert bench_pkg.main(["fp8", "--seqlen", "1k"]) == 2
     err = capsys.readouterr().err
-    assert err.count("no CUDA device") == 2
+    assert err.count("no CUDA device") == 3
+
+
+def test_fp8_bench_quantizes_per_kv_head():
+    """bench fp8's inputs: each kv head's group of heads scaled so that its largest magnitude is 448 in float8,
+    the factor amax / 448, and the dequantized values within float8 e4m3's rounding (2^-4 relative) of the inputs."""
+    from flashtile.bench import fp8
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, 8, 16, generator=gen) * torch.tensor([1.0, 3.0, 0.5, 2.0]).repeat_interleave(2)[:, None]
+    x[1, :, 6:] = 0.0  # an all-zero group keeps a factor of 1
+    x8, factor = fp8.quantize(x, 4)
+    assert x8.dtype == torch.float8_e4m3fn and factor.shape == (2, 4) and factor[1, 3] == 1.0
+    amax = x.unflatten(2, (4, 2)).abs().amax(dim=(1, 3, 4))
+    torch.testing.assert_close(factor[amax > 0], amax[amax > 0] / 448.0)
+    grouped = x8.float().unflatten(2, (4, 2)).abs().amax(dim=(1, 3, 4))
+    assert (grouped[amax > 0] == 448.0).all()
+    back = fp8.dequantize(x8, factor)
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + factor.max() * 2 ** -9).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_bench_check_on_cpu(causal):
+    """bench fp8's correctness check runs its flashtile calls on a small CPU shape: both pass (the FP8 one against
+    the dequantized inputs' attention), and a corrupted FP8 output is reported wrong."""
+    from flashtile.bench import fp8
+    fns, to_bshd, inputs = fp8.calls(200, causal, device="cpu", total_tokens=200)
+    fns.pop("sdpa-cudnn")
+    diffs, status = fp8.check(fns, to_bshd, inputs, 200, causal)
+    assert status == {"flashtile-fp8": "ok", "flashtile": "ok"}, diffs
+    good = fns["flashtile-fp8"]
+    fns["flashtile-fp8"] = lambda: good() + 0.5
+    assert fp8.check(fns, to_bshd, inputs, 200, causal)[1]["flashtile-fp8"] == "wrong"
+    fns["flashtile-fp8"] = lambda: good() * float("nan")
+    assert fp8.check(fns, to_bshd, inputs, 200, causal)[1]["flashtile-fp8"] == "wrong"
+
+
+def test_fp8_bench_bars_and_table():
+    """bench fp8's bar (FP8 over bf16 at 16k without a causal mask) and table, from made-up rows."""
+    from flashtile.bench import fp8
+
+    def row(provider, tflops, seqlen=16384, causal=False, status="ok"):
+        return dict(seqlen=seqlen, batch=1, heads=16, headdim=128, causal=causal, provider=provider, tflops=tflops,
+                    status=status)
+    rows = [row("flashtile-fp8", 900.0), row("flashtile", 600.0), row("sdpa-cudnn", 580.0),
+            row("flashtile-fp8", 800.0, causal=True), row("flashtile", 620.0, causal=True),
+            row("sdpa-cudnn", 0.0, causal=True, status="wrong")]
+    assert fp8.ratios(rows) == {(16384, False): 1.5, (16384, True): 800.0 / 620.0}
+    [(bar, passed, value)] = fp8.bars(rows)
+    assert passed is True and value == "1.50x" and "1.4x" in bar
+    assert fp8.bars([row("flashtile-fp8", 800.0), row("flashtile", 600.0)])[0][1] is False
+    assert fp8.bars([row("flashtile-fp8", 900.0, status="wrong"), row("flashtile", 600.0)])[0][1] is None
+    table = fp8.format_table(rows)
+    lines = table.splitlines()
+    assert "fp8/bf16" in lines[0] and len(lines) == 3
+    assert "1.50x" in lines[1] and "1.55x" in lines[1]
+    assert "wrong" in lines[2] and "1.29x" in lines[2]
 
 
 def test_results_go_to_the_current_directory_by_default():

@@ -5,12 +5,13 @@
     python -m flashtile bench decode [options]       KV-cache decoding against SDPA and flash-attn (decode.py)
     python -m flashtile bench host [options]         host time of small eager calls against SDPA (host.py)
     python -m flashtile bench cold [options]         import and first-call time of fresh processes (cold.py)
+    python -m flashtile bench fp8 [options]          the FP8 forward against bf16 and SDPA cuDNN (fp8.py)
     python -m flashtile bench plot FILE [--out PNG]  re-plot a suite's results JSON (plot.py; needs matplotlib)
 
 Each takes --help. The benchmarks need a CUDA GPU (their --help does not); results are JSON (the suite adds a PNG
 when matplotlib is installed: `pip install flashtile[bench]`) written to --out, ./bench-results by default, with
 the GPU, torch, triton and the date. Modules: registry (providers and shapes), runner (flops, the correctness
-check, timing, the table, results files), plot, features, decode, host, cold. `import flashtile` never imports
+check, timing, the table, results files), plot, features, decode, host, cold, fp8. `import flashtile` never imports
 this package.
 """
 import importlib
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "decode": ("decode", "KV-cache decoding against torch SDPA and flash-attn"),
     "host": ("host", "host time of small eager calls against torch SDPA (--cpu: flashtile's Python alone)"),
     "cold": ("cold", "import and first-call time in fresh processes, empty and filled Triton cache"),
+    "fp8": ("fp8", "the FP8 forward (d128) against the bf16 forward and torch SDPA cuDNN"),
     "plot": ("plot", "re-plot a suite's results JSON (needs matplotlib)"),
 }
 
