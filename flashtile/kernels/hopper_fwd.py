@@ -1652,28 +1652,48 @@ def _transposed_v(v, cu_seqlens_k=None, max_seqlen_k=0, block_s=_TRANSPOSE_KEYS)
     over B * Sk * Hk * D bytes (_transpose_v_kernel; torch's copy of the permuted view took ~0.22 ms for 32 MB on an
     H100). L: Sk rounded up to whole blocks, zeros past Sk (the kernel's last block reads them with P = 0 there,
     and 0 times a stale float8 NaN would not be 0). Varlen (cu_seqlens_k given, v [total_k, Hk, D]): [1, Hk, D, L]
-    with sequence b from VT_ALIGN-rounded cu_seqlens_k[b] + VT_GAP * b, zeros between."""
-    varlen = cu_seqlens_k is not None
-    v4 = v.unsqueeze(0) if varlen else v
-    batch, seqlen_k, num_kv_heads, head_dim = v4.shape
-    if varlen:
-        n_seqs = cu_seqlens_k.numel() - 1
-        length = -(-seqlen_k // VT_ALIGN.value) * VT_ALIGN.value + VT_GAP.value * (n_seqs + 1)
-        vt = torch.zeros((1, num_kv_heads, head_dim, length), dtype=v.dtype, device=v.device)
-        assert block_s == _TRANSPOSE_KEYS  # (VT_GAP spaces the sequences for 128-key blocks)
-        grid = (triton.cdiv(max_seqlen_k, block_s), n_seqs * num_kv_heads)
-    else:
-        length = triton.cdiv(seqlen_k, block_s) * block_s
-        vt = _common.empty((batch, num_kv_heads, head_dim, length), v.dtype, v.device)
-        grid = (length // block_s, batch * num_kv_heads)
-    if v.device.type == "meta" or v4.numel() == 0 or grid[0] * grid[1] == 0:
+    with sequence b from VT_ALIGN-rounded cu_seqlens_k[b] + VT_GAP * b, zeros between. A plan keeps its _VtCopy."""
+    stream = _launch.stream_for(v.get_device()) if v.is_cuda else None
+    return _VtCopy(v, cu_seqlens_k, max_seqlen_k, block_s).run(stream, v, cu_seqlens_k)
+
+
+class _VtCopy:
+    """_transposed_v for one plan: the copy's shape, and the bound launch of _transpose_v_kernel (its grid, strides
+    and constexprs follow from the plan key's shapes and strides), so a call allocates and launches only."""
+    __slots__ = ("shape", "zeros", "varlen", "launch")
+
+    def __init__(self, v, cu_seqlens_k=None, max_seqlen_k=0, block_s=_TRANSPOSE_KEYS):
+        self.varlen = varlen = cu_seqlens_k is not None
+        v4 = v.unsqueeze(0) if varlen else v
+        batch, seqlen_k, num_kv_heads, head_dim = v4.shape
+        assert v4.stride(-1) == 1 and head_dim == triton.next_power_of_2(head_dim)
+        if varlen:
+            n_seqs = cu_seqlens_k.numel() - 1
+            length = -(-seqlen_k // VT_ALIGN.value) * VT_ALIGN.value + VT_GAP.value * (n_seqs + 1)
+            assert block_s == _TRANSPOSE_KEYS  # (VT_GAP spaces the sequences for 128-key blocks)
+            grid = (triton.cdiv(max_seqlen_k, block_s), n_seqs * num_kv_heads)
+        else:
+            length = triton.cdiv(seqlen_k, block_s) * block_s
+            grid = (length // block_s, batch * num_kv_heads)
+        # (Varlen: zeros between the sequences, which no program writes.)
+        self.shape, self.zeros = (batch, num_kv_heads, head_dim, length), varlen
+        dst_strides = (num_kv_heads * head_dim * length, head_dim * length, length)
+        self.launch = None
+        if grid[0] * grid[1] > 0 and v4.numel() > 0:
+            self.launch = _launch.Bound(_transpose_v_kernel, grid,
+                                        (seqlen_k, num_kv_heads, *v4.stride()[:3], *dst_strides),
+                                        dict(HEAD_DIM=head_dim, BLOCK_S=block_s, VARLEN=varlen), dict(num_warps=4))
+
+    def run(self, stream, v, cu_seqlens_k=None):
+        """The copy of v (a call's tensor with the plan's shape and strides; meta: the buffer alone)."""
+        if self.zeros:
+            vt = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
+        else:
+            vt = _common.empty(self.shape, v.dtype, v.device)
+        if self.launch is not None and v.device.type != "meta":
+            src = (v.unsqueeze(0) if self.varlen else v).view(torch.uint8)
+            self.launch(stream, src, vt.view(torch.uint8), cu_seqlens_k if self.varlen else src)
         return vt
-    assert v4.stride(-1) == 1 and head_dim == triton.next_power_of_2(head_dim)
-    src, dst = v4.view(torch.uint8), vt.view(torch.uint8)
-    _launch.launch(_transpose_v_kernel, grid, (src, dst, cu_seqlens_k if varlen else src, seqlen_k, num_kv_heads,
-                                               *src.stride()[:3], *dst.stride()[:3]),
-                   dict(HEAD_DIM=head_dim, BLOCK_S=block_s, VARLEN=varlen), v.device.index, num_warps=4)
-    return vt
 
 
 def bias_descriptor(bias, rows, cols):
@@ -1827,7 +1847,7 @@ class GluonFwdPlan:
     kernel (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), makes this call's
     descriptors and feature tensors, and launches."""
     __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "dynamic", "block_m",
-                 "block_n", "varlen", "lists", "o_from_q", "paged", "fp8")
+                 "block_n", "varlen", "lists", "o_from_q", "paged", "fp8", "vt")
 
     def run(self, q, k, v, req):
         """(out, lse) of a call with this plan's key."""
@@ -1853,8 +1873,7 @@ class GluonFwdPlan:
                                        req.seqused_k)[0]
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         if self.fp8:
-            v = _transposed_v(v, *((req.cu_seqlens_k, req.max_seqlen_k) if self.varlen else ()),
-                              block_s=self.block_n)
+            v = self.vt.run(stream, v, req.cu_seqlens_k)
         self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
                     _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
                     _Extras(lse if req.alibi_slopes is None else req.alibi_slopes,
@@ -1916,10 +1935,12 @@ def _fwd_plan(q, k, v, req, out_dtype):
     block_n = plan.block_n = fp8_block_n(seqlen_k, req) if plan.fp8 else key_block_rows(head_dim, head_dim_v)
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
     # FP8: P's columns and V's transposed copy share an order within each key block (_key_order, _vt_keys).
-    v_desc = (_vt_descriptor(_transposed_v(_meta(v), req.cu_seqlens_k if varlen else None, block_s=block_n),
-                             tile_dv, block_n)
-              if plan.fp8
-              else _descriptor(_meta(v4), kv_rows, tile_dv))
+    plan.vt = None
+    if plan.fp8:
+        plan.vt = _VtCopy(_meta(v), req.cu_seqlens_k if varlen else None, req.max_seqlen_k if varlen else 0, block_n)
+        v_desc = _vt_descriptor(plan.vt.run(None, _meta(v)), tile_dv, block_n)
+    else:
+        v_desc = _descriptor(_meta(v4), kv_rows, tile_dv)
     plan.descs = (_descriptor(_meta(q4), WG_M, qk_cols), _descriptor(_meta(k4), kv_rows, qk_cols), v_desc,
                   _descriptor(_meta(q4 if plan.o_from_q else o4), WG_M, tile_dv))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
