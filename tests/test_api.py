@@ -962,3 +962,26 @@ def test_cpu_fallback_without_interpreter(interpret, seed):
     for name, (err, base, finite) in report["results"].items():
         assert finite, f"{name} has non-finite entries"
         assert err <= K * base + FP32_ATOL, f"{name}: max error {err:.3e} > {K} x PyTorch's {base:.3e} + atol"
+
+
+def test_inference_calls_skip_autograd_function(monkeypatch):
+    """An eager call with nothing to differentiate (no input requires grad, or grad mode off) runs the forward
+    without _ops._AttnFunction (_needs_grad); a call that does gets it, its gradient intact. Outputs are the same
+    either way."""
+    from flashtile import _ops
+    applied = []
+    real = _ops._AttnFunction.apply
+    monkeypatch.setattr(_ops._AttnFunction, "apply", lambda *a: applied.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 37, 2, 32, generator=gen) for _ in range(3))
+    plain = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert applied == [] and plain.grad_fn is None and not plain.requires_grad
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        off = flashtile.flash_attn_func(qg, k, v, causal=True)
+    assert applied == [] and off.grad_fn is None
+    on = flashtile.flash_attn_func(qg, k, v, causal=True)
+    assert applied == [1] and on.grad_fn is not None
+    assert torch.equal(plain, off) and torch.equal(plain, on.detach())
+    (dq,) = torch.autograd.grad(on.sum(), qg)
+    assert dq.shape == q.shape and torch.isfinite(dq).all()
