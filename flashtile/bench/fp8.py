@@ -19,14 +19,13 @@ the FP8 forward at BAR_RATIO x the bf16 forward's TFLOP/s at 16k without a causa
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 
 import torch
 
+from . import host
 from .decode import log
-from .registry import dist_version
-from .runner import ATOL, DEFAULT_OUT, check_rows, commit, flops, parse_list, reference_rows, report_bars
+from .runner import ATOL, DEFAULT_OUT, check_rows, flops, parse_list, reference_rows, report_bars
 
 HEAD_DIM = 128
 HEADS = 16
@@ -170,15 +169,10 @@ def format_table(rows):
 
 
 def metadata(argv):
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": dist_version("triton"),
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "flashtile_commit": commit(),
-        "timing": "TFLOP/s of the median over the rounds of do_bench's median time, provider order rotating by one "
-                  "each round; the FP8 call includes its copy of V",
-        "argv": argv,
-    }
+    """bench host's metadata (date, GPU, versions, commit, argv) with this benchmark's timing."""
+    return dict(host.metadata(argv, cpu=False),
+                timing="TFLOP/s of the median over the rounds of do_bench's median time, provider order rotating by "
+                       "one each round; the FP8 call includes its copy of V")
 
 
 def build_parser(prog=None):
