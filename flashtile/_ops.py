@@ -314,8 +314,12 @@ def eager(*tensors):
 
 
 def _needs_grad(*tensors):
-    """Whether autograd records a call with these inputs (None allowed): grad mode on and one of them requires grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd records a call with these inputs (None allowed): grad mode on and one of them requires grad,
+    or one of them is a forward-mode dual tensor (whose call must reach _AttnFunction, which refuses it)."""
+    present = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return True
+    return any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in present)
 
 
 def attention(q, k, v, req: AttentionRequest):
