@@ -323,11 +323,12 @@ def _needs_grad(*tensors):
 
 
 def attention(q, k, v, req: AttentionRequest):
-    """(out, lse) of the request with its autograd: through _AttnFunction when eager, else through the op."""
+    """(out, lse) of the request with its autograd: when eager, the forward alone if there is nothing to
+    differentiate, else through _AttnFunction; otherwise through the op."""
     if eager(q, k, v, req.attn_bias, req.sinks):
         if not _needs_grad(q, k, v, req.attn_bias, req.sinks):
-            # Nothing to differentiate (inference, or no input that requires grad): the forward alone, without
-            # autograd.Function's bookkeeping (its apply and the saved tensors: ~10-25 us of host time a call).
+            # Inference, or no input that requires grad: without autograd.Function's apply and saved tensors (7-12 us
+            # of Python a call on the CPU, more with the FP8 factors; docs/design-record.md, "Host overhead").
             return forward(q, k, v, req)
         return _AttnFunction.apply(q, k, v, req, req.attn_bias, req.sinks)
     if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():

@@ -1069,10 +1069,9 @@ if AVAILABLE:
     @gluon.jit
     def _stage_p(cfg, smem, p, part: gl.constexpr):
         """P in the inputs' dtype as the A operand of P V: in registers (dot_a), or under FP8 in this warpgroup's
-        shared buffer, which the previous P V has finished reading (every step retires its own). Float8 P stays
-        out of registers because Triton 3.6 cannot keep an 8-bit register operand alive through wgmma's wait (the
-        wait's register constraints stop at 16 bits), and a register operand not kept alive may be overwritten
-        while the tensor cores read it (the module docstring's fact 2)."""
+        shared buffer, which the previous P V has finished reading (every step retires its own). As a register
+        operand float8 P ran 0.79-0.90x this (retired at once, or in flight through the next softmax: the permutes
+        into the operand's key order cost more than the store; docs/design-record.md, "The FP8 forward")."""
         if cfg.FP8:
             return _store_p(smem, _key_order(p).to(cfg.dtype), part)
         else:
