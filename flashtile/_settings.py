@@ -21,6 +21,8 @@ call. Nothing else in the package reads `os.environ` for behaviour.
 |                |                            | every attention call chooses its backend and builds its launches   |
 |                |                            | anew (no plans: flashtile/dispatch.py, "Plans")                    |
 | eager_direct   | (tests, comparisons)       | False: eager calls go through the dispatcher like traced ones      |
+| direct_launch  | (tests, comparisons)       | False: bound launches call Triton's CudaLauncher rather than its C |
+|                |                            | launch function directly (kernels/_launch.py, _Direct)             |
 """
 import contextlib
 import dataclasses
@@ -48,6 +50,7 @@ class Settings:
     page_slabs: bool = True
     fast_launch: bool = True
     eager_direct: bool = True
+    direct_launch: bool = True
 
     @classmethod
     def from_env(cls):

@@ -342,3 +342,133 @@ def test_scratch_buffer_kept_per_stream(monkeypatch):
     configs._set_tma_allocator(torch.device("cpu"))
     configs._set_tma_allocator(torch.device("cpu"))
     assert len([d for d in configs._SCRATCH if d == torch.device("cpu")]) == 1
+
+
+def _bound_launches():
+    """The _launch.Bound objects of dispatch's plans (forward, backward and their helpers, decode), by plan type."""
+    found = {}
+
+    def visit(obj, owner, depth):
+        if isinstance(obj, _launch.Bound):
+            found.setdefault(owner, []).append(obj)
+        elif depth < 3 and hasattr(obj, "__slots__"):
+            for name in obj.__slots__:
+                visit(getattr(obj, name, None), owner, depth + 1)
+
+    from flashtile.kernels import decode
+    for plan in list(dispatch._PLANS.values()) + list(decode._PLANS.values()):
+        visit(plan, type(plan).__name__, 0)
+    return found
+
+
+def test_direct_launch_declines_other_launchers():
+    """_launch._Direct lays out only Triton 3.6's CudaLauncher; anything else (here the CPU stand-in of
+    fast_launch_on_cpu, whose run is a plain method) keeps the launcher's own call, and the results match."""
+    with fast_launch_on_cpu():
+        want = _flash("cpu", torch.float32, 1, 40, 50, 2, 1, 32, causal=True)
+        got = _flash("cpu", torch.float32, 1, 40, 50, 2, 1, 32, causal=True)
+        bounds = [b for group in _bound_launches().values() for b in group]
+        assert bounds and all(b.direct is False for b in bounds if b.compiled is not None)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_direct_launch_args_match_tritons_launcher(monkeypatch):
+    """_launch._Direct hands the C launch function what Triton 3.6's CudaLauncher and its descriptor wrapper hand it
+    (grid, stream, function, flags, scratch, metadata, then every parameter with each host TMA descriptor expanded
+    into its CUtensorMap, shape and strides): both paths here run over a recording stand-in of the C function, the
+    driver's descriptor fill stubbed. Needs Triton 3.6's launcher (the GPU machines'); other versions skip."""
+    import triton
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    launcher = getattr(driver, "CudaLauncher", None)
+    if (launcher is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"
+            or launcher.__call__.__code__.co_argcount != 6 or not hasattr(driver, "wrap_handle_tensordesc")):
+        pytest.skip(f"Triton {triton.__version__}'s launcher is laid out otherwise (_Direct declines it)")
+
+    class Utils:
+        @staticmethod
+        def fill_tma_descriptor(*args):
+            return ("tensormap",) + args
+
+    class Active:
+        utils = Utils()
+
+    monkeypatch.setattr(type(triton.runtime.driver), "active", property(lambda self: Active()))
+    seen = []
+    sig = {"desc": "tensordesc<bf16[1, 64, 1, 64]>", "ptr": "*bf16", "n": "i32", "out_desc":
+           "tensordesc<bf16[1, 64, 1, 64]>", "K": "constexpr"}
+    meta = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[1, 64, 1, 64], fp4_padded=False),
+            dict(swizzle=2, elem_size=2, elem_type=10, block_size=[1, 64, 1, 64], fp4_padded=False)]
+    run = object.__new__(launcher)
+    run.launch = driver.wrap_handle_tensordesc(lambda *args: seen.append(args), sig, meta)
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid = run.launch_pdl = False
+    run.num_ctas = 1
+
+    class Compiled:
+        function, packed_metadata = 1234, ("packed",)
+
+    compiled = Compiled()
+    compiled.run = run
+    direct = _launch._Direct.of(compiled, (3, 2, 1), 4, (7,))
+    assert direct is not None and sorted(direct.descs) == [0, 3]
+
+    class Desc:
+        def __init__(self, base, shape, strides, padding):
+            self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+    base = torch.zeros(4)
+    args = (Desc(base, [1, 100, 2, 64], [12800, 128, 64, 1], "zero"), base, 5,
+            Desc(base, [2, 30, 4, 64], [7680, 256, 64, 1], "nan"))
+    run(3, 2, 1, 99, 1234, ("packed",), None, None, None, *args, 7)
+    direct(99, args)
+    # With the plan's template for the first descriptor, a call passes its base tensor alone.
+    templated = _launch._Direct.of(compiled, (3, 2, 1), 4, (7,), {0: args[0]})
+    templated(99, (base,) + args[1:])
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
+    assert seen[1][13][0] == "tensormap" and seen[1][-1] == 7
+    assert _launch._Direct.of(compiled, (3, 2, 1), 4, (7,), {1: args[0]}) is None  # not a descriptor parameter
+    assert _launch._Direct.of(compiled, (3, 2, 1), 3, (args[3], 7)) is None  # a descriptor among the fixed args
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_matches_the_launcher():
+    """On Triton 3.6 (the GPU machines'), a bound launch's repeated call goes to the compiled kernel's C launch
+    function directly (_launch._Direct): the Gluon forward with its host TMA descriptors filled here, the backward,
+    its preprocess and dQ pass, FP8's copy of V and decode's launches. Each result equals bit for bit the same calls
+    through Triton's CudaLauncher (SETTINGS.direct_launch off; dQ within rounding: the backward adds it in a varying
+    order)."""
+    import triton
+
+    def calls():
+        out = list(_flash("cuda", torch.bfloat16, 2, 300, 500, 4, 2, 128, causal=True))
+        q = _randn((1, 2048, 2, 128), torch.bfloat16, "cuda", 11, grad=False).to(torch.float8_e4m3fn)
+        k = _randn((1, 2048, 2, 128), torch.bfloat16, "cuda", 12, grad=False).to(torch.float8_e4m3fn)
+        v = _randn((1, 2048, 2, 128), torch.bfloat16, "cuda", 13, grad=False).to(torch.float8_e4m3fn)
+        scale = torch.full((1, 2), 0.5, device="cuda")
+        out.append(flashtile.flash_attn_func(q, k, v, q_descale=scale, k_descale=scale, v_descale=scale))
+        cache_k = _randn((2, 600, 2, 64), torch.bfloat16, "cuda", 14, grad=False)
+        cache_v = _randn((2, 600, 2, 64), torch.bfloat16, "cuda", 15, grad=False)
+        qd = _randn((2, 1, 8, 64), torch.bfloat16, "cuda", 16, grad=False)
+        seqlens = torch.tensor([599, 17], dtype=torch.int32, device="cuda")
+        out.append(flashtile.flash_attn_with_kvcache(qd, cache_k, cache_v, cache_seqlens=seqlens))
+        return out
+
+    calls()
+    direct = calls()
+    bounds = _bound_launches()
+    taken = {owner: [b.direct for b in group if b.compiled is not None] for owner, group in bounds.items()}
+    if triton.__version__.startswith("3.6"):
+        assert {"GluonFwdPlan", "BwdPlan", "_AttnPlan"} <= set(taken), taken
+        for owner, directs in taken.items():
+            assert directs and all(isinstance(d, _launch._Direct) for d in directs), (owner, directs)
+        forward = [d for d in taken["GluonFwdPlan"] if d.descs]
+        assert forward and all(len(d.descs) == 4 for d in forward)  # q, k, v and out
+    with override(direct_launch=False):
+        through = calls()
+    for i, (a, b) in enumerate(zip(direct, through)):
+        if i == 2:  # dq
+            torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+        else:
+            assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)), i

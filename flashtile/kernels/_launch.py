@@ -220,6 +220,102 @@ def launch(kernel, grid, args, constexprs, device_index, **options):
     return entry[0]
 
 
+def copy_descriptor(template, base):
+    """A host TMA descriptor like template (same shape, strides, block and layout) over base's memory. For plans,
+    whose templates were validated when built over storage-less stand-ins, and whose key fixes base's shape,
+    strides, dtype and alignment: the copy skips the descriptor's checks. The launcher reads base.data_ptr() on
+    every launch; each call gets descriptor objects of its own, never a shared one changed in place."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = base
+    return desc
+
+
+class _Direct:
+    """A compiled kernel's launch without the Python of Triton's CudaLauncher (Triton 3.6's): its __call__ builds
+    scratch closures per launch, and for a kernel with host TMA descriptors its wrapper walks every parameter (the
+    Gluon forward's 39, constexprs included) to expand the descriptors. Here the fixed parts are laid out once per
+    Bound and a call fills only the descriptors' CUtensorMaps (the same driver call Triton makes) before calling the
+    C launch function. `of` returns None for a launcher laid out otherwise (other Triton versions, a proton
+    profile scratch, descriptors among the fixed arguments): Bound then calls compiled.run as before."""
+    __slots__ = ("launch", "head", "descs", "fill", "scratch", "metadata", "n_dynamic", "tail")
+
+    @staticmethod
+    def of(compiled, grid, n_dynamic, tail, templates=None):
+        """The direct launch of compiled (launched before: its handles are loaded) with n_dynamic leading arguments
+        and the fixed tail after them, or None. templates: Bound's (a call passes those arguments' bases)."""
+        run = compiled.run
+        try:
+            from triton.backends.nvidia import driver
+            from triton.runtime import _allocation
+            if (type(run).__name__ != "CudaLauncher" or driver._BASE_ARGS_FORMAT != "iiiKKppOOOOOO"
+                    or type(run).__call__.__code__.co_argcount != 6 or run.profile_scratch_size
+                    or run.num_ctas != 1):
+                return None
+            launch, descs = run.launch, {}
+            if type(launch).__name__ == "function":  # wrap_handle_tensordesc's wrapper: kernels with descriptors
+                cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+                launch, indices, metas = (cells.get(name) for name in ("launcher", "tensordesc_indices",
+                                                                         "tensordesc_meta"))
+                if not callable(launch) or not indices or not metas or len(metas) != len(indices):
+                    return None
+                for i, meta in zip(sorted(indices), metas):
+                    if i >= n_dynamic or meta is None or meta["fp4_padded"]:
+                        return None
+                    descs[i] = (meta["swizzle"], meta["elem_size"], driver.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                                meta["block_size"], None)
+                    template = (templates or {}).get(i)
+                    if template is not None:  # fixed by the plan: the call passes the base alone
+                        descs[i] = descs[i][:4] + ((list(template.shape), list(template.strides),
+                                                    1 if template.padding == "nan" else 0), )
+            if set(templates or ()) - set(descs):
+                return None
+            fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+            head = (*grid, compiled.function, run.launch_cooperative_grid, run.launch_pdl)
+            scratch = None
+            if run.global_scratch_size > 0:
+                scratch = (_allocation._allocator, grid[0] * grid[1] * grid[2] * run.global_scratch_size,
+                           run.global_scratch_align)
+        except (AttributeError, ImportError, KeyError, RuntimeError, TypeError):
+            return None
+        self = _Direct()
+        self.launch, self.head, self.descs, self.fill, self.scratch = launch, head, descs, fill, scratch
+        self.metadata, self.n_dynamic, self.tail = compiled.packed_metadata, n_dynamic, tuple(tail)
+        return self
+
+    def __call__(self, stream, dynamic):
+        """Launch on stream with the leading arguments dynamic (as many as `of` was told: the Bound's call site)."""
+        scratch = None
+        if self.scratch is not None:
+            allocator, size, align = self.scratch
+            scratch = allocator.get()(size, align, stream)
+        g0, g1, g2, function, coop, pdl = self.head
+        if not self.descs:
+            self.launch(g0, g1, g2, stream, function, coop, pdl, scratch, None, self.metadata, None, None, None,
+                        *dynamic, *self.tail)
+            return
+        args = [g0, g1, g2, stream, function, coop, pdl, scratch, None, self.metadata, None, None, None]
+        descs, fill = self.descs, self.fill
+        for i, a in enumerate(dynamic):
+            desc = descs.get(i)
+            if desc is None:
+                args.append(a)
+            else:
+                # What Triton's wrapper passes for a descriptor: the CUtensorMap, then its shape and strides.
+                swizzle, elem_size, elem_type, block, fixed = desc
+                if fixed is None:
+                    shape, strides = a.shape, a.strides
+                    args.append(fill(a.base.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides,
+                                     1 if a.padding == "nan" else 0))
+                else:
+                    shape, strides, padding = fixed
+                    args.append(fill(a.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides, padding))
+                args.extend(shape)
+                args.extend(strides)
+        args.extend(self.tail)
+        self.launch(*args)
+
+
 class Bound:
     """A launch whose grid, trailing arguments (`static`), constexprs and options are fixed; a call passes the
     stream (fast_stream's, or None for the JIT path) and the leading arguments.
@@ -229,12 +325,17 @@ class Bound:
     compile cache (the JIT path the first time the key is seen), and the bound launch keeps the compiled kernel, so
     later calls are one call of its launcher -- no key, no dictionary, no per-argument work.
 
+    templates: {position: TMA descriptor} of leading arguments that a call passes as the tensor the descriptor is
+    over (its base): the launch takes copies of the templates over them (copy_descriptor), or with _Direct fills
+    the descriptors itself from the templates, no descriptor object made.
+
     background: under compile_only, this launch compiles in a thread of its own and the call returns at once (None),
     so that the kernels of one plan compile side by side; for launches whose caller needs nothing of the compiled
     kernel (not a tile search, which learns from a compile's failure)."""
-    __slots__ = ("kernel", "grid", "static", "constexprs", "options", "tail", "compiled", "background")
+    __slots__ = ("kernel", "grid", "static", "constexprs", "options", "tail", "compiled", "background", "direct",
+                 "templates")
 
-    def __init__(self, kernel, grid, static, constexprs, options, background=False):
+    def __init__(self, kernel, grid, static, constexprs, options, background=False, templates=None):
         names = list(kernel.arg_names)
         # The launcher takes every parameter in order, constexprs included (it skips them).
         assert names[len(names) - len(constexprs):] == list(constexprs), "constexprs must be the last parameters"
@@ -246,9 +347,23 @@ class Bound:
         self.tail = self.static + tuple(constexprs.values())
         self.compiled = None
         self.background = background
+        self.direct = None  # _Direct of the compiled kernel, False where it has none (built on the second call)
+        self.templates = templates or {}
 
     def __call__(self, stream, *dynamic):
         compiled = self.compiled
+        if compiled is not None and stream is not None:
+            direct = self.direct
+            if direct is None:
+                direct = self.direct = _Direct.of(compiled, self.grid, len(dynamic), self.tail, self.templates) or False
+            if direct and SETTINGS.direct_launch and len(dynamic) == direct.n_dynamic:
+                direct(stream, dynamic)
+                return compiled
+        if self.templates:
+            dynamic = list(dynamic)
+            for i, template in self.templates.items():
+                dynamic[i] = copy_descriptor(template, dynamic[i])
+            dynamic = tuple(dynamic)
         if self.background and compiled is None and dry():  # (dry: inside compile_only, which keeps _THREAD.pending)
             self._compile_aside(dynamic + self.static)
             return None
@@ -270,8 +385,12 @@ class Bound:
             compiled = entry[0]
             _run(compiled, self.grid, stream, args, entry[1])
         if entry is not None:
-            self.compiled = entry[0]
+            self._keep(entry[0])
         return compiled
+
+    def _keep(self, compiled):
+        if compiled is not self.compiled:
+            self.compiled, self.direct = compiled, None
 
     def _compile_aside(self, args):
         """compile_only's background compile of this launch (class docstring): a thread (named after this one, with
@@ -286,7 +405,7 @@ class Bound:
                         torch.cuda.set_device(device)
                     _, entry = _jit_launch(self.kernel, self.grid, args, self.constexprs, self.options)
                 if entry is not None:
-                    self.compiled = entry[0]
+                    self._keep(entry[0])
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
 

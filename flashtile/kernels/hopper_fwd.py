@@ -1812,17 +1812,6 @@ def _meta(t):
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _copy_descriptor(template, base):
-    """A TMA descriptor like template (same shape, strides, block and layout) over base's memory: the plan's
-    descriptors were validated when built, and base has the shape, strides, dtype and alignment they were built
-    for (the plan key), so the copy skips TensorDescriptor's checks. The launcher reads base.data_ptr() on every
-    launch; each call gets its own descriptor objects, never a shared one changed in place."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(template.__dict__)
-    desc.base = base
-    return desc
-
-
 # The dynamic schedule's item counters, one per (device, stream): zero before a launch, and the launch's last take
 # sets its counter back to zero (_load_partition), so that no call pays for a zero-fill kernel (it was a second
 # launch before each forward: at 1k tokens the GPU waited on the host between the two). Launches on one stream run
@@ -1842,10 +1831,10 @@ def _schedule_counter(device, stream):
 
 class GluonFwdPlan:
     """The launch of attention_forward for one plan key (flashtile/dispatch.py), everything but the call's tensors
-    fixed: the configuration, the grid, the scalar groups, the constexprs, descriptor templates and the compiled
-    kernel (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), makes this call's
-    descriptors and feature tensors, and launches."""
-    __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "descs", "groups", "dynamic", "block_m",
+    fixed: the configuration, the grid, the scalar groups, the constexprs, and the compiled kernel with the
+    descriptors' templates (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), takes the
+    call's feature tensors, and launches over its q, k, v and out."""
+    __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "groups", "dynamic", "block_m",
                  "block_n", "varlen", "lists", "o_from_q", "paged", "fp8", "vt")
 
     def run(self, q, k, v, req):
@@ -1856,7 +1845,6 @@ class GluonFwdPlan:
         """(out, lse); stream: _launch.stream_for's."""
         out = _common.empty(self.out_shape, self.out_dtype, self.device)
         lse = _common.empty(self.lse_shape, torch.float32, self.device)
-        q_desc, k_desc, v_desc, o_desc = self.descs
         # lse: a placeholder where a feature is off (never read).
         bias_desc, counts, indices, tile_map = None, lse, lse, lse
         if req.attn_bias is not None:
@@ -1873,8 +1861,8 @@ class GluonFwdPlan:
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         if self.fp8:
             v = self.vt.run(stream, v, req.cu_seqlens_k)
-        self.launch(stream, _copy_descriptor(q_desc, q), _copy_descriptor(k_desc, k), _copy_descriptor(v_desc, v),
-                    _copy_descriptor(o_desc, q if self.o_from_q else out), bias_desc, out, lse, counter, tile_map,
+        # (q, k, v and the output as the bases of the descriptors the launch makes from the plan's templates.)
+        self.launch(stream, q, k, v, q if self.o_from_q else out, bias_desc, out, lse, counter, tile_map,
                     _Extras(lse if req.alibi_slopes is None else req.alibi_slopes,
                             lse if req.sinks is None else req.sinks, req.seed if req.dropout_p > 0 else lse,
                             lse if req.descale is None else req.descale),
@@ -1925,7 +1913,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # slot then gets q's, never read (a 16-bit layout over an fp32 tensor is no valid TMA descriptor).
     plan.o_from_q = out_dtype != q.dtype
     # The descriptors' templates, over storage-less stand-ins of q, k, v and out (a plan keeps no tensor of a
-    # call; each call's descriptors are copies over its own tensors: _copy_descriptor).
+    # call): the bound launch makes each call's descriptors over its own tensors (_launch.Bound's templates).
     # V and the output have their own tile width where their head dim differs (MLA's 192/128: GLUON_FWD_SPLIT_DIMS).
     # tile_d keys the configuration tables; Q and K may read narrower chunks of their own width (QK_TILE_DIM).
     tile_d, tile_dv = TILE_DIM[head_dim], TILE_DIM[head_dim_v]
@@ -1940,8 +1928,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
         v_desc = _vt_descriptor(plan.vt.run(None, _meta(v)), tile_dv, block_n)
     else:
         v_desc = _descriptor(_meta(v4), kv_rows, tile_dv)
-    plan.descs = (_descriptor(_meta(q4), WG_M, qk_cols), _descriptor(_meta(k4), kv_rows, qk_cols), v_desc,
-                  _descriptor(_meta(q4 if plan.o_from_q else o4), WG_M, tile_dv))
+    descs = (_descriptor(_meta(q4), WG_M, qk_cols), _descriptor(_meta(k4), kv_rows, qk_cols), v_desc,
+             _descriptor(_meta(q4 if plan.o_from_q else o4), WG_M, tile_dv))
     # The kernel's right bound is i + diag_offset (MASK_RIGHT): causal, or a right window folded into the offset;
     # its left bound i + left_offset (MASK_LEFT).
     right_offset = diagonal_offset + (req.window_right if req.mask_right else 0)
@@ -2021,5 +2009,5 @@ def _fwd_plan(q, k, v, req, out_dtype):
         HAS_ALIBI=req.alibi_slopes is not None, HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o,
         NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0,
         PAGE=page, PAD_D=tile_dv != head_dim_v),
-        dict(num_warps=4))
+        dict(num_warps=4), templates=dict(enumerate(descs)))
     return plan
