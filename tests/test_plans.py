@@ -456,6 +456,9 @@ def test_gpu_direct_launch_matches_the_launcher():
         out.append(flashtile.flash_attn_with_kvcache(qd, cache_k, cache_v, cache_seqlens=seqlens))
         return out
 
+    from flashtile.kernels import decode
+    dispatch._PLANS.clear()  # (only this test's plans below)
+    decode._PLANS.clear()
     calls()
     direct = calls()
     bounds = _bound_launches()
