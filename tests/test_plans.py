@@ -413,7 +413,7 @@ def test_direct_launch_args_match_tritons_launcher(monkeypatch):
     compiled = Compiled()
     compiled.run = run
     direct = _launch._Direct.of(compiled, (3, 2, 1), 4, (7,))
-    assert direct is not None and sorted(direct.descs) == [0, 3]
+    assert direct is not None and [d[0] for d in direct.descs] == [0, 3]
 
     class Desc:
         def __init__(self, base, shape, strides, padding):
@@ -462,7 +462,9 @@ def test_gpu_direct_launch_matches_the_launcher():
     calls()
     direct = calls()
     bounds = _bound_launches()
-    taken = {owner: [b.direct for b in group if b.compiled is not None] for owner, group in bounds.items()}
+    # (direct is None for a launch not repeated on the fast path: e.g. the plan the backward's compile ahead made for
+    # a dlse-less call, _ahead.py.)
+    taken = {owner: [b.direct for b in group if b.direct is not None] for owner, group in bounds.items()}
     if triton.__version__.startswith("3.6"):
         assert {"GluonFwdPlan", "BwdPlan", "_AttnPlan"} <= set(taken), taken
         for owner, directs in taken.items():

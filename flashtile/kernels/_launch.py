@@ -270,6 +270,7 @@ class _Direct:
                                                     1 if template.padding == "nan" else 0), )
             if set(templates or ()) - set(descs):
                 return None
+            descs = tuple((i, *descs[i]) for i in sorted(descs))  # (position, fill's arguments, fixed parts)
             fill = triton.runtime.driver.active.utils.fill_tma_descriptor
             head = (*grid, compiled.function, run.launch_cooperative_grid, run.launch_pdl)
             scratch = None
@@ -295,23 +296,23 @@ class _Direct:
                         *dynamic, *self.tail)
             return
         args = [g0, g1, g2, stream, function, coop, pdl, scratch, None, self.metadata, None, None, None]
-        descs, fill = self.descs, self.fill
-        for i, a in enumerate(dynamic):
-            desc = descs.get(i)
-            if desc is None:
-                args.append(a)
+        fill = self.fill
+        done = 0
+        for i, swizzle, elem_size, elem_type, block, fixed in self.descs:
+            args.extend(dynamic[done:i])
+            a = dynamic[i]
+            # What Triton's wrapper passes for a descriptor: the CUtensorMap, then its shape and strides.
+            if fixed is None:
+                shape, strides = a.shape, a.strides
+                args.append(fill(a.base.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides,
+                                 1 if a.padding == "nan" else 0))
             else:
-                # What Triton's wrapper passes for a descriptor: the CUtensorMap, then its shape and strides.
-                swizzle, elem_size, elem_type, block, fixed = desc
-                if fixed is None:
-                    shape, strides = a.shape, a.strides
-                    args.append(fill(a.base.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides,
-                                     1 if a.padding == "nan" else 0))
-                else:
-                    shape, strides, padding = fixed
-                    args.append(fill(a.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides, padding))
-                args.extend(shape)
-                args.extend(strides)
+                shape, strides, padding = fixed
+                args.append(fill(a.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides, padding))
+            args.extend(shape)
+            args.extend(strides)
+            done = i + 1
+        args.extend(dynamic[done:])
         args.extend(self.tail)
         self.launch(*args)
 
