@@ -9,7 +9,8 @@ machines' hosts, as long as a 4k forward's kernel at batch 1 (docs/design-record
 `launch` computes a cheaper key that is at least as fine as Triton's (see _arg_key) and, once the JIT path has
 compiled and launched the kernel for that key, hands later calls' arguments straight to the compiled kernel's
 launcher. `Bound` is the same launch with everything but the leading arguments fixed, for callers whose own key
-already fixes every specialization (decode's plans): it keeps the compiled kernel and skips even the key. The first
+already fixes every specialization (decode's plans): it keeps the compiled kernel and skips even the key, and with
+Triton 3.6 calls the C launch function under the compiled kernel's launcher directly (_Direct). The first
 call of each key, CPU tensors (the interpreter), launch hooks (profilers), SETTINGS.fast_launch off and a GPU that
 is not the current device all take the JIT path, so behaviour there is Triton's own; except that a key's first
 call on the fast path takes a kernel an earlier process compiled from flashtile's on-disk index (_index.py) without
