@@ -23,6 +23,7 @@ import dataclasses
 import functools
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import _ahead, _values, dispatch
 from ._settings import SETTINGS
@@ -319,7 +320,9 @@ def _needs_grad(*tensors):
     present = [t for t in tensors if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return True
-    return any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in present)
+    if _forward_ad._current_level < 0:
+        return False  # no dual level entered: leaving one deletes its tangents, so no tensor carries any
+    return any(_forward_ad.unpack_dual(t).tangent is not None for t in present)
 
 
 def attention(q, k, v, req: AttentionRequest):

@@ -985,3 +985,12 @@ def test_inference_calls_skip_autograd_function(monkeypatch):
     assert torch.equal(plain, off) and torch.equal(plain, on.detach())
     (dq,) = torch.autograd.grad(on.sum(), qg)
     assert dq.shape == q.shape and torch.isfinite(dq).all()
+    # Forward-mode AD: a dual input reaches _AttnFunction (which refuses it: the safety catalog's
+    # transform/forward_ad_dual); once its level is left it has no tangent, and the call is an inference one again.
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.ones_like(q))
+        with pytest.raises(RuntimeError, match="(?i)forward-mode"):
+            flashtile.flash_attn_func(dual, k, v, causal=True)
+    assert applied == [1, 1]
+    assert torch.equal(flashtile.flash_attn_func(dual, k, v, causal=True), plain) and applied == [1, 1]
