@@ -448,10 +448,10 @@ def _request_key(req):
     key = req.__dict__.get("_plan_key")
     if key is not None:
         return key
+    tensors = [getattr(req, name) for name in req._tensor_fields]
     key = (req.softmax_scale, req.diagonal_offset, req.window_left, req.window_right, req.softcap, req.dropout_p,
-           req.max_seqlen_q, req.max_seqlen_k, req.deterministic,
-           *(_tensor_key(getattr(req, name)) for name in req._tensor_fields))
-    if not req.tensors():
+           req.max_seqlen_q, req.max_seqlen_k, req.deterministic, *map(_tensor_key, tensors))
+    if all(t is None for t in tensors):
         object.__setattr__(req, "_plan_key", key)  # (a cache beside the fields: not one of them)
     return key
 

@@ -167,6 +167,12 @@ def _options_key(dropout_p, softmax_scale, causal, window_size, softcap, determi
             torch.are_deterministic_algorithms_enabled(), sizes)
 
 
+def _remember_request(key, req):
+    if len(_REQUESTS) >= MAX_REQUESTS:
+        _REQUESTS.clear()
+    _REQUESTS[key] = req
+
+
 def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sinks,
            head_dim, deterministic=False, checked=False):
     """Shared body of flash_attn_func and the fixed-length packed variants (q, k, v possibly packed; checked: the
@@ -190,9 +196,7 @@ def _flash(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     out, lse, req = _attention(q, k, v, scale, dropout_p=dropout_p, deterministic=deterministic,
                                diagonal_offset=diagonal_offset, **fields)
     if key is not None and scale > 0:  # (a scale <= 0 is applied to q by _positive_scale, per call)
-        if len(_REQUESTS) >= MAX_REQUESTS:
-            _REQUESTS.clear()
-        _REQUESTS[key] = req
+        _remember_request(key, req)
     if return_attn_probs:
         s_dmask = None
         if dropout_p > 0:
@@ -264,15 +268,30 @@ def _fp8_request_scale(descale, scale):
 
 def _flash_fp8(q, k, v, descales, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                return_attn_probs, sinks):
-    """flash_attn_func's FP8 forward: float8_e4m3fn q, k, v with their descale factors (AttentionRequest.descale)."""
+    """flash_attn_func's FP8 forward: float8_e4m3fn q, k, v with their descale factors (AttentionRequest.descale).
+    As _flash, a call with the options, head dim and lengths of an earlier one takes that call's request, here with
+    its own (checked) factors swapped in."""
     check_qkv(q, k, v, layout="bshd", fp8=True)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    key = None
+    if alibi_slopes is None and sinks is None and not torch.compiler.is_compiling():
+        key = _options_key(dropout_p, softmax_scale, causal, window_size, softcap, False, "fp8", head_dim, seqlen_q,
+                           seqlen_k)
+        req = _REQUESTS.get(key) if key is not None else None
+        if req is not None:
+            _check_fp8_options(dropout_p, q, k, v, None)
+            req = req.with_fields(descale=check_descales(descales, q, batch, kv_heads))
+            out, lse = _ops.attention(q, k, v, req)
+            return (out, lse, None) if return_attn_probs else out
     scale, dropout_p, fields = _flash_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap,
                                               alibi_slopes, sinks, head_dim, batch, heads, seqlen_q, seqlen_k)
     _check_fp8_options(dropout_p, q, k, v, fields["sinks"])
-    descale, scale = _fp8_request_scale(check_descales(descales, q, batch, kv_heads), scale)
-    out, lse, _ = _attention(q, k, v, scale, diagonal_offset=seqlen_k - seqlen_q, descale=descale, **fields)
+    descale, request_scale = _fp8_request_scale(check_descales(descales, q, batch, kv_heads), scale)
+    out, lse, req = _attention(q, k, v, request_scale, diagonal_offset=seqlen_k - seqlen_q, descale=descale,
+                               **fields)
+    if key is not None and scale > 0:  # (a scale <= 0 is folded into each call's factors: _fp8_request_scale)
+        _remember_request(key, req)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -72,6 +72,11 @@ class _Fields:
         return found
 
 
+# Attributes kept beside a request's fields (not fields: frozen dataclasses take them by object.__setattr__):
+# tensors()'s answer for a request without tensors, and flashtile.dispatch's part of the plan key.
+_CACHES = ("_no_tensors", "_plan_key")
+
+
 def _finalize(cls):
     cls._field_names = tuple(f.name for f in dataclasses.fields(cls))
     hints = typing.get_type_hints(cls)
@@ -125,6 +130,18 @@ class AttentionRequest(_Fields):
     # Inputs of the forward op that can take a gradient besides q, k, v (the op's backward returns them in this
     # order after the q/k/v gradients).
     GRAD_FIELDS = ("attn_bias", "sinks")
+
+    def with_fields(self, **changes):
+        """This request with `changes` (values the caller has checked), without dataclasses.replace's __init__:
+        for a request built and checked before (flashtile.interface's FP8 calls swap in each call's descale
+        factors). The caches kept beside the fields (tensors(), the plan key's part) are not carried over."""
+        new = object.__new__(type(self))
+        fields = self.__dict__.copy()
+        for cache in _CACHES:
+            fields.pop(cache, None)
+        fields.update(changes)
+        new.__dict__.update(fields)
+        return new
 
     @property
     def causal(self):

@@ -426,3 +426,52 @@ def test_fp8_gluon_varlen_on_gpu(poison, causal):
         assert_close(f"out of sequence {b}", out[None, row_q:row_q + sq], ref, plain, torch.bfloat16)
         torch.testing.assert_close(lse[None, :, row_q:row_q + sq].double(), ref_lse, atol=1e-2, rtol=0)
         row_q, row_k = row_q + sq, row_k + sk
+
+
+def test_repeated_calls_share_requests(monkeypatch):
+    """An FP8 call with the options, head dim and lengths of an earlier one takes that call's request with its own
+    descale factors swapped in (interface._flash_fp8): each request equals, field by field, the one the full checks
+    build for the call (its factors included), whatever came before; a scale <= 0, folded into each call's factors,
+    is never reused; bad factors are rejected every time."""
+    from flashtile import _ops, interface
+    seen = []
+    real = _ops.attention
+
+    def capture(q, k, v, req):
+        seen.append(req)
+        return real(q, k, v, req)
+
+    def same(a, b):
+        for name in AttentionRequest.field_names():
+            x, y = getattr(a, name), getattr(b, name)
+            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+                assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y), name
+            else:
+                assert type(x) is type(y) and x == y, name
+
+    monkeypatch.setattr(_ops, "attention", capture)
+    swapped = []
+    real_with = AttentionRequest.with_fields
+    monkeypatch.setattr(AttentionRequest, "with_fields", lambda self, **kw: swapped.append(1) or real_with(self, **kw))
+    q8, k8, v8, qd, kd, vd = _inputs(2, 9, 12, 4, 2, 32, seed=3)
+    calls = [dict(causal=True), dict(causal=True, q_descale=qd * 2), dict(causal=False, k_descale=kd),
+             dict(softmax_scale=0.25), dict(softmax_scale=-0.25), dict(softmax_scale=0.0), dict(softcap=3.0),
+             dict(window_size=(4, 1)), dict(causal=True)]
+    for kw in calls * 2:
+        kw = {"q_descale": qd, "k_descale": kd, "v_descale": vd, **kw}
+        out = flashtile.flash_attn_func(q8, k8, v8, **kw)
+        remembered = dict(interface._REQUESTS)
+        monkeypatch.setattr(interface, "_REQUESTS", {})
+        fresh = flashtile.flash_attn_func(q8, k8, v8, **kw)
+        same(seen[-2], seen[-1])
+        assert seen[-2].descale is not seen[-1].descale
+        assert torch.equal(out, fresh), kw
+        assert len(interface._REQUESTS) == (kw.get("softmax_scale", 1.0) > 0), kw
+        monkeypatch.setattr(interface, "_REQUESTS", {**remembered, **interface._REQUESTS})
+    # The second pass's calls with a positive scale (7) took a shared request, and so did the first pass's repeats of
+    # causal=True's options (2).
+    assert len(swapped) == 9
+    for bad in (dict(q_descale=qd[:1]), dict(k_descale=kd.double())):
+        for _ in range(2):
+            with pytest.raises((TypeError, ValueError)):
+                flashtile.flash_attn_func(q8, k8, v8, **{"q_descale": qd, "k_descale": kd, "v_descale": vd, **bad})
