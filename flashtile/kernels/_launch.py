@@ -249,6 +249,9 @@ class _Direct:
         try:
             from triton.backends.nvidia import driver
             from triton.runtime import _allocation
+            # Triton 3.6: the C function takes grid (3 ints), stream, function, the two launch flags, then six
+            # objects (global and profile scratch, packed metadata, launch metadata, the enter and exit hooks)
+            # before the parameters; CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function, *args).
             if (type(run).__name__ != "CudaLauncher" or driver._BASE_ARGS_FORMAT != "iiiKKppOOOOOO"
                     or type(run).__call__.__code__.co_argcount != 6 or run.profile_scratch_size
                     or run.num_ctas != 1):
@@ -296,6 +299,8 @@ class _Direct:
             self.launch(g0, g1, g2, stream, function, coop, pdl, scratch, None, self.metadata, None, None, None,
                         *dynamic, *self.tail)
             return
+        # (No profile scratch, launch metadata or hooks: `of` declines a profile scratch, and Bound's fast path runs
+        # only without launch hooks.)
         args = [g0, g1, g2, stream, function, coop, pdl, scratch, None, self.metadata, None, None, None]
         fill = self.fill
         done = 0

@@ -1027,6 +1027,7 @@ if AVAILABLE:
             else:
                 acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
             if EARLY:
+                # (_store_p without its barrier: _wg_max's, just below, orders every warp's store before the product.)
                 smem.p.index(rows.part).store(_key_order(p).to(cfg.dtype))
                 fence_async_shared()
             # (A NaN sum, from NaN inputs, stays on this path as it would through the maximum.)
