@@ -88,7 +88,8 @@ MLA_SHAPES = [
                               for b, sq, sk, h, hk, c, t in MLA_SHAPES])
 def test_mla_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, causal, dtype):
     """MLA's head dims (q, k 192; v 128): the Gluon forward (Q and K on d256's tiles, V and the output on d128's)
-    and the Gluon backward (all four on d256's tiles, V and dO zero-filled past 128), against float64."""
+    and the Gluon backward (HALVES: 128-key blocks in 32-query halves, Q and K in 64-column chunks), against
+    float64."""
     q, k, _ = make_qkv(b, sq, sk, h, hk, 192, dtype, device=DEVICE, seed=sq + sk)
     v = torch.randn((b, sk, hk, 128), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sk)).to(dtype)
     v.requires_grad_()

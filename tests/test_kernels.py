@@ -202,11 +202,13 @@ def test_three_warpgroups_fill():
     assert all(hopper_fwd.three_warpgroups_fill(s) for s in (0, 190, 192, 384, 1536, 2048, 3000, 4096, 16384))
 
 
-@pytest.mark.parametrize("d, dv, owners", [(192, 128, True), (192, 192, True), (256, 256, False), (128, 128, False)])
-def test_wide_backward_roles(d, dv, owners):
+@pytest.mark.parametrize("d, dv, owners, halves", [(192, 128, False, True), (192, 192, True, False),
+                                                   (256, 256, False, False), (128, 128, False, False)])
+def test_wide_backward_roles(d, dv, owners, halves):
     """Which Gluon backward launches split dK and dV by owner and keep K in registers (hopper_bwd.WIDE_OWNERS,
-    WIDE_K_REGS: d192 and MLA's 192/128), and which take d256's roles; the plan is built without a launch (one
-    program per item past the persistent grid's bound, so no GPU is asked for its SM count)."""
+    WIDE_K_REGS: d192), which take d256's roles, and which run 128-key blocks in 32-query halves (HALVES_DIMS: MLA's
+    192/128, on 128-key blocks); the plan is built without a launch (one program per item past the persistent
+    grid's bound, so no GPU is asked for its SM count)."""
     from flashtile.kernels import hopper_bwd
     from flashtile.request import AttentionRequest
     if not hopper_bwd.AVAILABLE:
@@ -220,6 +222,9 @@ def test_wide_backward_roles(d, dv, owners):
     assert not plan.persistent
     assert constexprs["OWNERS"] is owners and constexprs["K_REGS"] is owners
     assert constexprs["ROLES"] is (d == 256)
+    assert constexprs["HALVES"] is halves
+    assert constexprs["BLOCK_N"] == (128 if halves else hopper_bwd.BLOCK_NS[hopper_bwd.TILE_DIM[d]])
+    assert plan.launch.grid == (-(-s // constexprs["BLOCK_N"]), b * h, 1)
     assert constexprs["HEAD_DIM"] == hopper_bwd.TILE_DIM[d] and constexprs["D_V"] == dv
 
 

@@ -26,8 +26,10 @@ loops over the query heads of its group, so dK and dV are written once, without 
 of the same loops: sliding windows (causal is the right bound 0, bottom-right aligned), softcap and ALiBi
 (docs/derivation.md#8), and sinks (they only change the LSE, which the forward folded them into; their gradient is
 computed from LSE and delta in kernels/backward.py). At 256 columns (WIDE) a program owns a block of 64 keys that
-both consumer warpgroups share (_bwd_step_wide), without ALiBi, an attn_mask or dropout; at d192 and MLA's 192/128
-warpgroup 0 accumulates dV and warpgroup 1 dK (WIDE_OWNERS), each with the work item's K in registers (WIDE_K_REGS).
+both consumer warpgroups share (_bwd_step_wide), without ALiBi, an attn_mask or dropout; at d192 warpgroup 0
+accumulates dV and warpgroup 1 dK (WIDE_OWNERS), each with the work item's K in registers (WIDE_K_REGS). MLA's
+192/128 runs HALVES instead (HALVES_DIMS, _bwd_step_halves): 128-key blocks as at d128, each query tile taken in two
+halves of 32 rows so that a warpgroup's dK and dV of 64 keys fit its registers.
 Varlen batches (VARLEN: packed [total, H, D] sequences, flash_attn_varlen_func) run the same loops per sequence:
 each program reads its sequence's bounds, bases its descriptors at the sequence's first row with its own length
 (TMA zero-fills and clips at the sequence's end) and aligns the band to the sequence's own bottom-right corner.
@@ -90,6 +92,12 @@ WIDE_OWNERS = ((192, 128), (192, 192))
 # of K per warpgroup). 48 registers a thread at 192 columns. With OWNERS (-bwd-wide-kregs-ab.json): d192 1.02-1.08x
 # and MLA 0.99-1.04x over the split kernel.
 WIDE_K_REGS = ((192, 128), (192, 192))
+# The (q/k, v) head dims whose backward runs HALVES instead of WIDE: a program owns 128 keys, 64 per consumer
+# warpgroup as at d128, and takes each 64-row query tile as two 32-row halves, so that a warpgroup's dK and dV of 64
+# keys over 192 + 128 columns (160 registers a thread) leave room for [64 keys, 32 queries] scores; Q and K travel as
+# three 64-column chunks. Each query tile's dQ shares then sum 128 keys where WIDE's sum 64: half the reductions and
+# half the query-side loads per key (_bwd_step_halves; docs/design-record.md).
+HALVES_DIMS = ((192, 128),)
 # Calls with at most this many keys (varlen: in the longest sequence) run a persistent grid (PERSISTENT: one program
 # per SM taking work items from a counter, the next item's K and V loaded while the last one's dK and dV are
 # stored); longer ones one program per item. docs/design-record.md, "A persistent backward for short sequences".
@@ -186,7 +194,10 @@ if AVAILABLE:
         [64, 64] (kv_layout) and [64, 32] (kv_layout_b), over the head dim's 96 columns instead of the tile's 128.
         OWNERS (WIDE at d192 and MLA: WIDE_OWNERS): warpgroup 0 accumulates dV and warpgroup 1 dK, each over its
         head dim's columns: [64, 128] (kv_layout), at 192 with a second [64, 64] accumulator (kv_layout_b).
-        K_REGS (WIDE at d192 and MLA: WIDE_K_REGS): the work item's K in registers, the S^T products' A operand."""
+        K_REGS (WIDE at d192 and MLA: WIDE_K_REGS): the work item's K in registers, the S^T products' A operand.
+        HALVES (MLA's 192/128 on HEAD_DIM 256's dQ buffer: HALVES_DIMS): 128-key blocks and 32-query halves
+        (_bwd_step_halves), not WIDE; s_layout is [64, 32], kv_layout dV's [64, 128] and kv_layout_b each of dK's
+        three [64, 64] column chunks."""
         HEAD_DIM: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
@@ -209,6 +220,7 @@ if AVAILABLE:
         ROLES: gl.constexpr
         OWNERS: gl.constexpr
         K_REGS: gl.constexpr
+        HALVES: gl.constexpr
         KV_COLS: gl.constexpr
         KV_SPLIT: gl.constexpr
         dtype: gl.constexpr
@@ -219,7 +231,8 @@ if AVAILABLE:
 
         @gluon.constexpr_function
         def __init__(self, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
-                     VARLEN, DROPOUT, PERSISTENT, D, D_V, dtype, ROLES=False, OWNERS=False, K_REGS=False):
+                     VARLEN, DROPOUT, PERSISTENT, D, D_V, dtype, ROLES=False, OWNERS=False, K_REGS=False,
+                     HALVES=False):
             self.HEAD_DIM = gl.constexpr(HEAD_DIM)
             self.BLOCK_M = gl.constexpr(BLOCK_M)
             self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -238,10 +251,12 @@ if AVAILABLE:
             self.PAD_D = gl.constexpr(D != HEAD_DIM or D_V != HEAD_DIM)
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
-            self.WIDE = gl.constexpr(HEAD_DIM == 256)
-            self.ROLES = gl.constexpr(HEAD_DIM == 256 and ROLES)
-            self.OWNERS = gl.constexpr(HEAD_DIM == 256 and D == 192 and OWNERS and not ROLES)
-            self.K_REGS = gl.constexpr(HEAD_DIM == 256 and D == 192 and K_REGS and not ROLES)
+            self.HALVES = gl.constexpr(HEAD_DIM == 256 and D == 192 and D_V == 128 and HALVES)
+            wide = HEAD_DIM == 256 and not self.HALVES
+            self.WIDE = gl.constexpr(wide)
+            self.ROLES = gl.constexpr(wide and ROLES)
+            self.OWNERS = gl.constexpr(wide and D == 192 and OWNERS and not ROLES)
+            self.K_REGS = gl.constexpr(wide and D == 192 and K_REGS and not ROLES)
             self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if HEAD_DIM == 256 else HEAD_DIM)
             self.KV_SPLIT = gl.constexpr(HEAD_DIM == 128 and D == 96 and D_V == 96)
             self.dtype = gl.constexpr(dtype)
@@ -249,8 +264,8 @@ if AVAILABLE:
                                                   instr_shape=[16, 64 if self.KV_SPLIT else self.KV_COLS.value, 16])
             # (KV_SPLIT: P^T and dS^T are both products' operand in kv_layout's dot_a, as the forward's P for d192's
             # two V products: a register operand's layout does not depend on the product's width.)
-            self.kv_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                      instr_shape=[16, 64 if self.OWNERS else 32, 16]))
+            self.kv_layout_b = gl.constexpr(gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64 if self.OWNERS or self.HALVES else 32, 16]))
             s_cols = BLOCK_M // 2 if HEAD_DIM == 256 and not ROLES else BLOCK_M
             self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                    instr_shape=[16, s_cols, 16]))
@@ -537,6 +552,35 @@ if AVAILABLE:
         _load_rows(cfg, loads.do_desc, i_b, row, i_h, do_bar, smem.do.index(0))
 
     @gluon.jit
+    def _load_q_tile_halves(prog, t, m, i_h):
+        """_load_q_tile for HALVES: Q's three 64-column chunks, dO, and the rows' LSE and delta into ring slot
+        t % STAGES."""
+        cfg = prog.cfg
+        loads = prog.loads
+        smem = prog.smem
+        i_b = prog.walk.i_b
+        row = prog.walk.q0 + m
+        slot = smem.q_bar.wait_empty(t)
+        bar = smem.q_bar.full.index(slot)
+        mbarrier.expect(bar, 3 * loads.q_desc.block_type.nbytes + loads.do_desc.block_type.nbytes
+                        + 2 * loads.lse_desc.block_type.nbytes)
+        for c in gl.static_range(3):
+            _load_cols(cfg, loads.q_desc, i_b, row, i_h * cfg.D + 64 * c, bar, smem.q.index(3 * slot + c))
+        _load_cols(cfg, loads.do_desc, i_b, row, i_h * cfg.D_V, bar, smem.do.index(slot))
+        tma_load(loads.lse_desc, [i_b * loads.num_heads + i_h, m], bar, smem.lse.index(slot))
+        tma_load(loads.delta_desc, [i_b * loads.num_heads + i_h, m], bar, smem.delta.index(slot))
+
+    @gluon.jit
+    def _load_cols(cfg, desc, i_b, row, col, bar, dst):
+        """HALVES: TMA-load the tile of dst's shape at sequence row `row`, column `col` (a head's offset plus a
+        chunk's) of batch entry i_b into dst: 2-D descriptors over [rows, heads * head dim] under VARLEN, else 3-D
+        ones with the batch entries first (_bwd_descriptors)."""
+        if cfg.VARLEN:
+            tma_load(desc, [row, col], bar, dst)
+        else:
+            tma_load(desc, [i_b, row, col], bar, dst.reshape([1, dst.shape[0], dst.shape[1]]))
+
+    @gluon.jit
     def _load_rows(cfg, desc, i_b, row, i_h, bar, dst):
         """TMA-load the [rows, HEAD_DIM] tile at sequence row `row`, head i_h of batch entry i_b into dst: 2-D
         descriptors of one sequence under VARLEN, else 3-D ones over [B, S, heads * HEAD_DIM] (_bwd_descriptors)."""
@@ -577,6 +621,8 @@ if AVAILABLE:
                     _load_kv(prog, walk)
                     if cfg.WIDE:
                         u = _walk_tiles(_item_program(prog, walk, band), u, _load_q_tile_wide)
+                    elif cfg.HALVES:
+                        u = _walk_tiles(_item_program(prog, walk, band), u, _load_q_tile_halves)
                     else:
                         u = _walk_tiles(_item_program(prog, walk, band), u, _load_q_tile)
                     j += 1
@@ -589,6 +635,8 @@ if AVAILABLE:
             _load_kv(prog, prog.walk)
             if cfg.WIDE:
                 _walk_tiles(prog, gl.program_id(0) * 0, _load_q_tile_wide)
+            elif cfg.HALVES:
+                _walk_tiles(prog, gl.program_id(0) * 0, _load_q_tile_halves)
             else:
                 _walk_tiles(prog, gl.program_id(0) * 0, _load_q_tile)  # (a tensor: the count is loop-carried)
 
@@ -596,9 +644,19 @@ if AVAILABLE:
     def _load_kv(prog, walk):
         """The work item's K and V blocks, on kv_bar."""
         smem = prog.smem
-        mbarrier.expect(smem.kv_bar, prog.loads.k_desc.block_type.nbytes + prog.loads.v_desc.block_type.nbytes)
-        _load_rows(prog.cfg, prog.loads.k_desc, walk.i_b, walk.k0 + walk.start_n, walk.i_hk, smem.kv_bar, smem.k)
-        _load_rows(prog.cfg, prog.loads.v_desc, walk.i_b, walk.k0 + walk.start_n, walk.i_hk, smem.kv_bar, smem.v)
+        cfg = prog.cfg
+        loads = prog.loads
+        row = walk.k0 + walk.start_n
+        if cfg.HALVES:
+            # K in three 64-column chunks.
+            mbarrier.expect(smem.kv_bar, 3 * loads.k_desc.block_type.nbytes + loads.v_desc.block_type.nbytes)
+            for c in gl.static_range(3):
+                _load_cols(cfg, loads.k_desc, walk.i_b, row, walk.i_hk * cfg.D + 64 * c, smem.kv_bar, smem.k.index(c))
+            _load_cols(cfg, loads.v_desc, walk.i_b, row, walk.i_hk * cfg.D_V, smem.kv_bar, smem.v.index(0))
+        else:
+            mbarrier.expect(smem.kv_bar, loads.k_desc.block_type.nbytes + loads.v_desc.block_type.nbytes)
+            _load_rows(cfg, loads.k_desc, walk.i_b, row, walk.i_hk, smem.kv_bar, smem.k)
+            _load_rows(cfg, loads.v_desc, walk.i_b, row, walk.i_hk, smem.kv_bar, smem.v)
 
     @gluon.jit
     def _next_item(prog):
@@ -773,8 +831,27 @@ if AVAILABLE:
         cfg = prog.cfg
         if cfg.WIDE:
             _reduce_dq_wide(prog, u, m, i_h)
+        elif cfg.HALVES:
+            _reduce_dq_halves(prog, u, m, i_h)
         else:
             _reduce_dq_shares(prog, u, m, i_h)
+
+    @gluon.jit
+    def _reduce_dq_halves(prog, t, m, i_h):
+        """_reduce_dq under HALVES: shares 0, 1 (warpgroup 0) and 2 (warpgroup 1) of the step's dQ tile, each
+        staged in its own tile (staging tile s, barriers dq_bars[2 s] staged and [2 s + 1] read) and released as
+        soon as its reduction has read it."""
+        dq_bars = prog.smem.dq_bars
+        PER: gl.constexpr = 1 if prog.cfg.FLAT else 2  # bulk groups per share
+        for s in gl.static_range(3):
+            mbarrier.wait(dq_bars.index(2 * s), t & 1)
+            _reduce_share(prog, s, s, m, i_h)
+        tma.store_wait(pendings=2 * PER)
+        mbarrier.arrive(dq_bars.index(1), count=1)
+        tma.store_wait(pendings=PER)
+        mbarrier.arrive(dq_bars.index(3), count=1)
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(dq_bars.index(5), count=1)
 
     @gluon.constexpr_function
     def _wide_dq_shares(D, w):
@@ -1221,6 +1298,99 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
+    def _bwd_step_halves(prog, wg, t, m, i_h, dk, dv, MASK: gl.constexpr):
+        """_bwd_step for HALVES (MLA's 192/128): the warpgroup's 64 keys of the 128-key block against the query
+        tile's rows in two halves of 32. Per half h: S^T = K Q_h^T over Q's and K's three 64-column chunks and
+        dP^T = V dO_h^T ([64 keys, 32 queries] each, 16 registers a thread), P^T and dS^T, dS^T stored (queries as
+        rows) into the step's [64 queries, 128 keys] dS tile, and dV += P^T dO_h, dK_c += dS^T Q_h,c with P^T and
+        dS^T as register operands (dV [64, 128] and dK's three [64, 64] chunks: 160 registers a thread). Once both
+        warpgroups' halves are in (smem.ds_ready[0]), dQ = dS K over all 128 keys: warpgroup 0 computes shares 0
+        and 1 (columns 0-127), warpgroup 1 share 2, each staged in a tile of its own (_reduce_dq_halves). The one dS
+        tile is written again only once both warpgroups' dQ products have read it (ds_ready[1]). MASK as in
+        _bwd_step; no ALiBi, attn_mask or dropout here (flashtile/dispatch.py declines them). Returns dK, dV."""
+        cfg = prog.cfg
+        smem = prog.smem
+        s_layout: gl.constexpr = cfg.s_layout
+        slot = smem.q_bar.wait_full(t)
+        do = smem.do.index(slot)
+        # K's chunks and V through an index that is 0 but that no compiler can fold, as _kv_views: from fixed views
+        # ptxas kept every product's descriptors as loop invariants and spilled them.
+        none = t // (1 << 30)
+        k0 = smem.k.index(none)
+        k1 = smem.k.index(none + 1)
+        k2 = smem.k.index(none + 2)
+        k_rows: gl.constexpr = wg.half * 64
+        v = smem.v.index(none).slice(k_rows, 64)
+        ds_tile = smem.ds.index(0)
+        zero = gl.zeros([64, 32], gl.float32, layout=s_layout)
+        dk0, dk1, dk2 = dk
+        for h in gl.static_range(2):
+            if h == 1:
+                # The first half's dV and dK products have read their register operands (P^T, dS^T): with them
+                # still held, the second half's scores did not fit the registers.
+                dv, dk0, dk1, dk2 = warpgroup_mma_wait(0, deps=(dv, dk0, dk1, dk2))
+            q0 = smem.q.index(3 * slot).slice(32 * h, 32)
+            q1 = smem.q.index(3 * slot + 1).slice(32 * h, 32)
+            q2 = smem.q.index(3 * slot + 2).slice(32 * h, 32)
+            do_h = do.slice(32 * h, 32)
+            st_tok = warpgroup_mma(k0.slice(k_rows, 64), q0.permute((1, 0)), zero, use_acc=False, is_async=True)
+            st_tok = warpgroup_mma(k1.slice(k_rows, 64), q1.permute((1, 0)), st_tok, is_async=True)
+            st_tok = warpgroup_mma(k2.slice(k_rows, 64), q2.permute((1, 0)), st_tok, is_async=True)
+            dpt_tok = warpgroup_mma(v, do_h.permute((1, 0)), zero, use_acc=False, is_async=True)
+            if cfg.SOFTCAP:
+                st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
+                tt = tanh_approx(st * prog.mods.pre_scale)
+                score = tt
+            else:
+                # (In order: the previous half's dV and dK products retire before S^T; dP^T stays in flight.)
+                st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
+                score = st
+            lse = smem.lse.index(slot).slice(32 * h, 32, dim=1).load(s_layout)
+            pt = gl.exp2(score * prog.mods.qk_scale - lse)
+            if MASK:
+                band = prog.band
+                cols = m + 32 * h + gl.arange(0, 32, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
+                pt = gl.where(_band_keep(cfg, band, wg.key, cols, keep), pt, 0.0)
+            if not cfg.SOFTCAP:
+                dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+            delta = smem.delta.index(slot).slice(32 * h, 32, dim=1).load(s_layout)
+            dst = pt * (dpt * prog.mods.sm_scale - delta)
+            if cfg.SOFTCAP:
+                dst = dst * (1.0 - tt * tt)
+            dst = dst.to(cfg.dtype)
+            if h == 0:
+                # Both warpgroups' dQ products of the previous step have read the dS tile.
+                mbarrier.wait(smem.ds_ready.index(1), (t & 1) ^ 1)
+            ds_tile.slice(32 * h, 32).slice(k_rows, 64, dim=1).permute((1, 0)).store(dst)
+            dst = gl.convert_layout(dst, cfg.dot_a)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(cfg.dtype), cfg.dot_a), do_h, dv, is_async=True)
+            dk0 = warpgroup_mma(dst, q0, dk0, is_async=True)
+            dk1 = warpgroup_mma(dst, q1, dk1, is_async=True)
+            dk2 = warpgroup_mma(dst, q2, dk2, is_async=True)
+        fence_async_shared()
+        thread_barrier()
+        mbarrier.arrive(smem.ds_ready.index(0), count=1)
+        mbarrier.wait(smem.ds_ready.index(0), t & 1)
+        dq_zero = _dq_zero()
+        if wg.half == 0:
+            dq_tok = warpgroup_mma(ds_tile, k0, dq_zero, use_acc=False, is_async=True)
+            dv, dk0, dk1, dk2, dq = warpgroup_mma_wait(0, deps=(dv, dk0, dk1, dk2, dq_tok))
+            mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
+            _stage_dq(dq, smem.dq.index(0), smem.dq_bars, t, 0, cfg.FLAT)
+            dq_tok = warpgroup_mma(ds_tile, k1, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+            mbarrier.arrive(smem.ds_ready.index(1), count=1)
+            _stage_dq(dq, smem.dq.index(1), smem.dq_bars, t, 1, cfg.FLAT)
+        else:
+            dq_tok = warpgroup_mma(ds_tile, k2, dq_zero, use_acc=False, is_async=True)
+            dv, dk0, dk1, dk2, dq = warpgroup_mma_wait(0, deps=(dv, dk0, dk1, dk2, dq_tok))
+            mbarrier.arrive(smem.q_bar.empty.index(slot), count=1)
+            mbarrier.arrive(smem.ds_ready.index(1), count=1)
+            _stage_dq(dq, smem.dq.index(2), smem.dq_bars, t, 2, cfg.FLAT)
+        return (dk0, dk1, dk2), dv
+
+    @gluon.jit
     def _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok):
         """The end of _bwd_step, once dV's and dK's products are issued: dQ_i's share from both warpgroups' dS^T
         halves (and the bias's gradient stored), the ring slot released, the share handed to the writer. Returns
@@ -1314,6 +1484,11 @@ if AVAILABLE:
             key0 = prog.walk.start_n
             k = smem.k
             v = smem.v
+        elif prog.cfg.HALVES:
+            # (_bwd_step_halves takes its own views of K's three column chunks and of V.)
+            key0 = prog.walk.start_n + half * 64
+            k = smem.k
+            v = smem.v
         else:
             key0 = prog.walk.start_n + half * 64
             k = smem.k.slice(half * 64, 64)
@@ -1332,6 +1507,11 @@ if AVAILABLE:
                   gl.zeros([64, 32], gl.float32, layout=cfg.kv_layout_b))
             dv = (gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout),
                   gl.zeros([64, 32], gl.float32, layout=cfg.kv_layout_b))
+        elif cfg.HALVES:
+            dk = (gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout_b),
+                  gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout_b),
+                  gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout_b))
+            dv = gl.zeros([64, cfg.D_V], gl.float32, layout=cfg.kv_layout)
         elif cfg.OWNERS:
             # Warpgroup 0 accumulates dV, warpgroup 1 dK (_wide_owned); the other is a placeholder, never updated.
             unused = gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout_b)
@@ -1367,6 +1547,8 @@ if AVAILABLE:
                     m = walk.m_lo + _masked_tile(walk, p) * cfg.BLOCK_M
                     if cfg.WIDE:
                         dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, kr, True)
+                    elif cfg.HALVES:
+                        dk, dv = _bwd_step_halves(prog, wg, t, m, i_h, dk, dv, True)
                     else:
                         dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
@@ -1374,6 +1556,8 @@ if AVAILABLE:
                     m = walk.m_lo + _free_tile(walk, jj, cfg.ROTATE) * cfg.BLOCK_M
                     if cfg.WIDE:
                         dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, kr, False)
+                    elif cfg.HALVES:
+                        dk, dv = _bwd_step_halves(prog, wg, t, m, i_h, dk, dv, False)
                     else:
                         dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, False)
                     t += 1
@@ -1397,6 +1581,12 @@ if AVAILABLE:
                 dv = (dv[0] * prog.drop.rescale, dv[1] * prog.drop.rescale)
             _store_kv_cols(prog, wg, dk[0], dv[0], 0)
             _store_kv_cols(prog, wg, dk[1], dv[1], 64)
+        elif cfg.HALVES:
+            ptrs = prog.ptrs
+            strides = prog.strides
+            for c in gl.static_range(3):
+                _store_kv_rows(prog, wg, ptrs.dK, strides.dk_b, strides.dk_s, strides.dk_h, dk[c], 64 * c, cfg.D)
+            _store_kv_rows(prog, wg, ptrs.dV, strides.dv_b, strides.dv_s, strides.dv_h, dv, 0, cfg.D_V)
         elif cfg.OWNERS:
             # (WIDE: no dropout.) Warpgroup 0 owns dV, warpgroup 1 dK.
             ptrs = prog.ptrs
@@ -1449,7 +1639,7 @@ if AVAILABLE:
         cfg = prog.cfg
         # In the buffer's dtype: q's for the public API; float32 for context parallelism's block gradients, which
         # are summed over the ring (flashtile/distributed/_local.py) and would otherwise be rounded once per block.
-        x = _rows_for_store(acc, ptr.dtype.element_ty, not cfg.WIDE and not cfg.BIAS)
+        x = _rows_for_store(acc, ptr.dtype.element_ty, not cfg.WIDE and not cfg.HALVES and not cfg.BIAS)
         layout: gl.constexpr = x.type.layout
         rows = wg.key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))  # in the sequence
         dcol = gl.expand_dims(gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout)), 0) + col0
@@ -1532,7 +1722,17 @@ if AVAILABLE:
         and TMA still zero-fills at each entry's own end; offline, the one-item grid's d128 kernels spilled less
         with them than with one batch entry's 2-D ones)."""
         HEAD_DIM: gl.constexpr = cfg.HEAD_DIM
-        if cfg.PAD_D:
+        if cfg.HALVES:
+            # Q and K in 64-column chunks of their head dim, V and dO whole (_load_cols): no zero columns.
+            q_desc = _chunk_descriptor(cfg, Q, heads.num_heads * cfg.D, n_bh // heads.num_kv_heads, q_rows, strides.q_b,
+                                       strides.q_s, cfg.BLOCK_M, 64)
+            k_desc = _chunk_descriptor(cfg, K, heads.num_kv_heads * cfg.D, n_bh // heads.num_kv_heads, seqlen_k,
+                                       strides.k_b, strides.k_s, cfg.BLOCK_N, 64)
+            do_desc = _chunk_descriptor(cfg, dOut, heads.num_heads * cfg.D_V, n_bh // heads.num_kv_heads, q_rows,
+                                        strides.do_b, strides.do_s, cfg.BLOCK_M, cfg.D_V)
+            v_desc = _chunk_descriptor(cfg, V, heads.num_kv_heads * cfg.D_V, n_bh // heads.num_kv_heads, seqlen_k,
+                                       strides.v_b, strides.v_s, cfg.BLOCK_N, cfg.D_V)
+        elif cfg.PAD_D:
             q_desc = _padded_descriptor(cfg, Q, heads.num_heads, n_bh // heads.num_kv_heads, q_rows, strides.q_b,
                                         strides.q_s, cfg.BLOCK_M, cfg.D)
             do_desc = _padded_descriptor(cfg, dOut, heads.num_heads, n_bh // heads.num_kv_heads, q_rows,
@@ -1572,6 +1772,19 @@ if AVAILABLE:
         return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc
 
     @gluon.jit
+    def _chunk_descriptor(cfg, T, cols, batch, rows, stride_b, stride_s, BLOCK: gl.constexpr, WIDTH: gl.constexpr):
+        """HALVES: the descriptor of [BLOCK, WIDTH] tiles over T seen as [B, S, cols] (VARLEN: [S, cols]), cols
+        its heads times its head dim."""
+        if cfg.VARLEN:
+            layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            desc = tma.make_tensor_descriptor(T, [rows, cols], [stride_s, 1], [BLOCK, WIDTH], layout)
+        else:
+            layout3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+            desc = tma.make_tensor_descriptor(T, [batch, rows, cols], [stride_b, stride_s, 1], [1, BLOCK, WIDTH],
+                                              layout3)
+        return desc
+
+    @gluon.jit
     def _padded_descriptor(cfg, T, heads, batch, rows, stride_b, stride_s, BLOCK: gl.constexpr, D: gl.constexpr):
         """PAD_D: the descriptor of [BLOCK, HEAD_DIM] tiles over T's [B, S, heads, D] (VARLEN: [S, heads, D]) with
         the head dim apart, so that the columns from D on are zero-filled (D: cfg.D for q and k, cfg.D_V for v
@@ -1603,13 +1816,13 @@ if AVAILABLE:
             dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
             dq_rows = (n_bh // heads.num_kv_heads) * heads.num_heads * (seqlen_q_pad * HEAD_DIM // 256)
             dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, 256], [256, 1], [16, 256], dq_layout)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 16, 256], dq_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 + cfg.HALVES, 16, 256], dq_layout)
         else:
             dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
             dq_batch_rows = 0
             dq_desc = tma.make_tensor_descriptor(DqAcc, [q_rows, heads.num_heads * HEAD_DIM],
                                                  [heads.num_heads * HEAD_DIM, 1], [64, 32], dq_layout)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 + cfg.HALVES, 64, 64], dq_layout)
 
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -1618,11 +1831,22 @@ if AVAILABLE:
             kv_smem = gl.allocate_shared_memory(cfg.dtype, [2, cfg.BLOCK_N, HEAD_DIM], layout)
             k_smem = kv_smem.index(0)
             v_smem = kv_smem.index(1)
+        elif cfg.HALVES:
+            # K as three [128, 64] column chunks, Q as three [64, 64] ones per ring slot (slot s: 3 s .. 3 s + 2),
+            # V and dO whole; one [64 queries, 128 keys] dS tile; a third dQ staging tile (above). 224 KB in all.
+            k_smem = gl.allocate_shared_memory(cfg.dtype, [3, cfg.BLOCK_N, 64], layout)
+            v_smem = gl.allocate_shared_memory(cfg.dtype, [1, cfg.BLOCK_N, cfg.D_V], layout)
         else:
             k_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
             v_smem = gl.allocate_shared_memory(cfg.dtype, [cfg.BLOCK_N, HEAD_DIM], layout)
-        q_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-        if cfg.WIDE:
+        if cfg.HALVES:
+            q_smem = gl.allocate_shared_memory(cfg.dtype, [3 * STAGES, BLOCK_M, 64], layout)
+        else:
+            q_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+        if cfg.HALVES:
+            do_smem = gl.allocate_shared_memory(cfg.dtype, [STAGES, BLOCK_M, cfg.D_V], layout)
+            ds_smem = gl.allocate_shared_memory(cfg.dtype, [1, BLOCK_M, cfg.BLOCK_N], layout)
+        elif cfg.WIDE:
             # One dO buffer (_load_q_tile_wide); dS and P as [queries, keys] tiles, dS at 2 (t % 2), P after it
             # (_bwd_step_wide). 224 KB in all at d256.
             do_smem = gl.allocate_shared_memory(cfg.dtype, [1, BLOCK_M, HEAD_DIM], layout)
@@ -1635,7 +1859,7 @@ if AVAILABLE:
                 ds_smem = gl.allocate_shared_memory(cfg.dtype, [2, cfg.BLOCK_N, BLOCK_M], layout)
         # (ROLES: two more, P^T's, from warpgroup 0 to warpgroup 1: _bwd_step_wide.)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2 + 2 * cfg.ROLES, 1], mbarrier.MBarrierLayout())
-        dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        dq_bars = gl.allocate_shared_memory(gl.int64, [4 + 2 * cfg.HALVES, 1], mbarrier.MBarrierLayout())
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], row_layout)
         offsets_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)  # ALiBi: see _bwd_step
@@ -1661,10 +1885,11 @@ if AVAILABLE:
             mbarrier.init(q_full.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a slot
         for i in gl.static_range(2):
-            mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS^T are in shared memory
+            # Both halves of dS^T are in shared memory (HALVES: [0]; [1] both dQ products have read it).
+            mbarrier.init(ds_ready.index(i), count=2)
         for i in gl.static_range(2 * cfg.ROLES):
             mbarrier.init(ds_ready.index(2 + i), count=1)
-        for i in gl.static_range(4):
+        for i in gl.static_range(4 + 2 * cfg.HALVES):
             mbarrier.init(dq_bars.index(i), count=1)
         smem = BwdSmem(lse_smem, delta_smem, offsets_smem, bias_smem, DBias, dq_bars, k_smem, v_smem, q_smem, do_smem,
                        ds_smem, ds_ready, dq_smem, kv_bar, Ring(q_full, q_empty, STAGES), item_smem, kv_free)
@@ -1678,7 +1903,7 @@ if AVAILABLE:
                     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, PERSISTENT: gl.constexpr, D: gl.constexpr,
                     D_V: gl.constexpr, ROLES: gl.constexpr = False, OWNERS: gl.constexpr = False,
-                    K_REGS: gl.constexpr = False):
+                    K_REGS: gl.constexpr = False, HALVES: gl.constexpr = False):
         """One program per (key block, batch entry x kv head), or PERSISTENT one per SM over them (BwdSched); the
         partitions and their roles are the module docstring's. strides, scales, heads, bias_mul and lists: the named
         tuples _Strides, _Scales, _Heads, _Mul, _Lists (attention_backward).
@@ -1700,12 +1925,13 @@ if AVAILABLE:
         (query tile x key block x query head) is stored once, from the ring slot its bias tile came in."""
         gl.static_assert(not DBIAS or (BIAS == 1 and BLOCK_M == 64))
         # The dQ shares of _bwd_step: 64 query rows at d128 (split by columns), 128 at d64 (split by rows).
-        gl.static_assert(BLOCK_M * HEAD_DIM == 8192 or (HEAD_DIM == 256 and BLOCK_M == 64 and BLOCK_N == 64))
+        gl.static_assert(BLOCK_M * HEAD_DIM == 8192 or (HEAD_DIM == 256 and BLOCK_M == 64
+                                                       and BLOCK_N == (128 if HALVES else 64)))
         # (The WIDE step has no ALiBi, attn_mask or dropout.)
         gl.static_assert(HEAD_DIM != 256 or not (HAS_ALIBI or BIAS or DROPOUT))
         cfg = BwdConfig(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, BIAS, DBIAS,
                         VARLEN, DROPOUT, PERSISTENT, D, D_V, Q.dtype.element_ty, ROLES, OWNERS,
-                        K_REGS)
+                        K_REGS, HALVES)
         # Query heads per key head, computed here rather than passed: Triton specializes an integer argument equal
         # to 1 into a constant, and with group_size == 1 known at compile time ptxas allocated the consumers'
         # unmasked loop with 15 spill stores and 17 reloads per step (Triton 3.6, sm90, d128; ncu counted 34M
@@ -1786,7 +2012,8 @@ if AVAILABLE:
             BwdDropout(Seed, walk.i_b * heads.num_heads, scales.drop_threshold, scales.drop_rescale),
             BwdLoads(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Bias, heads.num_heads, bias_mul.b,
                      bias_mul.h), dq, sched)
-        if PERSISTENT:
+        if PERSISTENT or HALVES:
+            # (HALVES: on the one-item grid too; at 232 ptxas serialized its products for want of registers.)
             gl.warp_specialize([(_bwd_partition, (prog, 0)), (_bwd_partition, (prog, 1)),
                                 (_bwd_load_partition, (prog, )), (_bwd_dq_partition, (prog, ))], [4, 1, 1],
                                [PERSISTENT_CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
@@ -1898,7 +2125,8 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(req.softmax_scale, req.softcap)
     stride_alibi_b = feats.alibi_args(None)[1]
-    block_m, block_n = BLOCK_M[TILE_DIM[head_dim]], BLOCK_NS[TILE_DIM[head_dim]]
+    halves = (head_dim, v.shape[-1]) in HALVES_DIMS
+    block_m, block_n = BLOCK_M[TILE_DIM[head_dim]], 128 if halves else BLOCK_NS[TILE_DIM[head_dim]]
     plan.tiles = (block_m, block_n)
     bias_mul_b, bias_mul_h, stride_cnt_b, stride_cnt_h, n_cols = 0, 0, 0, 0, 0
     if req.attn_bias is not None:
@@ -1930,7 +2158,8 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
         D=head_dim, D_V=v.shape[-1], ROLES=(head_dim, v.shape[-1]) in WIDE_ROLES,
-        OWNERS=(head_dim, v.shape[-1]) in WIDE_OWNERS, K_REGS=(head_dim, v.shape[-1]) in WIDE_K_REGS),
+        OWNERS=(head_dim, v.shape[-1]) in WIDE_OWNERS and not halves,
+        K_REGS=(head_dim, v.shape[-1]) in WIDE_K_REGS and not halves, HALVES=halves),
         dict(num_warps=4), background=True)
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)
