@@ -100,6 +100,32 @@ def test_mla_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, causal, d
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, 192 ** -0.5, causal, sk - sq)
 
 
+def test_mla_float32_block_gradients(bwd_spy):
+    """MLA's Gluon backward into float32 gradient buffers (context parallelism's block gradients: HALVES stores them
+    from the accumulators, where 16-bit ones go through its staging tiles): against float64 (causal, GQA, Sq < Sk), no
+    further from it than the 16-bit path's gradients, and agreeing with them to their rounding."""
+    from flashtile.distributed._local import Block, block_backward, block_forward
+    from flashtile.testing import reference_fwd_bwd
+    b, sq, sk, h, hk = 2, 700, 900, 4, 2
+    gen = torch.Generator(DEVICE).manual_seed(23)
+    q, k, v, dout = (torch.randn(shape, device=DEVICE, generator=gen).to(torch.bfloat16) for shape in (
+        (b, sq, h, 192), (b, sk, hk, 192), (b, sk, hk, 128), (b, sq, h, 128)))
+    block = Block(softmax_scale=192 ** -0.5, causal=True, diagonal_offset=sk - sq)
+    out, lse = block_forward(q, k, v, block)
+    grads = block_backward(dout, q, k, v, out, lse, None, block)
+    assert len(bwd_spy) == 1 and all(g.dtype == torch.float32 for g in grads)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o16 = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+    grads16 = torch.autograd.grad(o16, (qg, kg, vg), dout)
+    ref = reference_fwd_bwd(*(t.double() for t in (q, k, v, dout)), 192 ** -0.5, True, sk - sq)[2:5]
+    for name, got, got16, want in zip(("dq", "dk", "dv"), grads, grads16, ref):
+        err = (got.double() - want).abs().max().item()
+        err16 = (got16.double() - want).abs().max().item()
+        assert err <= err16 + 1e-3, (name, err, err16)
+        # The 16-bit gradients are these rounded, up to delta's rounding (out in float32 here, bf16 there).
+        torch.testing.assert_close(got.to(torch.bfloat16), got16, atol=2e-2, rtol=2e-2, msg=name)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=("fixed", "varlen"))
 def test_mla_features(poison, bwd_spy, varlen):
     """MLA's head dims on the Gluon backward with a window, softcap and sinks at once, GQA; fixed-length (Sq > Sk)
