@@ -1600,6 +1600,8 @@ if AVAILABLE:
             _store_kv_cols(prog, wg, dk[1], dv[1], 64)
         elif cfg.HALVES:
             _store_halves(prog, wg, dk, dv, t)
+        elif cfg.WIDE and prog.ptrs.dK.dtype.element_ty.primitive_bitwidth == 16:
+            _store_wide_staged(prog, wg, dk, dv, t)
         elif cfg.OWNERS:
             # (WIDE: no dropout.) Warpgroup 0 owns dV, warpgroup 1 dK.
             ptrs = prog.ptrs
@@ -1612,6 +1614,51 @@ if AVAILABLE:
             if cfg.DROPOUT:
                 dv = dv * prog.drop.rescale  # dV = (P o Z)^T dO / (1 - p): the steps leave the factor to here
             _store_kv_cols(prog, wg, dk, dv, 0)
+
+    @gluon.jit
+    def _store_wide_staged(prog, wg, dk, dv, t):
+        """WIDE (d192, d256) into 16-bit buffers: the warpgroup's dK and dV columns (with OWNERS its one accumulator,
+        dV's or dK's) through its dQ staging tile, one piece at a time (_via_tile), as _store_halves does, once the
+        writer has read the item's last share from the tile (the warpgroup stages N shares a step, so its next
+        staging is use N t and waits on the same phase)."""
+        cfg = prog.cfg
+        ptrs = prog.ptrs
+        st = prog.strides
+        N: gl.constexpr = _wide_dq_shares(cfg.D, wg.half)
+        mbarrier.wait(prog.smem.dq_bars.index(2 * wg.half + 1), ((N * t) & 1) ^ 1)
+        if cfg.OWNERS:
+            if wg.half == 0:
+                _via_owned(prog, wg, ptrs.dV, st.dv_b, st.dv_s, st.dv_h, dv, cfg.D_V)
+            else:
+                _via_owned(prog, wg, ptrs.dK, st.dk_b, st.dk_s, st.dk_h, dk, cfg.D)
+        else:
+            _via_tile(prog, wg, wg.dq, dk, ptrs.dK, st.dk_b, st.dk_s, st.dk_h, 0, cfg.D)
+            _via_tile(prog, wg, wg.dq, dv, ptrs.dV, st.dv_b, st.dv_s, st.dv_h, 0, cfg.D_V)
+
+    @gluon.jit
+    def _via_owned(prog, wg, ptr, stride_b, stride_s, stride_h, acc, D: gl.constexpr):
+        """_store_owned through the warpgroup's staging tile (_via_tile)."""
+        if D == 192:
+            _via_tile(prog, wg, wg.dq, acc[0], ptr, stride_b, stride_s, stride_h, 0, D)
+            _via_tile(prog, wg, wg.dq, acc[1], ptr, stride_b, stride_s, stride_h, 128, D)
+        else:
+            _via_tile(prog, wg, wg.dq, acc, ptr, stride_b, stride_s, stride_h, 0, D)
+
+    @gluon.jit
+    def _via_tile(prog, wg, tile, acc, ptr, stride_b, stride_s, stride_h, col0: gl.constexpr, D: gl.constexpr):
+        """Store acc ([64, W] fp32, W <= 128: dK's or dV's columns from col0) at ptr through `tile`, a free 16 KB
+        staging tile: stored there in the buffer's 16-bit dtype from the accumulator's layout, read back in
+        row_pieces_layout and stored as 16-byte row pieces (_rows_for_store's conversion, in memory of the kernel's
+        own). Every thread's read is done before it returns (the tile's next writer may be any of the warpgroup's
+        threads)."""
+        ty: gl.constexpr = ptr.dtype.element_ty
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        W: gl.constexpr = acc.shape[1]
+        view = tile._reinterpret(ty, [128 // W, 64, W], layout).index(0)
+        view.store(acc.to(ty))
+        thread_barrier()
+        _store_rows(prog, wg, ptr, stride_b, stride_s, stride_h, view.load(row_pieces_layout(W)), col0, D)
+        thread_barrier()
 
     @gluon.jit
     def _store_halves(prog, wg, dk, dv, t):
