@@ -217,7 +217,8 @@ def test_wide_backward_roles(d, dv, owners, halves):
     q, k = (torch.empty(b, s, h, d, dtype=torch.bfloat16) for _ in range(2))
     v, dout = (torch.empty(b, s, h, dv, dtype=torch.bfloat16) for _ in range(2))
     req = AttentionRequest(softmax_scale=d ** -0.5, window_right=0)
-    plan = hopper_bwd.gluon_plan(q, k, v, dout, (None, None, None), (b, h, s + 64), req, False)
+    pad = -(-s // 128) * 128  # (the preprocess's rows: backward.ROW_PAD)
+    plan = hopper_bwd.gluon_plan(q, k, v, dout, (None, None, None), (b, h, pad), req, False)
     constexprs = plan.launch.constexprs
     assert not plan.persistent
     assert constexprs["OWNERS"] is owners and constexprs["K_REGS"] is owners
@@ -226,6 +227,8 @@ def test_wide_backward_roles(d, dv, owners, halves):
     assert constexprs["BLOCK_N"] == (128 if halves else hopper_bwd.BLOCK_NS[hopper_bwd.TILE_DIM[d]])
     assert plan.launch.grid == (-(-s // constexprs["BLOCK_N"]), b * h, 1)
     assert constexprs["HEAD_DIM"] == hopper_bwd.TILE_DIM[d] and constexprs["D_V"] == dv
+    # The fixed-length dQ buffer: three [64, 64] shares per 64 query rows at d192 and MLA, not the tile's four.
+    assert plan.acc_shape == (b * h * pad * (192 if d == 192 else hopper_bwd.TILE_DIM[d]) // 256, 256)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -235,15 +238,16 @@ def test_wide_backward_roles(d, dv, owners, halves):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_dq_from_tiles(head_dim):
     """hopper_bwd.dq_from_tiles against the buffer's layout written out with torch views: per (batch, head) and
-    query tile of BLOCK_M rows, [64, 64] shares (two column shares at d128, four at d256, two row shares at d64),
-    each stored in the order [i, j, w, r, q, e] of row w*16 + i*8 + r, column j*8 + q*2 + e (hopper_bwd._stage_dq).
-    Rows past Sq are padding and must not be written; values are bf16-exact so the cast is exact. d96 runs d128's
-    tiles and d192 d256's (hopper_bwd.TILE_DIM): their columns from 96 (192) on must not be written either (in a
-    contiguous dq they would land on the next head's first columns)."""
+    query tile of BLOCK_M rows, [64, 64] shares (two column shares at d128, three at d192, four at d256, two row
+    shares at d64), each stored in the order [i, j, w, r, q, e] of row w*16 + i*8 + r, column j*8 + q*2 + e
+    (hopper_bwd._stage_dq). Rows past Sq are padding and must not be written; values are bf16-exact so the cast is
+    exact. d96 runs d128's tiles (hopper_bwd.TILE_DIM): its columns from 96 on must not be written either (in a
+    contiguous dq they would land on the next head's first columns); d192's buffer holds its three shares only
+    (hopper_bwd.dq_width)."""
     from flashtile.kernels import hopper_bwd
     batch, heads, seqlen_q, seqlen_q_pad = 2, 3, 200, 256
-    tile_dim = hopper_bwd.TILE_DIM[head_dim]
-    block_m = hopper_bwd.BLOCK_M[tile_dim]
+    tile_dim = hopper_bwd.dq_width(head_dim)
+    block_m = hopper_bwd.BLOCK_M[hopper_bwd.TILE_DIM[head_dim]]
     n_tiles = seqlen_q_pad // block_m
     n_shares = block_m * tile_dim // 4096
     acc = torch.randn(batch * heads * seqlen_q_pad * tile_dim // 256, 256, device=DEVICE)
@@ -267,7 +271,7 @@ def test_dq_from_tiles(head_dim):
     assert torch.equal(dq32, full[:, :, :seqlen_q].permute(0, 2, 1, 3) + addend)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_preprocess_zeroes_dq_buffer(head_dim):
     """The backward's preprocess with the Gluon kernel's fixed-length dQ buffer (zero_width > 0): every row of the
     buffer, padding included, comes out 0 (the kernel adds into it), and its Rows are those of the preprocess
@@ -275,7 +279,7 @@ def test_preprocess_zeroes_dq_buffer(head_dim):
     from flashtile.kernels import _launch, backward, hopper_bwd
     batch, heads, seqlen_q, head_dim_v = 2, 3, 200, head_dim
     pad = 256
-    tile_dim = hopper_bwd.TILE_DIM[head_dim]
+    tile_dim = hopper_bwd.dq_width(head_dim)
     out = torch.randn(batch, seqlen_q, heads, head_dim_v, device=DEVICE).to(torch.bfloat16)
     dout = torch.randn_like(out)
     lse = torch.randn(batch, heads, seqlen_q, device=DEVICE)
@@ -284,7 +288,8 @@ def test_preprocess_zeroes_dq_buffer(head_dim):
         rows = backward.Rows(torch.full((batch, heads, pad), float("nan"), device=DEVICE),
                              torch.full((batch, heads, pad), float("nan"), device=DEVICE), pad)
         acc = torch.full((batch * heads * pad * tile_dim // 256, 256), float("nan"), device=DEVICE)
-        launch = backward._preprocess_launch(out, dout, lse, None, False, seqlen_q, batch, 0.5, tile_dim, pad,
+        launch = backward._preprocess_launch(out, dout, lse, None, False, seqlen_q, batch, 0.5,
+                                             hopper_bwd.TILE_DIM[head_dim], pad,
                                              zero_width)
         launch(_launch.stream_for(out.get_device()), out, dout, lse, lse, rows, lse, acc if zero_width else lse)
         results.append((rows, acc))

@@ -85,9 +85,12 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, DqAcc, total_q, s
     tl.store(rows.delta + i_bh.to(tl.int64) * rows.pad + o_m, b_delta * delta_scale)
     tl.store(rows.lse_log2 + i_bh.to(tl.int64) * rows.pad + o_m, b_lse_log2)
     if ZERO_WIDTH > 0:
-        o_z = tl.arange(0, ZERO_WIDTH)
-        p_acc = DqAcc + (i_bh.to(tl.int64) * rows.pad + o_m)[:, None] * ZERO_WIDTH + o_z[None, :]
-        tl.store(p_acc, tl.zeros([BLOCK_M, ZERO_WIDTH], tl.float32))
+        p_acc = DqAcc + (i_bh.to(tl.int64) * rows.pad + o_m)[:, None] * ZERO_WIDTH
+        if ZERO_WIDTH == 192:  # (d192 and MLA: hopper_bwd.dq_width; 128 + 64 columns)
+            tl.store(p_acc + tl.arange(0, 128)[None, :], tl.zeros([BLOCK_M, 128], tl.float32))
+            tl.store(p_acc + 128 + tl.arange(0, 64)[None, :], tl.zeros([BLOCK_M, 64], tl.float32))
+        else:
+            tl.store(p_acc + tl.arange(0, ZERO_WIDTH)[None, :], tl.zeros([BLOCK_M, ZERO_WIDTH], tl.float32))
 
 
 class Program(NamedTuple):
@@ -444,7 +447,7 @@ def _bwd_plan(spec, q, k, v, dout, out, lse, dlse, req, gluon, grads, bias_grad)
     plan.zero_dq = gluon and not req.varlen
     plan.preprocess = _preprocess_launch(out, dout, lse, dlse, req.varlen, seqlen_q, batch, plan.delta_scale,
                                          spec.block_d(head_dim_v), plan.pad,
-                                         hopper_bwd.TILE_DIM[q.shape[-1]] if plan.zero_dq else 0)
+                                         hopper_bwd.dq_width(q.shape[-1]) if plan.zero_dq else 0)
     plan.dbias_dtype = None
     if bias_grad and not gluon:
         plan.dbias_dtype = req.attn_bias.dtype if tuple(req.attn_bias.shape) == plan.full_shape else torch.float32

@@ -72,6 +72,14 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 # The kernel's tile width by head dim: d96 runs d128's kernel and d192 d256's, their tiles' last columns
 # zero-filled by TMA on the loads and masked on the stores (PAD_D), as the forward does for d96 (hopper_fwd.TILE_DIM).
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
+
+
+def dq_width(head_dim):
+    """Columns per query row of the fixed-length dQ buffer (the kernel's dq_desc note): the tile width, but 192 at
+    d192 and MLA, whose tiles' fourth [64, 64] share (columns 192-255) would only be zeroed and read back."""
+    return 192 if head_dim == 192 else TILE_DIM[head_dim]
+
+
 # Query tiles in flight (the ring of Q, LSE and delta; dO's too below 256, where dO has one buffer of its own).
 STAGES = 2
 # The (q/k, v) head dims whose WIDE backward has warpgroup 0 compute S^T and warpgroup 1 dP^T for a whole query tile
@@ -127,10 +135,10 @@ def _dq_from_tiles_kernel(Acc, dQ, Addend, stride_b, stride_s, stride_h, add_b, 
     """dQ from the kernel's fp32 tile buffer ([B, H, Sq_pad / BLOCK_M, SHARES, 4096], _bwd_kernel's dq_desc note):
     one program per [64, 64] share of a query tile and (batch, head), cast to dQ's dtype. Each share is an
     accumulator stored by _stage_dq in the order [i, j, w, r, q, e] for row w*16 + i*8 + r, column j*8 + q*2 + e;
-    the share is columns 64*share of the tile's 64 rows at d128 and d256 (two and four shares), rows 64*share of its
-    128 at d64. ADD: a float32 tensor shaped like dQ (strides add_b, add_s, add_h) is added before the cast, so the
-    sum is rounded once. D: dQ's head dim (HEAD_DIM is the tiles': 128 for d96 and 256 for d192, whose columns from
-    D on are not stored)."""
+    the share is columns 64*share of the tile's 64 rows at d128, d192 and d256 (two, three and four shares), rows
+    64*share of its 128 at d64. ADD: a float32 tensor shaped like dQ (strides add_b, add_s, add_h) is added before
+    the cast, so the sum is rounded once. D: dQ's head dim; HEAD_DIM: the buffer's columns per query row (dq_width:
+    128 for d96, whose columns from D on are not stored; 192 at d192 and MLA)."""
     SHARES: tl.constexpr = BLOCK_M * HEAD_DIM // 4096
     i_share = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -172,12 +180,12 @@ def _dq_from_tiles_launch(dq, seqlen_q_pad, addend=None):
     (stream, acc, dq, addend or acc)."""
     batch, seqlen_q, num_heads, head_dim = dq.shape
     block_m = BLOCK_M[TILE_DIM[head_dim]]
-    shares = block_m * TILE_DIM[head_dim] // 4096  # [64, 64] shares per query tile
+    shares = block_m * dq_width(head_dim) // 4096  # [64, 64] shares per query tile
     grid = (shares * seqlen_q_pad // block_m, batch * num_heads)
     add_strides = (0, 0, 0) if addend is None else addend.stride()[:3]
     return _launch.Bound(_dq_from_tiles_kernel, grid, (dq.stride(0), dq.stride(1), dq.stride(2), *add_strides,
                                                        seqlen_q, seqlen_q_pad, num_heads),
-                         dict(HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, ADD=addend is not None, D=head_dim),
+                         dict(HEAD_DIM=dq_width(head_dim), BLOCK_M=block_m, ADD=addend is not None, D=head_dim),
                          dict(num_warps=4), background=True)
 
 
@@ -221,6 +229,7 @@ if AVAILABLE:
         OWNERS: gl.constexpr
         K_REGS: gl.constexpr
         HALVES: gl.constexpr
+        DQ_WIDTH: gl.constexpr
         KV_COLS: gl.constexpr
         KV_SPLIT: gl.constexpr
         dtype: gl.constexpr
@@ -252,6 +261,7 @@ if AVAILABLE:
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
             self.HALVES = gl.constexpr(HEAD_DIM == 256 and D == 192 and D_V == 128 and HALVES)
+            self.DQ_WIDTH = gl.constexpr(192 if HEAD_DIM == 256 and D == 192 else HEAD_DIM)  # (dq_width)
             wide = HEAD_DIM == 256 and not self.HALVES
             self.WIDE = gl.constexpr(wide)
             self.ROLES = gl.constexpr(wide and ROLES)
@@ -890,7 +900,9 @@ if AVAILABLE:
         dq = prog.dq
         dq_smem = prog.smem.dq
         if cfg.FLAT:
-            row = (prog.walk.i_b * prog.loads.num_heads + i_h) * dq.batch_rows + m + share * 16
+            # DQ_WIDTH // 4 rows of 256 per 64 query rows (three shares at 192, four at 256).
+            row = ((prog.walk.i_b * prog.loads.num_heads + i_h) * (dq.batch_rows * cfg.DQ_WIDTH // 256)
+                   + m * cfg.DQ_WIDTH // 256 + share * 16)
             tma_reduce_add(dq.desc, [row, 0], dq_smem.index(w))
         else:
             col = i_h * cfg.HEAD_DIM + share * 64
@@ -1918,8 +1930,9 @@ if AVAILABLE:
     def _bwd_smem(cfg, DqAcc, Bias, DBias, heads, n_bh, q_rows, seqlen_q_pad):
         """dQ's fp32 buffer descriptor (BwdDq) and the backward's shared memory (BwdSmem), barriers initialized.
 
-        dQ accumulates in fp32. FLAT (fixed-length batches): tile by tile, [B, H, Sq_pad / BLOCK_M, 2 shares, 4096]
-        in _stage_dq's order, seen as rows of 256 (one [16, 256] reduction per share); attention_backward's
+        dQ accumulates in fp32. FLAT (fixed-length batches): tile by tile, [B, H, Sq_pad / BLOCK_M, shares, 4096]
+        in _stage_dq's order (BLOCK_M * DQ_WIDTH / 4096 shares: 2 at d64-d128, 3 at d192 and MLA, 4 at d256), seen
+        as rows of 256 (one [16, 256] reduction per share); attention_backward's
         _dq_from_tiles_kernel puts it in dQ's layout. VARLEN: laid out as dQ itself, [total_q, H, D], this sequence's
         rows, reduced by [64, 32] boxes of 128-byte swizzled staging (the reductions clip the tiles at the
         sequence's end)."""
@@ -1929,7 +1942,7 @@ if AVAILABLE:
         dq_batch_rows = seqlen_q_pad
         if cfg.FLAT:
             dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            dq_rows = (n_bh // heads.num_kv_heads) * heads.num_heads * (seqlen_q_pad * HEAD_DIM // 256)
+            dq_rows = (n_bh // heads.num_kv_heads) * heads.num_heads * (seqlen_q_pad * cfg.DQ_WIDTH // 256)
             dq_desc = tma.make_tensor_descriptor(DqAcc, [dq_rows, 256], [256, 1], [16, 256], dq_layout)
             dq_smem = gl.allocate_shared_memory(gl.float32, [2 + cfg.HALVES, 16, 256], dq_layout)
         else:
@@ -2236,7 +2249,7 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
         strides = [t.stride()[:2] for t in (q, k, v, dout)] + [t.stride()[:3] for t in (dk, dv)]
-        plan.acc_shape = (batch * num_heads * seqlen_q_pad * TILE_DIM[head_dim] // 256, 256)
+        plan.acc_shape = (batch * num_heads * seqlen_q_pad * dq_width(head_dim) // 256, 256)
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(req.softmax_scale, req.softcap)
     stride_alibi_b = feats.alibi_args(None)[1]
