@@ -37,11 +37,11 @@ hopper_bwd = lazy_module(".kernels.hopper_bwd", globals())
 GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 GLUON_HEAD_DIMS = (64, 96, 128, 192, 256)  # (d96 on d128's tiles, d192 on d256's: hopper_bwd.TILE_DIM)
 # The backward's head dims without ALiBi, an attn_mask or dropout (hopper_bwd._bwd_step_wide's split of a 64-key
-# block between the warpgroups has none of them; the portable backward takes those calls).
+# block between the warpgroups has none of them, nor MLA's _bwd_step_halves; the portable backward takes those calls).
 GLUON_BWD_PLAIN_HEAD_DIMS = (192, 256)
 # (q/k head dim, v head dim) pairs whose forward runs on the Gluon kernel although they differ: MLA's 192/128
-# (DeepSeek's prefill), on d256's tiles for Q and K and d128's for V; and its backward, on d256's tiles for all four
-# (V and dO zero-filled past 128: hopper_bwd._bwd_step_wide).
+# (DeepSeek's prefill), on d256's tiles for Q and K and d128's for V; and its backward, on 128-key blocks in 32-query
+# halves with Q and K in 64-column chunks (hopper_bwd._bwd_step_halves, HALVES_DIMS).
 GLUON_FWD_SPLIT_DIMS = ((192, 128),)
 GLUON_BWD_SPLIT_DIMS = ((192, 128),)
 # The head dims whose float8_e4m3fn forward runs on the Gluon kernel (interface.flash_attn_func's q_descale, ...):

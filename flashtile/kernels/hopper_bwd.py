@@ -301,9 +301,11 @@ if AVAILABLE:
         LSE and delta and its attn_mask tile (bias; its gradient goes out from there through dbias_desc);
         offsets: ALiBi's query offsets per warpgroup (_bwd_step); k, v: the key block (kv_bar); ds: dS^T in two
         alternating buffers (both halves in: ds_ready); dq: each warpgroup's staged dQ share for the writer
-        (dq_bars[2w] "staged", dq_bars[2w + 1] "read by the writer"); item: the index of the program's j-th work
-        item in slot j % 2, written by the loader before that item's K and V are loaded (kv_bar's j-th phase);
-        kv_free: both consumers are done with the item's K and V (their last step's products have completed)."""
+        (dq_bars[2w] "staged", dq_bars[2w + 1] "read by the writer"; HALVES: one dS tile, ds_ready[0] both halves in
+        and ds_ready[1] both dQ products done, and three staging tiles s with dq_bars[2s], [2s + 1]); item: the index
+        of the program's j-th work item in slot j % 2, written by the loader before that item's K and V are loaded
+        (kv_bar's j-th phase); kv_free: both consumers are done with the item's K and V (their last step's products
+        have completed)."""
         lse: gl.shared_memory_descriptor
         delta: gl.shared_memory_descriptor
         offsets: gl.shared_memory_descriptor
