@@ -126,6 +126,34 @@ def test_mla_float32_block_gradients(bwd_spy):
         torch.testing.assert_close(got.to(torch.bfloat16), got16, atol=2e-2, rtol=2e-2, msg=name)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=("full", "causal"))
+def test_mla_varlen_one_item_grid(monkeypatch, causal):
+    """MLA's backward on varlen batches past the persistent grid's bound (a sequence of 9100 keys): the one-item grid
+    of HALVES, each program's chunk descriptors based at its sequence; with a sequence shorter than a key block and
+    one without queries; against float64 per sequence."""
+    from flashtile.testing import check_varlen_against_reference, cu_seqlens
+    plans = []
+    build = hopper_bwd.gluon_plan
+
+    def spy(*args, **kwargs):
+        plans.append(build(*args, **kwargs))
+        return plans[-1]
+    monkeypatch.setattr(hopper_bwd, "gluon_plan", spy)
+    lens_q, lens_k = [9000, 130, 0], [9100, 200, 7]
+    gen = torch.Generator(DEVICE).manual_seed(5 + causal)
+    q, k, v, dout = (torch.randn(shape, device=DEVICE, generator=gen).to(torch.bfloat16) for shape in (
+        (sum(lens_q), 4, 192), (sum(lens_k), 2, 192), (sum(lens_k), 2, 128), (sum(lens_q), 4, 128)))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                   return_attn_probs=True)
+    grads = torch.autograd.grad((out * dout).sum(), (q, k, v))
+    # (The forward may build the backward's plan ahead too: every plan of the call is the one-item HALVES grid.)
+    assert plans and all(not p.persistent and p.launch.constexprs["HALVES"] for p in plans)
+    check_varlen_against_reference((out.detach(), lse.detach(), *grads), q.detach(), k.detach(), v.detach(), dout,
+                                   cu_q, cu_k, causal)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=("fixed", "varlen"))
 def test_mla_features(poison, bwd_spy, varlen):
     """MLA's head dims on the Gluon backward with a window, softcap and sinks at once, GQA; fixed-length (Sq > Sk)
