@@ -584,7 +584,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _load_cols(cfg, desc, i_b, row, col, bar, dst):
-        """HALVES: TMA-load the tile of dst's shape at sequence row `row`, column `col` (a head's offset plus a
+        """TMA-load the tile of dst's shape at sequence row `row`, column `col` (a head's offset; under HALVES plus a
         chunk's) of batch entry i_b into dst: 2-D descriptors over [rows, heads * head dim] under VARLEN, else 3-D
         ones with the batch entries first (_bwd_descriptors)."""
         if cfg.VARLEN:
@@ -602,10 +602,8 @@ if AVAILABLE:
                 tma_load(desc, [row, i_h, 0], bar, dst.reshape([dst.shape[0], 1, dst.shape[1]]))
             else:
                 tma_load(desc, [i_b, row, i_h, 0], bar, dst.reshape([1, dst.shape[0], 1, dst.shape[1]]))
-        elif cfg.VARLEN:
-            tma_load(desc, [row, i_h * cfg.HEAD_DIM], bar, dst)
         else:
-            tma_load(desc, [i_b, row, i_h * cfg.HEAD_DIM], bar, dst.reshape([1, dst.shape[0], dst.shape[1]]))
+            _load_cols(cfg, desc, i_b, row, i_h * cfg.HEAD_DIM, bar, dst)
 
     @gluon.jit
     def _bwd_load_partition(prog):
@@ -1180,6 +1178,38 @@ if AVAILABLE:
         mbarrier.wait(smem.ds_ready.index(t % 2), (t // 2) & 1)
 
     @gluon.jit
+    def _p_and_ds(prog, wg, st_tok, dpt_tok, slot, m, row0: gl.constexpr, N: gl.constexpr, DP_PENDING: gl.constexpr,
+                  MASK: gl.constexpr):
+        """P^T and dS^T (fp32, [64 keys, N queries] in s_layout) of the step's queries m + row0 .. + N - 1 from the
+        S^T and dP^T products in flight (_bwd_step_wide's and _half_products' halves of a tile): S^T waited for with
+        DP_PENDING of dP^T's products still in flight (without softcap, which needs both at once), those queries'
+        LSE and delta read as [1, N] rows of the scores' layout (see _bwd_step), MASK as in _bwd_step."""
+        cfg = prog.cfg
+        smem = prog.smem
+        s_layout: gl.constexpr = cfg.s_layout
+        if cfg.SOFTCAP:
+            st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
+            tt = tanh_approx(st * prog.mods.pre_scale)
+            score = tt
+        else:
+            st, dpt_tok = warpgroup_mma_wait(DP_PENDING, deps=(st_tok, dpt_tok))
+            score = st
+        lse = smem.lse.index(slot).slice(row0, N, dim=1).load(s_layout)
+        pt = gl.exp2(score * prog.mods.qk_scale - lse)
+        if MASK:
+            band = prog.band
+            cols = m + row0 + gl.arange(0, N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
+            pt = gl.where(_band_keep(cfg, band, wg.key, cols, keep), pt, 0.0)
+        if not cfg.SOFTCAP:
+            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+        delta = smem.delta.index(slot).slice(row0, N, dim=1).load(s_layout)
+        dst = pt * (dpt * prog.mods.sm_scale - delta)
+        if cfg.SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
+        return pt, dst
+
+    @gluon.jit
     def _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, kr, MASK: gl.constexpr):
         """_bwd_step for tiles of 256 columns (WIDE: d192 and d256). A consumer warpgroup cannot hold dK and dV
         of 64 keys at 256 columns (256 registers a thread), so both warpgroups share the block's 64 keys and split
@@ -1213,28 +1243,9 @@ if AVAILABLE:
             else:
                 st_tok = _head_dim_product(k, q.slice(wg.half * HALF_M, HALF_M), zero, cfg.D)
             dpt_tok = _head_dim_product(v, do.slice(wg.half * HALF_M, HALF_M), zero, cfg.D_V)
-            if cfg.SOFTCAP:
-                st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
-                tt = tanh_approx(st * prog.mods.pre_scale)
-                score = tt
-            else:
-                # (dP^T's products, one or two, still in flight.)
-                st, dpt_tok = warpgroup_mma_wait(1 + (128 < cfg.D_V and cfg.D_V <= 192), deps=(st_tok, dpt_tok))
-                score = st
-            # This warpgroup's queries' LSE and delta (see _bwd_step), as [1, HALF_M] rows of the scores' layout.
-            lse = smem.lse.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
-            pt = gl.exp2(score * prog.mods.qk_scale - lse)
-            if MASK:
-                band = prog.band
-                cols = m + wg.half * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
-                pt = gl.where(_band_keep(cfg, band, wg.key, cols, keep), pt, 0.0)
-            if not cfg.SOFTCAP:
-                dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-            delta = smem.delta.index(slot).slice(wg.half * HALF_M, HALF_M, dim=1).load(s_layout)
-            dst = pt * (dpt * prog.mods.sm_scale - delta)
-            if cfg.SOFTCAP:
-                dst = dst * (1.0 - tt * tt)
+            # (dP^T's products, one or two, still in flight while P^T is computed.)
+            pt, dst = _p_and_ds(prog, wg, st_tok, dpt_tok, slot, m, wg.half * HALF_M, HALF_M,
+                                1 + (128 < cfg.D_V and cfg.D_V <= 192), MASK)
             p_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(pt.to(cfg.dtype))
             ds_tile.slice(wg.half * HALF_M, HALF_M).permute((1, 0)).store(dst.to(cfg.dtype))
             fence_async_shared()
@@ -1338,27 +1349,8 @@ if AVAILABLE:
         st_tok = warpgroup_mma(k1.slice(k_rows, 64), q1.permute((1, 0)), st_tok, is_async=True)
         st_tok = warpgroup_mma(k2.slice(k_rows, 64), q2.permute((1, 0)), st_tok, is_async=True)
         dpt_tok = warpgroup_mma(v, do_h.permute((1, 0)), zero, use_acc=False, is_async=True)
-        if cfg.SOFTCAP:
-            st, dpt = warpgroup_mma_wait(0, deps=(st_tok, dpt_tok))
-            tt = tanh_approx(st * prog.mods.pre_scale)
-            score = tt
-        else:
-            # (In order: the previous half's dV and dK products retire before S^T; dP^T stays in flight.)
-            st, dpt_tok = warpgroup_mma_wait(1, deps=(st_tok, dpt_tok))
-            score = st
-        lse = smem.lse.index(slot).slice(32 * h, 32, dim=1).load(s_layout)
-        pt = gl.exp2(score * prog.mods.qk_scale - lse)
-        if MASK:
-            band = prog.band
-            cols = m + 32 * h + gl.arange(0, 32, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(wg.key, 1) < band.seqlen_k
-            pt = gl.where(_band_keep(cfg, band, wg.key, cols, keep), pt, 0.0)
-        if not cfg.SOFTCAP:
-            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-        delta = smem.delta.index(slot).slice(32 * h, 32, dim=1).load(s_layout)
-        dst = pt * (dpt * prog.mods.sm_scale - delta)
-        if cfg.SOFTCAP:
-            dst = dst * (1.0 - tt * tt)
+        # (In order: the previous half's dV and dK products retire before S^T; dP^T stays in flight.)
+        pt, dst = _p_and_ds(prog, wg, st_tok, dpt_tok, slot, m, 32 * h, 32, 1, MASK)
         dst = dst.to(cfg.dtype)
         if h == 0:
             # Both warpgroups' dQ products of the previous step have read the dS tile.
@@ -1903,7 +1895,9 @@ if AVAILABLE:
     @gluon.jit
     def _chunk_descriptor(cfg, T, cols, batch, rows, stride_b, stride_s, BLOCK: gl.constexpr, WIDTH: gl.constexpr):
         """HALVES: the descriptor of [BLOCK, WIDTH] tiles over T seen as [B, S, cols] (VARLEN: [S, cols]), cols
-        its heads times its head dim."""
+        its heads times its head dim. (The other kernels build the same descriptors inline in _bwd_descriptors:
+        routed through this function, their SASS changed, offline, in register allocation and instruction order,
+        and those kernels' timings were taken with it as it is.)"""
         if cfg.VARLEN:
             layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
             desc = tma.make_tensor_descriptor(T, [rows, cols], [stride_s, 1], [BLOCK, WIDTH], layout)
