@@ -614,3 +614,33 @@ def test_cold_children_get_the_bytecode_an_installation_has(monkeypatch):
     assert cold.build_parser().parse_args([]).bytecode == "installed"
     with pytest.raises(SystemExit):
         cold.build_parser().parse_args(["--bytecode", "compiled"])
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                   ".git")), reason="needs the git checkout")
+def test_ab_base_copy_runs_beside_the_checkout(tmp_path):
+    """benchmarks/ab.py's base tree: HEAD's package extracted as flashtile_base, its ops in a namespace of their own,
+    importable beside the checkout's flashtile without sharing a module with it, and computing what it computes."""
+    import importlib.util
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("_ab", os.path.join(repo, "benchmarks", "ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    import flashtile
+    path = list(sys.path)
+    try:
+        new, base, commit = ab.import_trees("HEAD", str(tmp_path))
+        assert commit == head and new is flashtile and base.__name__ == ab.BASE_NAME
+        assert hasattr(torch.ops, ab.BASE_NAME) and hasattr(getattr(torch.ops, ab.BASE_NAME), "attn_fwd")
+        copies = [m for name, m in sys.modules.items() if name.startswith(ab.BASE_NAME + ".")]
+        assert copies and all(m.__file__.startswith(str(tmp_path)) for m in copies if getattr(m, "__file__", None))
+        assert base.dispatch is not flashtile.dispatch and base.dispatch._PLANS is not flashtile.dispatch._PLANS
+        q, k, v = (torch.randn(1, 40, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        for causal in (False, True):
+            assert torch.equal(base.flash_attn_func(q, k, v, causal=causal), new.flash_attn_func(q, k, v,
+                                                                                                 causal=causal))
+    finally:
+        for name in [n for n in sys.modules if n == ab.BASE_NAME or n.startswith(ab.BASE_NAME + ".")]:
+            del sys.modules[name]
+        sys.path[:] = path

@@ -1,0 +1,193 @@
+"""Time two revisions of flashtile in one process: the checkout's package ("new") against a git revision's ("base").
+
+The design record's A/B ratios ("the tree before and after in one process") come from runs of this kind: both trees'
+kernels alternate on the same GPU, in rotated order, so that clocks, temperature and the host move both alike. The
+base revision's package is extracted with `git archive` into a temporary folder under another name
+(`flashtile_base`), with its torch.library namespace renamed too, so that both register their ops side by side;
+the package's own imports are relative, so each copy runs only its own code (and Triton caches each copy's kernels
+apart: their sources differ in path).
+
+    python benchmarks/ab.py --base HEAD~1 --headdim 128 --seqlen 1k,2k,4k --causal both --mode both \\
+        --rounds 5 --out benchmarks/results/2026-11-27-h100-some-change-ab.json
+
+Per shape (bf16, batch x seqlen = --tokens, heads = --hidden / headdim, [B, S, H, D]) and mode: the largest
+difference between the two trees' outputs (and gradients), then --rounds rounds of `triton.testing.do_bench`
+medians (new, base, and with --cudnn torch's SDPA on cuDNN), rotated; the table gives the medians' TFLOP/s and
+new / base. FLOPs: 4·B·H·S²·d for the forward, 2.5 times that for the backward, half of each when causal.
+"""
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_NAME = "flashtile_base"
+
+
+def build_base(rev, dest, name=BASE_NAME, repo=REPO):
+    """Extract revision rev's flashtile package into dest/name, its op namespace renamed to name; returns the
+    commit's hash. Files are rewritten only where they name the namespace ("flashtile::" and the
+    torch.library.Library("flashtile", ...) definitions)."""
+    commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", rev + "^{commit}"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    archive = os.path.join(dest, "base.tar")
+    with open(archive, "wb") as f:
+        subprocess.run(["git", "-C", repo, "archive", commit, "flashtile"], check=True, stdout=f)
+    with tarfile.open(archive) as tar:
+        try:
+            tar.extractall(dest, filter="data")
+        except TypeError:  # (Python < 3.11.4: no extraction filters)
+            tar.extractall(dest)
+    os.remove(archive)
+    root = os.path.join(dest, name)
+    os.rename(os.path.join(dest, "flashtile"), root)
+    for folder, _, files in os.walk(root):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder, file)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            renamed = text.replace("flashtile::", name + "::").replace('Library("flashtile"', f'Library("{name}"')
+            if renamed != text:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(renamed)
+    return commit
+
+
+def import_trees(base, dest):
+    """(new, base): the checkout's flashtile and revision base's copy, imported (build_base into dest)."""
+    import importlib
+    commit = build_base(base, dest)
+    sys.path.insert(0, dest)
+    sys.path.insert(0, REPO)
+    new_mod = importlib.import_module("flashtile")
+    if os.path.dirname(os.path.dirname(os.path.abspath(new_mod.__file__))) != REPO:
+        raise SystemExit(f"flashtile imports from {new_mod.__file__}, not from this checkout ({REPO}): run from a "
+                         f"checkout whose package is the one to time")
+    return new_mod, importlib.import_module(BASE_NAME), commit
+
+
+def _lengths(text):
+    return [int(float(x[:-1]) * 1024) if x.endswith("k") else int(x) for x in text.split(",")]
+
+
+def _describe():
+    out = subprocess.run(["git", "-C", REPO, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+def run(args):
+    import torch
+    import triton
+    from triton.testing import do_bench
+    with tempfile.TemporaryDirectory() as dest:
+        new_mod, base_mod, commit = import_trees(args.base, dest)
+        providers = {"new": new_mod, "base": base_mod}
+        rows = []
+        for d in args.headdim:
+            heads = args.hidden // d
+            for seqlen in args.seqlen:
+                batch = max(args.tokens // seqlen, 1)
+                for causal in args.causal:
+                    gen = torch.Generator("cuda").manual_seed(seqlen + d + causal)
+                    q, k, v, dout = (torch.randn(batch, seqlen, heads, d, device="cuda", generator=gen,
+                                                 dtype=torch.bfloat16) for _ in range(4))
+                    for t in (q, k, v):
+                        t.requires_grad_()
+                    for mode in args.mode:
+                        rows.append(_time_shape(providers, q, k, v, dout, causal, mode, args, do_bench, torch))
+                        r = rows[-1]
+                        print(f"d{d} S{seqlen:6d} {'causal' if causal else 'full  '} {mode} "
+                              + " ".join(f"{n} {t:6.1f}" for n, t in r["tflops"].items())
+                              + f"  new/base {r['new_over_base']:.3f}  diff {r['max_diff']:.1e}", flush=True)
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                    cudnn=torch.backends.cudnn.version(), date=datetime.date.today().isoformat(),
+                    new=_describe(), base=commit, rounds=args.rounds,
+                    what="benchmarks/ab.py: new = the checkout, base = the revision above, one process; TFLOP/s "
+                         "medians of triton.testing.do_bench over rotated rounds")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(metadata=meta, rows=rows), f, indent=1)
+            print("wrote", args.out)
+    return rows
+
+
+def _time_shape(providers, q, k, v, dout, causal, mode, args, do_bench, torch):
+    batch, seqlen, heads, d = q.shape
+    flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1) * (2.5 if mode == "bwd" else 1)
+    fns, results = {}, {}
+    for name, mod in providers.items():
+        if mode == "fwd":
+            fns[name] = (lambda mod=mod: mod.flash_attn_func(q, k, v, causal=causal))
+            results[name] = [fns[name]().detach()]
+        else:
+            out = mod.flash_attn_func(q, k, v, causal=causal)
+            fns[name] = (lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+            results[name] = list(fns[name]())
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["new"], results["base"]))
+    if args.cudnn:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        if mode == "fwd":
+            fns["cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        else:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out_t = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            dout_t = dout.transpose(1, 2).contiguous()
+            fns["cudnn"] = lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout_t, retain_graph=True)
+
+    def cudnn_scope(name):
+        """SDPA's cuDNN backend around the cuDNN provider's calls (its forward picks the backend per call)."""
+        if name != "cudnn":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
+
+    names = list(fns)
+    times = {n: [] for n in names}
+    for r in range(args.rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            with cudnn_scope(name):
+                ms = do_bench(fns[name], warmup=args.warmup, rep=args.rep, return_mode="median")
+            times[name].append(flops / ms / 1e9)
+    medians = {n: sorted(x)[len(x) // 2] for n, x in times.items()}
+    return dict(headdim=d, seqlen=seqlen, batch=batch, heads=heads, causal=causal, mode=mode, tflops=medians,
+                rounds=times, new_over_base=medians["new"] / medians["base"], max_diff=diff)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python benchmarks/ab.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="HEAD", help="the git revision to time against (default HEAD)")
+    p.add_argument("--headdim", type=lambda s: [int(x) for x in s.split(",")], default=[128])
+    p.add_argument("--seqlen", type=_lengths, default=_lengths("1k,4k,16k"), help="e.g. 1k,2k,4k")
+    p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    p.add_argument("--mode", choices=("fwd", "bwd", "both"), default="both")
+    p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / headdim (default 2048)")
+    p.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (default 16384)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--cudnn", action="store_true", help="time torch's SDPA on cuDNN in the same rounds")
+    p.add_argument("--out", help="write the rows and metadata as JSON here")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    args.causal = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    args.mode = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/ab.py times kernels on a CUDA GPU")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
