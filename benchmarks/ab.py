@@ -4,8 +4,7 @@ The design record's A/B ratios ("the tree before and after in one process") come
 kernels alternate on the same GPU, in rotated order, so that clocks, temperature and the host move both alike. The
 base revision's package is extracted with `git archive` into a temporary folder under another name
 (`flashtile_base`), with its torch.library namespace renamed too, so that both register their ops side by side;
-the package's own imports are relative, so each copy runs only its own code (and Triton caches each copy's kernels
-apart: their sources differ in path).
+the package's own imports are relative, so each copy runs only its own code.
 
     python benchmarks/ab.py --base HEAD~1 --headdim 128 --seqlen 1k,2k,4k --causal both --mode both \\
         --rounds 5 --out benchmarks/results/2026-11-27-h100-some-change-ab.json
@@ -13,17 +12,20 @@ apart: their sources differ in path).
 Per shape (bf16, batch x seqlen = --tokens, heads = --hidden / headdim, [B, S, H, D]) and mode: the largest
 difference between the two trees' outputs (and gradients), then --rounds rounds of `triton.testing.do_bench`
 medians (new, base, and with --cudnn torch's SDPA on cuDNN), rotated; the table gives the medians' TFLOP/s and
-new / base. FLOPs: 4·B·H·S²·d for the forward, 2.5 times that for the backward, half of each when causal.
+new / base. FLOPs and metadata are `python -m flashtile bench`'s (flashtile.bench.runner.flops, collect_metadata;
+on a machine whose copy of the tree has a stale .git, set FLASHTILE_COMMIT).
 """
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
+
+import torch
+from triton.testing import do_bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_NAME = "flashtile_base"
@@ -73,21 +75,10 @@ def import_trees(base, dest):
     return new_mod, importlib.import_module(BASE_NAME), commit
 
 
-def _lengths(text):
-    return [int(float(x[:-1]) * 1024) if x.endswith("k") else int(x) for x in text.split(",")]
-
-
-def _describe():
-    out = subprocess.run(["git", "-C", REPO, "describe", "--always", "--dirty"], capture_output=True, text=True)
-    return out.stdout.strip() or "?"
-
-
 def run(args):
-    import torch
-    import triton
-    from triton.testing import do_bench
     with tempfile.TemporaryDirectory() as dest:
         new_mod, base_mod, commit = import_trees(args.base, dest)
+        from flashtile.bench import runner
         providers = {"new": new_mod, "base": base_mod}
         rows = []
         for d in args.headdim:
@@ -101,16 +92,15 @@ def run(args):
                     for t in (q, k, v):
                         t.requires_grad_()
                     for mode in args.mode:
-                        rows.append(_time_shape(providers, q, k, v, dout, causal, mode, args, do_bench, torch))
+                        flops = runner.flops(batch, heads, seqlen, seqlen, d, causal, mode)
+                        rows.append(_time_shape(providers, q, k, v, dout, causal, mode, flops, args))
                         r = rows[-1]
                         print(f"d{d} S{seqlen:6d} {'causal' if causal else 'full  '} {mode} "
                               + " ".join(f"{n} {t:6.1f}" for n, t in r["tflops"].items())
                               + f"  new/base {r['new_over_base']:.3f}  diff {r['max_diff']:.1e}", flush=True)
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                    cudnn=torch.backends.cudnn.version(), date=datetime.date.today().isoformat(),
-                    new=_describe(), base=commit, rounds=args.rounds,
-                    what="benchmarks/ab.py: new = the checkout, base = the revision above, one process; TFLOP/s "
-                         "medians of triton.testing.do_bench over rotated rounds")
+        meta = runner.collect_metadata(vars(args), "bf16")
+        meta.update(base_commit=commit, what="benchmarks/ab.py: new = the checkout (flashtile_commit), base = "
+                    "base_commit, in one process; TFLOP/s medians of triton.testing.do_bench over rotated rounds")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(metadata=meta, rows=rows), f, indent=1)
@@ -118,9 +108,17 @@ def run(args):
     return rows
 
 
-def _time_shape(providers, q, k, v, dout, causal, mode, args, do_bench, torch):
+def _cudnn_scope(name):
+    """SDPA's cuDNN backend around the cuDNN provider's calls (its forward picks the backend per call)."""
+    if name != "cudnn":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
+
+
+def _time_shape(providers, q, k, v, dout, causal, mode, flops, args):
+    """One row: the trees' largest difference, then the providers' TFLOP/s over rotated rounds."""
     batch, seqlen, heads, d = q.shape
-    flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1) * (2.5 if mode == "bwd" else 1)
     fns, results = {}, {}
     for name, mod in providers.items():
         if mode == "fwd":
@@ -132,29 +130,21 @@ def _time_shape(providers, q, k, v, dout, causal, mode, args, do_bench, torch):
             results[name] = list(fns[name]())
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["new"], results["base"]))
     if args.cudnn:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
         if mode == "fwd":
             fns["cudnn"] = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         else:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            with _cudnn_scope("cudnn"):
                 out_t = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
             dout_t = dout.transpose(1, 2).contiguous()
             fns["cudnn"] = lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout_t, retain_graph=True)
-
-    def cudnn_scope(name):
-        """SDPA's cuDNN backend around the cuDNN provider's calls (its forward picks the backend per call)."""
-        if name != "cudnn":
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
 
     names = list(fns)
     times = {n: [] for n in names}
     for r in range(args.rounds):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            with cudnn_scope(name):
+            with _cudnn_scope(name):
                 ms = do_bench(fns[name], warmup=args.warmup, rep=args.rep, return_mode="median")
             times[name].append(flops / ms / 1e9)
     medians = {n: sorted(x)[len(x) // 2] for n, x in times.items()}
@@ -165,8 +155,8 @@ def _time_shape(providers, q, k, v, dout, causal, mode, args, do_bench, torch):
 def build_parser():
     p = argparse.ArgumentParser(prog="python benchmarks/ab.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to time against (default HEAD)")
-    p.add_argument("--headdim", type=lambda s: [int(x) for x in s.split(",")], default=[128])
-    p.add_argument("--seqlen", type=_lengths, default=_lengths("1k,4k,16k"), help="e.g. 1k,2k,4k")
+    p.add_argument("--headdim", default="128", help="e.g. 64,128")
+    p.add_argument("--seqlen", default="1k,4k,16k", help="e.g. 1k,2k,4k")
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--mode", choices=("fwd", "bwd", "both"), default="both")
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / headdim (default 2048)")
@@ -181,9 +171,11 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    sys.path.insert(0, REPO)
+    from flashtile.bench.runner import parse_list  # (the checkout's: import_trees checks where it comes from)
+    args.headdim, args.seqlen = parse_list(args.headdim), parse_list(args.seqlen)
     args.causal = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     args.mode = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
-    import torch
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ab.py times kernels on a CUDA GPU")
     run(args)
