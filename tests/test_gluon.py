@@ -300,6 +300,24 @@ def test_schedule_counter_returns_to_zero(spy):
     assert len(spy) == 6
 
 
+def test_schedule_takes_are_relaxed(monkeypatch):
+    """The schedule counter's takes (the forward's dynamic schedule, the persistent backward's work list) are only
+    indices and order no data: they compile to relaxed atomic adds. An acq_rel add brought a GPU-scope fence
+    (MEMBAR.ALL.GPU) and an L1 invalidation into the producer's step, which cost the forward's 1-block items 13%
+    (docs/design-record.md, "The dynamic schedule's take is relaxed")."""
+    from flashtile.kernels import hopper_fwd
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    q, k, v = make_qkv(2, 1000, 1000, 4, 4, 128, torch.bfloat16, device=DEVICE, seed=3)
+    flashtile.flash_attn_func(q, k, v, causal=True).float().sum().backward()
+    launches = [getattr(p, "launch", None) or getattr(getattr(p, "gluon", None), "launch", None)
+                for p in dispatch._PLANS.values()]
+    kernels = {b.kernel.fn.__name__: b.compiled.asm["ptx"] for b in launches if b is not None}
+    assert set(kernels) == {hopper_fwd._fwd_kernel.fn.__name__, hopper_bwd._bwd_kernel.fn.__name__}
+    for name, ptx in kernels.items():
+        adds = [line for line in ptx.splitlines() if "atom.global" in line and ".add.u32" in line]
+        assert adds and all(".relaxed." in line for line in adds), (name, adds)
+
+
 def test_persistent_backward_work_list(poison, bwd_spy, bwd_grids):
     """The persistent backward (fixed-length calls up to hopper_bwd.PERSISTENT_MAX_SEQLEN_K keys) takes its work
     items from the schedule counter shared with the forward: calls in a row with fewer and more items than SMs,

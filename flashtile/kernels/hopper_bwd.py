@@ -674,9 +674,9 @@ if AVAILABLE:
         items. Every program takes once per item it runs (the grid has at most n_items programs), so the takes
         number n_items, and the one that returns n_items - 1 is the launch's last: it zeroes the counter for the
         next launch (hopper_fwd._schedule_counter, which the forward's dynamic schedule leaves at zero the same
-        way)."""
+        way). The take is relaxed, as the forward's: an index orders no data."""
         sched = prog.sched
-        taken = gl.atomic_add(sched.Counter, 1)
+        taken = gl.atomic_add(sched.Counter, 1, sem="relaxed")
         if taken == sched.n_items - 1:
             gl.atomic_xchg(sched.Counter, 0)
         return gl.num_programs(0) + taken
