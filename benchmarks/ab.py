@@ -99,8 +99,15 @@ def run(args):
                               + " ".join(f"{n} {t:6.1f}" for n, t in r["tflops"].items())
                               + f"  new/base {r['new_over_base']:.3f}  diff {r['max_diff']:.1e}", flush=True)
         meta = runner.collect_metadata(vars(args), "bf16")
-        meta.update(base_commit=commit, what="benchmarks/ab.py: new = the checkout (flashtile_commit), base = "
-                    "base_commit, in one process; TFLOP/s medians of triton.testing.do_bench over rotated rounds")
+        meta.update(
+            base_commit=commit, what="benchmarks/ab.py: new = the checkout (flashtile_commit), base = base_commit, in "
+            "one process; TFLOP/s medians of triton.testing.do_bench over rotated rounds",
+            timing="per round the median of triton.testing.do_bench(fn, warmup, rep); fwd = flash_attn_func(q, k, v, "
+            "causal) with inputs that require grad, bwd = torch.autograd.grad(out, (q, k, v), dout, "
+            "retain_graph=True) on a graph built once per provider (cudnn: SDPA on [B, H, S, D] copies); round r "
+            "starts at the r-th provider; each row's tflops are the medians of its rounds",
+            check="max_diff: the largest absolute difference between the two trees' outputs (bwd: gradients) on the "
+                  "same inputs")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(metadata=meta, rows=rows), f, indent=1)
