@@ -16,7 +16,8 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
   alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
   160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
   fills the gaps the other two leave (but where Sq leaves a head's last 192-row tile mostly empty:
-  ``three_warpgroups_fill``); a warpgroup whose rows all lie past Sq only follows the ring;
+  ``three_warpgroups_fill``); a warpgroup whose rows all lie past Sq only follows the ring, and so does one
+  through the key blocks a causal band hides from all its rows (``TAIL``: 64-key blocks, d192 and d256);
 * on two warpgroups without an attn_mask, a left window or ALiBi, a step after a work item's first takes no row maximum
   and does not rescale O (``LAZY_MAX``): its exponentials are taken against the reference the rows already have,
   which the online softmax allows for any reference (docs/derivation.md ch. 3) as long as P keeps its range. The
@@ -1170,6 +1171,16 @@ if AVAILABLE:
         return bc
 
     @gluon.jit
+    def _follow_blocks(smem, c, n):
+        """A warpgroup's part of n key blocks, from the ring's c-th use on, that hold no key its rows see (TAIL):
+        each K and V slot released once loaded, in the producer's order, nothing computed."""
+        for j in range(n):
+            smem.k_bar.wait_full(c + j)
+            smem.k_bar.release(c + j)
+            smem.v_bar.wait_full(c + j)
+            smem.v_bar.release(c + j)
+
+    @gluon.jit
     def _stage_o(o, o_buf, o_desc, i_b, row0, i_h):
         """Store a warpgroup's output rows through its staging buffer by TMA (rows past the descriptor's end are
         clipped); the previous store from the buffer must have read it first."""
@@ -1302,7 +1313,15 @@ if AVAILABLE:
         v_factor = 1.0
         if cfg.FP8:
             mods, v_factor, q_sign = _fp8_item(prog, item)
-        if n_blocks > 0:
+        # TAIL (key blocks narrower than the tile under a causal band: d192, d256): the item's last blocks may lie
+        # wholly past this warpgroup's last row's right bound. It computes only the blocks its rows see (n_own)
+        # and follows the ring through the rest (_follow_blocks).
+        TAIL: gl.constexpr = cfg.MASK_RIGHT and cfg.BLOCK_N < cfg.BLOCK_M and cfg.BIAS == 0
+        n_own = n_blocks
+        if TAIL:
+            last = gl.maximum(gl.minimum(rows.seqlen_k, rows.row_start + cfg.PART_M + rows.diag_offset), 0)
+            n_own = gl.minimum(n_blocks, gl.maximum(gl.cdiv(last, cfg.BLOCK_N) - rows.j_lo, 0))
+        if n_own > 0:
             if cfg.BIAS == 1 and not cfg.SOFTCAP:
                 _scale_q(q, prog.mods.pre_scale)
             if cfg.FP8:
@@ -1310,8 +1329,12 @@ if AVAILABLE:
                     _scale_q(q, q_sign)  # (rare) a negative or zero product of q's and k's factors
             q_empty = prog.smem.q_bar.empty.index(qb)
             drop = Dropout(seed, item.i_b * prog.work.num_heads + item.i_h, prog.mods.drop_threshold)
-            acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, mods, rows, drop, q, q_empty, c, bc, n_blocks, acc,
+            acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, mods, rows, drop, q, q_empty, c, bc, n_own, acc,
                                              m_i, l_i, s_zero)
+            if TAIL:
+                _follow_blocks(prog.smem, c + n_own, n_blocks - n_own)
+        elif TAIL:
+            bc = _skip_blocks(cfg, prog.smem, rows, prog.smem.q_bar.empty.index(qb), c, bc, n_blocks)
         else:
             mbarrier.arrive(prog.smem.q_bar.empty.index(qb), count=1)
         out = prog.out
