@@ -565,6 +565,30 @@ def test_fp8_bench_bars_and_table():
     assert "wrong" in lines[2] and "1.29x" in lines[2]
 
 
+def test_host_bench_floor_row_and_bars():
+    """bench host's "python-function" row runs on CPU tensors (its backward hands autograd three gradients shaped
+    like the inputs), and the bar's detail names the context rows that were measured."""
+    from flashtile.bench import host
+    calls = host.python_function_calls(1, 16, 2, 8, "cpu")
+    out, lse = calls["fwd"]()
+    assert out.shape == (1, 16, 2, 8) and lse.shape == (1, 2, 16) and lse.dtype == torch.float32
+    calls["fwd+bwd"]()
+    q = torch.randn(1, 16, 2, 8, requires_grad=True)
+    k, v = torch.randn(1, 16, 2, 8, requires_grad=True), torch.randn(1, 16, 2, 8, requires_grad=True)
+    grads = torch.autograd.grad(host._NoAttention.apply(q, k, v)[0], (q, k, v), torch.ones(1, 16, 2, 8))
+    assert [g.shape for g in grads] == [q.shape] * 3
+    assert "python-function" in host.providers()
+
+    def row(provider, us, call="fwd+bwd"):
+        return dict(shape="s", provider=provider, call=call, status="ok", host_us=us)
+    [(_, passed, detail)] = host.bars([row("flashtile", 300.0), row("sdpa-cudnn", 200.0),
+                                       row("python-function", 150.0), row("flashtile", 50.0, "fwd")])
+    assert passed is False and detail == "300.0 us vs 200.0 us (1.50x); python-function 150.0 us"
+    [(_, passed, detail)] = host.bars([row("flashtile", 100.0), row("sdpa-cudnn", 200.0), row("fa4", 400.0)])
+    assert passed is True and detail.endswith("(0.50x); fa4 400.0 us")
+    assert host.bars([row("flashtile", 100.0)])[0][1] is None
+
+
 def test_results_go_to_the_current_directory_by_default():
     assert bench.build_parser().parse_args([]).out == "bench-results"
     assert not Path(bench.DEFAULT_OUT).is_absolute()

@@ -12,6 +12,13 @@ gradients by torch.autograd.grad, so nothing accumulates into .grad). Each figur
 "wall" adds the final synchronisation, the GPU's time for whatever the host got ahead by. Writes
 <date>-<gpu>-host.json to --out.
 
+Besides flashtile and SDPA's backends, two rows that put the bar in context: "fa4" (flash-attn-4's
+flash_attn_func, when it is importable: another attention library whose autograd is Python) and "python-function",
+no attention at all: a torch.autograd.Function written in Python whose forward allocates an output and LSE rows and
+saves its inputs, and whose backward allocates the three gradients. It is what autograd alone charges any attention
+whose backward is Python (flashtile's, flash-attn's) on this host, SDPA's backward being a C++ node: the floor under
+flashtile's fwd+bwd row.
+
 --cpu measures flashtile's side on a machine without a GPU: CPU tensors take the launch path CUDA tensors take
 (flashtile.testing.fast_launch_on_cpu: the compile cache, the plans, the compiled kernels' launchers), with the
 launchers stubbed out, so it counts flashtile's Python only (no Triton launcher, no CUDA allocator). "as on an
@@ -104,11 +111,58 @@ def sdpa_calls(batch, seqlen, heads, head_dim, device, backend):
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
+def fa4_calls(batch, seqlen, heads, head_dim, device):
+    """{"fwd": fn, "fwd+bwd": fn} of flash-attn-4's flash_attn_func, causal (it returns (out, lse))."""
+    from .registry import _fa4_import
+    fa4 = _fa4_import()
+    q, k, v, _ = make_inputs(batch, seqlen, heads, head_dim, device, grad=False)
+    qg, kg, vg, dout = make_inputs(batch, seqlen, heads, head_dim, device, grad=True)
+
+    def fwd_bwd():
+        out = fa4(qg, kg, vg, causal=True)[0]
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    return {"fwd": lambda: fa4(q, k, v, causal=True), "fwd+bwd": fwd_bwd}
+
+
+class _NoAttention(torch.autograd.Function):
+    """The "python-function" row (module docstring): autograd's cost for a Python backward, with no kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def python_function_calls(batch, seqlen, heads, head_dim, device):
+    """{"fwd": fn, "fwd+bwd": fn} of _NoAttention (the floor row)."""
+    q, k, v, _ = make_inputs(batch, seqlen, heads, head_dim, device, grad=False)
+    qg, kg, vg, dout = make_inputs(batch, seqlen, heads, head_dim, device, grad=True)
+
+    def fwd_bwd():
+        out = _NoAttention.apply(qg, kg, vg)[0]
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    return {"fwd": lambda: _NoAttention.apply(q, k, v), "fwd+bwd": fwd_bwd}
+
+
 def providers():
     from torch.nn.attention import SDPBackend
-    return {"flashtile": flashtile_calls,
-            "sdpa-cudnn": lambda *a: sdpa_calls(*a, SDPBackend.CUDNN_ATTENTION),
-            "sdpa-flash": lambda *a: sdpa_calls(*a, SDPBackend.FLASH_ATTENTION)}
+    from .registry import _fa4_available
+    found = {"flashtile": flashtile_calls,
+             "sdpa-cudnn": lambda *a: sdpa_calls(*a, SDPBackend.CUDNN_ATTENTION),
+             "sdpa-flash": lambda *a: sdpa_calls(*a, SDPBackend.FLASH_ATTENTION)}
+    if _fa4_available() is None:
+        found["fa4"] = fa4_calls
+    found["python-function"] = python_function_calls
+    return found
 
 
 def measure_gpu(calls, repeats):
@@ -129,7 +183,7 @@ def measure_gpu(calls, repeats):
                 else:
                     row.update(status="ok", host_us=host, wall_us=wall)
                 rows.append(row)
-                log(f"  {shape:<28} {name:<11} {kind:<8} " + (f"host {row['host_us']:7.1f} us  wall "
+                log(f"  {shape:<28} {name:<15} {kind:<8} " + (f"host {row['host_us']:7.1f} us  wall "
                                                                f"{row['wall_us']:7.1f} us" if row["status"] == "ok"
                                                                else row["note"]))
     return rows
@@ -145,8 +199,10 @@ def bars(rows):
             result.append((f"{shape}: fwd+bwd host time <= SDPA cuDNN's", None, "not measured"))
             continue
         ratio = ft["host_us"] / cudnn["host_us"]
+        context = "".join(f"; {name} {row['host_us']:.1f} us" for name in ("fa4", "python-function")
+                          if (row := by.get((shape, name, "fwd+bwd"))) is not None)
         result.append((f"{shape}: fwd+bwd host time <= SDPA cuDNN's", ratio <= BAR_VS_CUDNN,
-                       f"{ft['host_us']:.1f} us vs {cudnn['host_us']:.1f} us ({ratio:.2f}x)"))
+                       f"{ft['host_us']:.1f} us vs {cudnn['host_us']:.1f} us ({ratio:.2f}x){context}"))
     return result
 
 

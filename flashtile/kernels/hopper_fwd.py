@@ -1314,8 +1314,8 @@ if AVAILABLE:
         if cfg.FP8:
             mods, v_factor, q_sign = _fp8_item(prog, item)
         # TAIL (key blocks narrower than the tile under a causal band: d192, d256): the item's last blocks may lie
-        # wholly past this warpgroup's last row's right bound. It computes only the blocks its rows see (n_own)
-        # and follows the ring through the rest (_follow_blocks).
+        # wholly past this warpgroup's last row's right bound. It computes only the blocks its rows see (n_own,
+        # possibly none: Sq > Sk) and follows the ring through the rest (_follow_blocks).
         TAIL: gl.constexpr = cfg.MASK_RIGHT and cfg.BLOCK_N < cfg.BLOCK_M and cfg.BIAS == 0
         n_own = n_blocks
         if TAIL:
@@ -1331,12 +1331,10 @@ if AVAILABLE:
             drop = Dropout(seed, item.i_b * prog.work.num_heads + item.i_h, prog.mods.drop_threshold)
             acc, m_i, l_i, bc = _tile_blocks(cfg, prog.smem, mods, rows, drop, q, q_empty, c, bc, n_own, acc,
                                              m_i, l_i, s_zero)
-            if TAIL:
-                _follow_blocks(prog.smem, c + n_own, n_blocks - n_own)
-        elif TAIL:
-            bc = _skip_blocks(cfg, prog.smem, rows, prog.smem.q_bar.empty.index(qb), c, bc, n_blocks)
         else:
             mbarrier.arrive(prog.smem.q_bar.empty.index(qb), count=1)
+        if TAIL:
+            _follow_blocks(prog.smem, c + n_own, n_blocks - n_own)
         out = prog.out
         if cfg.HAS_SINKS:
             # The head's sink logit joins the denominator (docs/derivation.md#8): one more term, exp(sink - m),
