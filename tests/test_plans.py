@@ -478,3 +478,35 @@ def test_gpu_direct_launch_matches_the_launcher():
             torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
         else:
             assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)), i
+
+
+def test_gluon_varlen_plan_binds_its_tile_map():
+    """A varlen call's Gluon plan (dispatched as on an H100, its launches stubbed) binds the tile map's launch: the
+    map's shape, grid and scalars come from the plan key (packed rows, number of sequences), and what the bound
+    launch computes, run in the interpreter, is the work list of the call's own offsets and key counts."""
+    from flashtile.bench.features import _paged_cache
+    from flashtile.bench.host import _as_on_hopper, _settings
+    from flashtile.kernels import _common, hopper_fwd
+    lens = [100, 0, 300, 257, 31]
+    total, h, d, page = sum(lens), 2, 64, 16
+    cu = cu_seqlens(lens, "cpu")
+    used = torch.tensor(lens, dtype=torch.int32)
+    q, k, v = (_randn((total, h, d), torch.bfloat16, "cpu", seed, grad=False) for seed in range(3))
+    k_cache, v_cache, table = _paged_cache(k, v, lens, page)
+    dispatch._PLANS.clear()
+    with fast_launch_on_cpu(execute=False), _as_on_hopper(), _settings(_common, "INTERPRETING", False):
+        for _ in range(2):
+            flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, max(lens), max(lens), causal=True,
+                                             block_table=table, seqused_k=used)
+        plans = [p for p in dispatch._PLANS.values() if isinstance(p, hopper_fwd.GluonFwdPlan)]  # (dropped at exit)
+    assert len(plans) == 1 and plans[0].varlen and plans[0].paged
+    tiles, block_m = plans[0].tile_map, plans[0].block_m
+    n_upper = -(-total // block_m) + len(lens)
+    assert tiles.shape == (n_upper, 8)
+    assert tiles.launch.static == (len(lens), n_upper) and tiles.launch.constexprs["USED"]
+    assert tiles.launch.constexprs["REVERSE"]  # causal: each sequence's last tile first
+    got = tiles.run(None, cu, torch.full_like(cu, -7), used).tolist()
+    expect = [[b, m * block_m, int(cu[b]), n, 0, n, 0, 0] for b, n in enumerate(lens)
+              for m in reversed(range(-(-n // block_m)))]
+    assert got[:len(expect)] == expect
+    assert all(row[0] == -1 for row in got[len(expect):])

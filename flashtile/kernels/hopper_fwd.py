@@ -1789,18 +1789,35 @@ def varlen_tile_map(cu_seqlens_q, cu_seqlens_k, total_q, block_m, reverse=False,
     [n_upper, 8] int32, row c the c-th tile's [sequence (-1 past the last tile), first query row within it,
     q_start, Sq, k_start, Sk, 0, 0], tiles in sequence order (each sequence's last first with reverse).
     seqused_k: a paged batch's key counts (Sk = seqused_k[b], k_start 0; cu_seqlens_k unread)."""
-    batch = cu_seqlens_q.numel() - 1
-    n_upper = triton.cdiv(total_q, block_m) + batch
-    tile_map = torch.empty((n_upper, 8), dtype=torch.int32, device=cu_seqlens_q.device)
-    # 64 tiles per program against 64 sequences at a time: a [64, 64] comparison per step, small enough for the
-    # default 4 warps without spilling.
-    block_c = chunk = 64
-    _launch.launch(_varlen_tile_map_kernel, (triton.cdiv(n_upper, block_c), ),
-                   (cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if seqused_k is None else seqused_k, tile_map, batch,
-                    n_upper),
-                   dict(BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=block_c, CHUNK=chunk, USED=seqused_k is not None),
-                   tile_map.device.index)
-    return tile_map, n_upper
+    tiles = _TileMap(total_q, cu_seqlens_q.numel() - 1, block_m, reverse, seqused_k is not None)
+    stream = _launch.stream_for(cu_seqlens_q.get_device())
+    return tiles.run(stream, cu_seqlens_q, cu_seqlens_k, seqused_k), tiles.shape[0]
+
+
+# The tile map kernel's programs: 64 tiles each, against 64 sequences at a time (a [64, 64] comparison per step,
+# small enough for the default 4 warps without spilling).
+_TILE_MAP_CHUNK = 64
+
+
+class _TileMap:
+    """varlen_tile_map for one plan: the map's shape and the bound launch of _varlen_tile_map_kernel, whose grid and
+    scalars follow from the packed queries' rows and the number of sequences (both in a plan's key), so a call
+    allocates and launches only."""
+    __slots__ = ("shape", "launch")
+
+    def __init__(self, total_q, batch, block_m, reverse, used):
+        n_upper = triton.cdiv(total_q, block_m) + batch
+        self.shape = (n_upper, 8)
+        grid = (triton.cdiv(n_upper, _TILE_MAP_CHUNK), )
+        self.launch = _launch.Bound(_varlen_tile_map_kernel, grid, (batch, n_upper),
+                                    dict(BLOCK_M=block_m, REVERSE=reverse, BLOCK_C=_TILE_MAP_CHUNK,
+                                         CHUNK=_TILE_MAP_CHUNK, USED=used), {})
+
+    def run(self, stream, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
+        """The map of a call's offsets (and a paged batch's key counts); stream: _launch.stream_for's."""
+        tile_map = torch.empty(self.shape, dtype=torch.int32, device=cu_seqlens_q.device)
+        self.launch(stream, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if seqused_k is None else seqused_k, tile_map)
+        return tile_map
 
 
 def mod_scalars(softmax_scale, softcap, scaled_q=False):
@@ -1859,7 +1876,7 @@ class GluonFwdPlan:
     descriptors' templates (_launch.Bound). run allocates out, lse (and the dynamic schedule's counter), takes the
     call's feature tensors, and launches over its q, k, v and out."""
     __slots__ = ("launch", "out_shape", "lse_shape", "out_dtype", "device", "groups", "dynamic", "block_m",
-                 "block_n", "varlen", "lists", "o_from_q", "paged", "fp8", "vt")
+                 "block_n", "varlen", "lists", "o_from_q", "paged", "fp8", "vt", "tile_map")
 
     def run(self, q, k, v, req):
         """(out, lse) of a call with this plan's key."""
@@ -1880,8 +1897,7 @@ class GluonFwdPlan:
         if self.varlen:
             if self.paged:
                 table = (req.block_table, req.block_table.stride(0), req.block_table.shape[1])
-            tile_map = varlen_tile_map(req.cu_seqlens_q, req.cu_seqlens_k, q.shape[0], self.block_m, req.mask_right,
-                                       req.seqused_k)[0]
+            tile_map = self.tile_map.run(stream, req.cu_seqlens_q, req.cu_seqlens_k, req.seqused_k)
         counter = _schedule_counter(self.device, stream) if self.dynamic else lse
         if self.fp8:
             v = self.vt.run(stream, v, req.cu_seqlens_k)
@@ -2003,9 +2019,11 @@ def _fwd_plan(q, k, v, req, out_dtype):
             count_strides, idx_cols = lists.strides, lists.cols
     stage_o = stage_o and out_dtype == q.dtype
     n_m = triton.cdiv(seqlen_q, block_m)
+    plan.tile_map = None
     if varlen:
         # Items: (tile of the map, head); the producer skips the map's rows past the last tile.
-        n_m = triton.cdiv(total_q, block_m) + batch  # varlen_tile_map's n_upper
+        plan.tile_map = _TileMap(total_q, batch, block_m, req.mask_right, req.seqused_k is not None)
+        n_m = plan.tile_map.shape[0]  # n_upper
         dynamic = True
     plan.dynamic = dynamic
     n_tiles = n_m * batch * num_heads if not varlen else n_m * num_heads
