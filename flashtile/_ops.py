@@ -19,7 +19,6 @@ transforms the call runs _TransformAttn: grad, vjp and jacrev differentiate it o
 too (the ops run once per sample), and forward mode (jvp, jacfwd, hessian, torch.autograd.forward_ad) raises a
 RuntimeError that says it is not supported, as does grad of grad.
 """
-import dataclasses
 import functools
 
 import torch
@@ -59,14 +58,16 @@ def _device_offsets(req, q, k):
     offsets clamped on the device (_values.clamp_offsets): the kernels then never index past the packed tensors."""
     if not req.varlen or not req.cu_seqlens_q.is_cuda or SETTINGS.check_values:
         return req
-    cu_q = _values.clamp_offsets(req.cu_seqlens_q, q.shape[0])
-    same = req.cu_seqlens_k is req.cu_seqlens_q and k.shape[0] == q.shape[0]  # self-attention: one tensor
-    cu_k = cu_q if same else _values.clamp_offsets(req.cu_seqlens_k, k.shape[0])
+    rows_q, rows_k = q.shape[0], k.shape[0]
     if req.paged:  # a paged batch's key counts index no rows of k (the kernel clamps them to the pages)
-        cu_k = req.cu_seqlens_k
+        cu_q, cu_k = _values.clamp_offsets(req.cu_seqlens_q, rows_q)[0], req.cu_seqlens_k
+    elif req.cu_seqlens_k is req.cu_seqlens_q and rows_k == rows_q:  # self-attention: one tensor
+        cu_q = cu_k = _values.clamp_offsets(req.cu_seqlens_q, rows_q)[0]
+    else:
+        cu_q, cu_k = _values.clamp_offsets(req.cu_seqlens_q, rows_q, req.cu_seqlens_k, rows_k)
     if cu_q is req.cu_seqlens_q and cu_k is req.cu_seqlens_k:
         return req
-    return dataclasses.replace(req, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    return req.with_fields(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 def forward(q, k, v, req: AttentionRequest, on_new_plan=None):

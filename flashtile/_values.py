@@ -11,7 +11,11 @@ import contextlib
 
 import torch
 
+from ._lazy import lazy_module
 from ._settings import SETTINGS, override
+
+# Imports Triton: on first use (flashtile/_lazy.py).
+_common = lazy_module(".kernels._common", globals())
 
 
 @contextlib.contextmanager
@@ -124,16 +128,29 @@ def paged_lengths(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, rows_q, nu
     return longest_q, longest_k
 
 
-def clamp_offsets(cu_seqlens, rows):
-    """Offsets that are safe to index with, made on the device without reading them (no sync): clamped into
-    [0, rows] and made non-decreasing. Valid offsets come back equal; bad ones then address only rows of the packed
-    tensor (docs/safety.md: a bad value spoils its own sequence's rows at worst). A tensor this function made for the
-    same rows comes back as it is (the backward reuses the forward's)."""
-    if getattr(cu_seqlens, "_flashtile_safe_rows", None) == rows:
-        return cu_seqlens
-    safe = torch.cummax(cu_seqlens.clamp(0, rows), dim=0).values
-    safe._flashtile_safe_rows = rows
-    return safe
+def clamp_offsets(cu_seqlens_q, rows_q, cu_seqlens_k=None, rows_k=0):
+    """Offsets that are safe to index with, made on the device without reading them (no sync): cu_seqlens_q
+    clamped into [0, rows_q] and made non-decreasing (a running maximum), and cu_seqlens_k, when given, into
+    [0, rows_k]; both in one launch (kernels._common.safe_offsets). Valid offsets come back equal; bad ones then
+    address only rows of the packed tensors (docs/safety.md: a bad value spoils its own sequence's rows at worst).
+    -> (safe_q, safe_k or None). A tensor this function made for the same rows comes back as it is (the backward
+    reuses the forward's)."""
+    done_q = getattr(cu_seqlens_q, "_flashtile_safe_rows", None) == rows_q
+    if cu_seqlens_k is None:
+        return (cu_seqlens_q, None) if done_q else _made(*_common.safe_offsets(cu_seqlens_q, rows_q), rows_q, rows_k)
+    done_k = getattr(cu_seqlens_k, "_flashtile_safe_rows", None) == rows_k
+    if done_q or done_k:  # made here before, one or both: the other alone
+        return (cu_seqlens_q if done_q else clamp_offsets(cu_seqlens_q, rows_q)[0],
+                cu_seqlens_k if done_k else clamp_offsets(cu_seqlens_k, rows_k)[0])
+    return _made(*_common.safe_offsets(cu_seqlens_q, rows_q, cu_seqlens_k, rows_k), rows_q, rows_k)
+
+
+def _made(safe_q, safe_k, rows_q, rows_k):
+    """clamp_offsets's results, marked with the rows they were clamped to."""
+    safe_q._flashtile_safe_rows = rows_q
+    if safe_k is not None:
+        safe_k._flashtile_safe_rows = rows_k
+    return safe_q, safe_k
 
 
 # -----------------------------------------------------------------------------------------------------------------

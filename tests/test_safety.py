@@ -323,17 +323,39 @@ def test_property_bad_values_raise(layout, which, entry, amount):
 # What is read where
 
 
+def _clamped(cu, rows):
+    # What the device clamp must give: into [0, rows], then a running maximum.
+    return torch.cummax(cu.clamp(0, rows), dim=0).values
+
+
 def test_clamp_offsets():
-    # The device-side clamp of unchecked varlen offsets (CUDA tensors by default): into [0, rows], non-decreasing,
-    # valid offsets unchanged; its own result comes back as it is for the same rows (the backward reuses the
-    # forward's), and is clamped again for other rows.
+    # The device-side clamp of unchecked varlen offsets (CUDA tensors by default; here the kernel in the
+    # interpreter): into [0, rows], non-decreasing, valid offsets unchanged; its own result comes back as it is for
+    # the same rows (the backward reuses the forward's), and is clamped again for other rows.
     bad = torch.tensor([0, 7, 3, -2, 40], dtype=torch.int32)
-    safe = _values.clamp_offsets(bad, 20)
+    safe, none = _values.clamp_offsets(bad, 20)
+    assert none is None and safe.dtype == torch.int32
     assert safe.tolist() == [0, 7, 7, 7, 20]
-    assert _values.clamp_offsets(safe, 20) is safe
-    assert _values.clamp_offsets(safe, 10).tolist() == [0, 7, 7, 7, 10]
+    assert _values.clamp_offsets(safe, 20)[0] is safe
+    assert _values.clamp_offsets(safe, 10)[0].tolist() == [0, 7, 7, 7, 10]
     good = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
-    assert torch.equal(_values.clamp_offsets(good, 9), good)
+    assert torch.equal(_values.clamp_offsets(good, 9)[0], good)
+
+
+@pytest.mark.parametrize("n", [2, 37, 1024, 2500])
+def test_clamp_offsets_both_in_one_launch(n):
+    # Queries' and keys' offsets in one launch, each against its own rows; past 1024 offsets the kernel works in
+    # blocks and carries the maximum from one to the next (a drop right after a block's end must not be lost).
+    gen = torch.Generator().manual_seed(n)
+    cu_q = torch.randint(-50, 3000, (n,), generator=gen, dtype=torch.int32)
+    cu_k = torch.randint(-50, 5000, (n,), generator=gen, dtype=torch.int32)
+    if n > 1024:
+        cu_q[1023], cu_q[1024:1030] = 2999, 5  # the first block's maximum must carry into the second
+    safe_q, safe_k = _values.clamp_offsets(cu_q, 2000, cu_k, 4100)
+    assert torch.equal(safe_q, _clamped(cu_q, 2000)) and torch.equal(safe_k, _clamped(cu_k, 4100))
+    # One of them made here before: the other is clamped alone, the first kept.
+    again_q, again_k = _values.clamp_offsets(safe_q, 2000, cu_k, 3000)
+    assert again_q is safe_q and torch.equal(again_k, _clamped(cu_k, 3000))
 
 
 def test_readable():
@@ -454,6 +476,29 @@ def test_gpu_check_values_raises():
         with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 300"):
             flashtile.flash_attn_with_kvcache(qc, k_cache, v_cache, **kw)
         assert torch.equal(k_cache, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [1000, -5, 20], ids=["past-the-rows", "negative", "decreasing"])
+def test_gpu_bad_offsets_are_clamped_on_the_device(bad):
+    """Unchecked CUDA offsets (the default) are clamped on the device before any kernel reads them: with the offset
+    between sequences 2 and 3 bad, sequence 0 (rows [0, 37)) still gets its own attention, forward and backward,
+    with queries and keys clamped in one launch (separate offsets tensors), and nothing faults."""
+    lens = [37, 0, 64, 5]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    cu_q, cu_k = testing.cu_seqlens(lens, device="cuda"), testing.cu_seqlens(lens, device="cuda")
+    cu_q[3] = cu_k[3] = bad
+    safe_q, safe_k = _values.clamp_offsets(cu_q, q.shape[0], cu_k, k.shape[0])
+    assert torch.equal(safe_q, _clamped(cu_q, q.shape[0])) and torch.equal(safe_k, _clamped(cu_k, k.shape[0]))
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 64, causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    torch.cuda.synchronize()
+    ref = flashtile.reference.naive_attention(q[None, :37].double(), k[None, :37].double(), v[None, :37].double(),
+                                              causal=True)[0]
+    torch.testing.assert_close(out[:37].double(), ref[0], atol=2e-2, rtol=2e-2)
+    assert all(torch.isfinite(g[:37]).all() for g in (dq, dk, dv))
 
 
 def test_compiled_varlen_checks_the_real_offsets():

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.random import philox
 
+from . import _launch
+
 # Compiled kernels may only read globals that are constexpr; host code reads LOG2E.value.
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E), see docs/derivation.md#5-kernel-tricks
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): natural-log LSE = log2-LSE * LN2
@@ -393,6 +395,61 @@ def _seq_bounds(cu_seqlens, i_b, seq, VARLEN: tl.constexpr):
     else:
         starts = (0, 0)
     return starts, seq
+
+
+@triton.jit
+def _running_max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _clamp_run(src, dst, n, rows, BLOCK: tl.constexpr):
+    """dst[i] = max(clamp(src[j], 0, rows) for j <= i), BLOCK offsets at a time, the maximum carried across blocks."""
+    top = tl.full([], 0, tl.int32)
+    for i in range(0, n, BLOCK):
+        idx = i + tl.arange(0, BLOCK)
+        inside = idx < n
+        x = tl.minimum(tl.maximum(tl.load(src + idx, mask=inside, other=0), 0), rows)
+        x = tl.maximum(tl.associative_scan(x, 0, _running_max), top)
+        tl.store(dst + idx, x, mask=inside)
+        top = tl.max(x, 0)
+
+
+@triton.jit
+def _safe_offsets_kernel(CuQ, CuK, Safe, n, rows_q, rows_k, BLOCK: tl.constexpr, BOTH: tl.constexpr):
+    """One program: Safe[0] = CuQ's n offsets clamped into [0, rows_q] and made non-decreasing; with BOTH, Safe[1]
+    = CuK's against rows_k."""
+    _clamp_run(CuQ, Safe, n, rows_q, BLOCK)
+    if BOTH:
+        _clamp_run(CuK, Safe + n, n, rows_k, BLOCK)
+
+
+# Bound launches of _safe_offsets_kernel by (device, offsets, rows_q, rows_k or -1); cleared past _SAFE_MAX keys
+# (a serving loop's packed lengths change every step).
+_SAFE_LAUNCHES: dict = {}
+_SAFE_MAX = 512
+_SAFE_BLOCK = 1024
+
+
+def safe_offsets(cu_q, rows_q, cu_k=None, rows_k=0):
+    """flashtile._values.clamp_offsets on the device, in one launch and one allocation: cu_q (and cu_k, when given)
+    clamped into [0, rows] and made non-decreasing, without reading them on the host. Returns (safe_q, safe_k or
+    None), views of one int32 tensor."""
+    n = cu_q.numel()
+    device = cu_q.get_device()
+    both = cu_k is not None
+    key = (device, n, rows_q, rows_k if both else -1)
+    launch = _SAFE_LAUNCHES.get(key)
+    if launch is None:
+        if len(_SAFE_LAUNCHES) >= _SAFE_MAX:
+            _SAFE_LAUNCHES.clear()
+        block = min(_SAFE_BLOCK, triton.next_power_of_2(n))
+        launch = _SAFE_LAUNCHES[key] = _launch.Bound(_safe_offsets_kernel, (1, ), (n, rows_q, rows_k),
+                                                     dict(BLOCK=block, BOTH=both), {})
+    # torch.empty, not empty(): the tests' NaN poison cannot fill int32, and the kernel writes every entry.
+    safe = torch.empty((2 if both else 1, n), dtype=torch.int32, device=cu_q.device)
+    launch(_launch.stream_for(device), cu_q, cu_k if both else cu_q, safe)
+    return tuple(safe.unbind(0)) if both else (safe[0], None)
 
 
 @triton.jit
