@@ -3,6 +3,7 @@
 On the CPU they run in Triton's interpreter (conftest.py); on a GPU the same tests run compiled.
 Every test draws fresh random inputs and NaN-poisons every buffer the kernels allocate.
 """
+import itertools
 import random
 
 import pytest
@@ -299,3 +300,34 @@ def test_preprocess_zeroes_dq_buffer(head_dim):
     assert torch.equal(rows.lse_log2, plain.lse_log2) and torch.equal(rows.delta, plain.delta)
     delta = (out.float() * dout.float()).sum(-1).transpose(1, 2) * 0.5
     torch.testing.assert_close(rows.delta[..., :seqlen_q], delta)
+
+
+@pytest.mark.parametrize("lens, max_seqlen, total", [
+    pytest.param([50, 0, 120], 120, 170, id="valid"),
+    pytest.param([50, 0, 120], 120, 200, id="rows-past-the-last-sequence"),
+    pytest.param([50, 300], 40, 350, id="lengths-past-max_seqlen"),
+    pytest.param([1], 1, 1, id="one-row"),
+])
+def test_preprocess_zeroes_varlen_dq_buffer(lens, max_seqlen, total):
+    """The varlen preprocess zeroes the Gluon kernel's whole dQ buffer ([total_q, heads, tile width]), rows that no
+    sequence owns included (their dQ is copied out too), and leaves its Rows as without the buffer. Buffer and rows
+    start poisoned with NaN."""
+    from flashtile.kernels import _launch, backward
+    heads, head_dim, tile = 3, 96, 128
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE)
+    batch, pad = len(lens), 128 * -(-max_seqlen // 128)
+    out = torch.randn(total, heads, head_dim, device=DEVICE).to(torch.bfloat16)
+    dout, lse = torch.randn_like(out), torch.randn(heads, total, device=DEVICE)
+    results = []
+    for zero_width in (tile, 0):
+        rows = backward.Rows(torch.full((batch, heads, pad), float("nan"), device=DEVICE),
+                             torch.full((batch, heads, pad), float("nan"), device=DEVICE), pad)
+        acc = torch.full((total, heads, tile), float("nan"), device=DEVICE)
+        launch = backward._preprocess_launch(out, dout, lse, None, True, max_seqlen, batch, 0.5, tile, pad, zero_width)
+        launch(_launch.stream_for(out.get_device()), out, dout, lse, lse, rows, cu, acc if zero_width else lse)
+        results.append((rows, acc))
+    (rows, acc), (plain, untouched) = results
+    assert torch.equal(acc, torch.zeros_like(acc))
+    assert torch.isnan(untouched).all()
+    for a, b in ((rows.lse_log2, plain.lse_log2), (rows.delta, plain.delta)):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())

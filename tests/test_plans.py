@@ -120,6 +120,20 @@ def test_cached_calls_match_uncached():
             _assert_identical(second, want, name)
 
 
+def test_varlen_plan_takes_each_calls_offsets():
+    """Varlen calls whose offsets differ in value only (same number of sequences, rows and longest length) share a
+    plan, which takes each call's offsets (the backward swaps them into the arguments it built for the first call):
+    each matches the same call without plans."""
+    with fast_launch_on_cpu():
+        for lengths in ((5, 0, 23, 17), (23, 17, 5, 0), (0, 23, 11, 11)):
+            with override(fast_launch=False):
+                want = _varlen("cpu", torch.float16, lengths=lengths, causal=True)
+            before = len(dispatch._PLANS)
+            got = _varlen("cpu", torch.float16, lengths=lengths, causal=True)
+            assert lengths == (5, 0, 23, 17) or len(dispatch._PLANS) == before, "the offsets' values made a new plan"
+            _assert_identical(got, want, str(lengths))
+
+
 def test_cached_call_skips_choice_and_compile(monkeypatch):
     """A call whose key has a plan neither consults the dispatch nor reaches Triton's JIT: its launches call the
     compiled kernels' launchers directly."""
@@ -480,6 +494,7 @@ def test_gpu_direct_launch_matches_the_launcher():
             assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)), i
 
 
+@pytest.mark.skipif(CUDA, reason="CPU tensors run the kernels in the interpreter only on a machine without a GPU")
 def test_gluon_varlen_plan_binds_its_tile_map():
     """A varlen call's Gluon plan (dispatched as on an H100, its launches stubbed) binds the tile map's launch: the
     map's shape, grid and scalars come from the plan key (packed rows, number of sequences), and what the bound

@@ -323,6 +323,10 @@ def test_property_bad_values_raise(layout, which, entry, amount):
 # What is read where
 
 
+# The device clamp's kernel runs where the kernels do: compiled on a GPU, in the interpreter on the CPU.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _clamped(cu, rows):
     # What the device clamp must give: into [0, rows], then a running maximum.
     return torch.cummax(cu.clamp(0, rows), dim=0).values
@@ -332,13 +336,13 @@ def test_clamp_offsets():
     # The device-side clamp of unchecked varlen offsets (CUDA tensors by default; here the kernel in the
     # interpreter): into [0, rows], non-decreasing, valid offsets unchanged; its own result comes back as it is for
     # the same rows (the backward reuses the forward's), and is clamped again for other rows.
-    bad = torch.tensor([0, 7, 3, -2, 40], dtype=torch.int32)
+    bad = torch.tensor([0, 7, 3, -2, 40], dtype=torch.int32, device=KERNEL_DEVICE)
     safe, none = _values.clamp_offsets(bad, 20)
     assert none is None and safe.dtype == torch.int32
     assert safe.tolist() == [0, 7, 7, 7, 20]
     assert _values.clamp_offsets(safe, 20)[0] is safe
     assert _values.clamp_offsets(safe, 10)[0].tolist() == [0, 7, 7, 7, 10]
-    good = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    good = torch.tensor([0, 3, 3, 9], dtype=torch.int32, device=KERNEL_DEVICE)
     assert torch.equal(_values.clamp_offsets(good, 9)[0], good)
 
 
@@ -351,6 +355,7 @@ def test_clamp_offsets_both_in_one_launch(n):
     cu_k = torch.randint(-50, 5000, (n,), generator=gen, dtype=torch.int32)
     if n > 1024:
         cu_q[1023], cu_q[1024:1030] = 2999, 5  # the first block's maximum must carry into the second
+    cu_q, cu_k = cu_q.to(KERNEL_DEVICE), cu_k.to(KERNEL_DEVICE)
     safe_q, safe_k = _values.clamp_offsets(cu_q, 2000, cu_k, 4100)
     assert torch.equal(safe_q, _clamped(cu_q, 2000)) and torch.equal(safe_k, _clamped(cu_k, 4100))
     # One of them made here before: the other is clamped alone, the first kept.

@@ -403,25 +403,29 @@ def _running_max(a, b):
 
 
 @triton.jit
-def _clamp_run(src, dst, n, rows, BLOCK: tl.constexpr):
-    """dst[i] = max(clamp(src[j], 0, rows) for j <= i), BLOCK offsets at a time, the maximum carried across blocks."""
-    top = tl.full([], 0, tl.int32)
-    for i in range(0, n, BLOCK):
-        idx = i + tl.arange(0, BLOCK)
-        inside = idx < n
-        x = tl.minimum(tl.maximum(tl.load(src + idx, mask=inside, other=0), 0), rows)
-        x = tl.maximum(tl.associative_scan(x, 0, _running_max), top)
-        tl.store(dst + idx, x, mask=inside)
-        top = tl.max(x, 0)
+def _clamp_block(src, dst, idx, inside, rows, top):
+    """One block of a running-maximum clamp: dst[idx] = max(top, clamp(src[j], 0, rows) for j <= idx) -> the new
+    top (the block's last value)."""
+    x = tl.minimum(tl.maximum(tl.load(src + idx, mask=inside, other=0), 0), rows)
+    x = tl.maximum(tl.associative_scan(x, 0, _running_max), top)
+    tl.store(dst + idx, x, mask=inside)
+    return tl.max(x, 0)
 
 
 @triton.jit
 def _safe_offsets_kernel(CuQ, CuK, Safe, n, rows_q, rows_k, BLOCK: tl.constexpr, BOTH: tl.constexpr):
-    """One program: Safe[0] = CuQ's n offsets clamped into [0, rows_q] and made non-decreasing; with BOTH, Safe[1]
-    = CuK's against rows_k."""
-    _clamp_run(CuQ, Safe, n, rows_q, BLOCK)
-    if BOTH:
-        _clamp_run(CuK, Safe + n, n, rows_k, BLOCK)
+    """One program: Safe[0] = CuQ's n offsets clamped into [0, rows_q] and made non-decreasing (a running maximum,
+    BLOCK offsets at a time, carried across blocks); with BOTH, Safe[1] = CuK's against rows_k."""
+    top_q = tl.full([], 0, tl.int32)
+    top_k = tl.full([], 0, tl.int32)
+    i = 0
+    while i < n:  # (not `range`: Triton 3.6's interpreter cannot take a scalar argument as its bound)
+        idx = i + tl.arange(0, BLOCK)
+        inside = idx < n
+        top_q = _clamp_block(CuQ, Safe, idx, inside, rows_q, top_q)
+        if BOTH:
+            top_k = _clamp_block(CuK, Safe + n, idx, inside, rows_k, top_k)
+        i += BLOCK
 
 
 # Bound launches of _safe_offsets_kernel by (device, offsets, rows_q, rows_k or -1); cleared past _SAFE_MAX keys

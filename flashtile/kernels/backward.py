@@ -49,14 +49,31 @@ class Rows(NamedTuple):
 
 
 @triton.jit
+def _zero_share(ptr, n, BLOCK: tl.constexpr = 1024):
+    """Zero this program's share of ptr[0:n] (float32): the grid's programs, in launch order, take equal contiguous
+    shares, so that together they zero all of it whatever rows they own."""
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    p = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    share = tl.cdiv(tl.cdiv(n, programs), BLOCK) * BLOCK
+    i = p * share
+    stop = tl.minimum(i + share, n)
+    while i < stop:  # (not `range`: Triton 3.6's interpreter cannot take these bounds)
+        offs = i + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < stop)
+        i += BLOCK
+
+
+@triton.jit
 def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, DqAcc, total_q, strides, seqlen_q, num_heads,
                            delta_scale, HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ZERO_WIDTH: tl.constexpr):
     """Delta = rowsum(O * dO) (minus dLSE), times delta_scale (1, or the softmax scale for the Gluon kernel, whose
     dS carries it: kernels/hopper_bwd._bwd_step), and the LSE in log2 units, as Rows. strides: (out, dout) of
-    (batch, seqlen, head) and (lse, dlse) of (batch, head). ZERO_WIDTH > 0: also zero the program's rows of the
-    Gluon backward's fixed-length dQ buffer DqAcc (float32, ZERO_WIDTH columns per row, the rows laid out as Rows'),
-    which the kernel then adds into: one launch fewer than a separate memset, the same bytes."""
+    (batch, seqlen, head) and (lse, dlse) of (batch, head). ZERO_WIDTH > 0: also zero the Gluon backward's dQ buffer
+    DqAcc (float32, ZERO_WIDTH columns per row), which the kernel then adds into: one launch and one call fewer than
+    a separate memset, the same bytes. Fixed-length: the program's rows (laid out as Rows'). Varlen ([total_q, heads,
+    ZERO_WIDTH]): an equal share of the whole buffer per program (_zero_share), since rows outside every sequence
+    (offsets that do not end at total_q, or lengths past max_seqlen_q) belong to no program and dQ copies them."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // num_heads
@@ -84,7 +101,9 @@ def _bwd_preprocess_kernel(Out, dOut, Lse, dLse, rows, CuSeqQ, DqAcc, total_q, s
     b_lse_log2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
     tl.store(rows.delta + i_bh.to(tl.int64) * rows.pad + o_m, b_delta * delta_scale)
     tl.store(rows.lse_log2 + i_bh.to(tl.int64) * rows.pad + o_m, b_lse_log2)
-    if ZERO_WIDTH > 0:
+    if ZERO_WIDTH > 0 and VARLEN:
+        _zero_share(DqAcc, (tl.zeros([], tl.int64) + total_q) * num_heads * ZERO_WIDTH)  # (total_q may be 1: constexpr)
+    elif ZERO_WIDTH > 0:
         p_acc = DqAcc + (i_bh.to(tl.int64) * rows.pad + o_m)[:, None] * ZERO_WIDTH
         if ZERO_WIDTH == 192:  # (d192 and MLA: hopper_bwd.dq_width; 128 + 64 columns)
             tl.store(p_acc + tl.arange(0, 128)[None, :], tl.zeros([BLOCK_M, 128], tl.float32))
@@ -312,6 +331,8 @@ def _bwd_dq_kernel(Q, K, V, dOut, dQ, rows, strides, seq, cu_seqlens, heads, ban
                     CFG.BLOCK_D, CFG.USE_TMA)
 
 
+# The request fields a varlen plan swaps in per call (BwdPlan.varlen_fargs).
+_OFFSETS = frozenset(("cu_seqlens_q", "cu_seqlens_k"))
 # Rows per preprocess program: a light, memory-bound pass; 128 divides ROW_PAD.
 _PREPROCESS_BLOCK_M = 128
 
@@ -337,7 +358,7 @@ class BwdPlan:
     not given, takes the feature tensors from the request, launches, and returns (dq, dk, dv, dbias, dsinks)."""
     __slots__ = ("device", "pad", "rows_shape", "preprocess", "gluon", "dkdv", "dq", "groups", "fargs", "lengths",
                  "use_tma", "tiles", "dropout_scalars", "full_shape", "bias_grad", "dbias_dtype", "delta_scale",
-                 "zero_dq")
+                 "zero_dq", "varlen_fargs")
 
     def run(self, dout, q, k, v, out, lse, dlse, req, grads, dq_addend=None):
         """(dq, dk, dv, dbias, dsinks) of a call with this plan's key (dq_addend: the Gluon kernel's only, see
@@ -361,7 +382,9 @@ class BwdPlan:
                       _common.empty(k.shape, k.dtype, device) if dk is None else dk,
                       _common.empty(v.shape, v.dtype, device) if dv is None else dv)
         fargs = self.fargs
-        if fargs is None:  # the request has tensors of its own (offsets, slopes, mask, sinks, seed)
+        if fargs is None and self.varlen_fargs is not None:  # its only tensors are the varlen offsets
+            fargs = self.varlen_fargs.with_offsets(req.cu_seqlens_q, req.cu_seqlens_k)
+        elif fargs is None:  # the request has tensors of its own (offsets, slopes, mask, sinks, seed)
             fargs = Features(req).kernel_args(q, self.use_tma, *self.lengths)
         call.fargs = fargs
         if self.use_tma:
@@ -369,8 +392,7 @@ class BwdPlan:
         # The preprocess reads lse and dlse as rows of unit stride; they are small, so copy any other layout
         # (autograd hands an expanded, stride-0 dlse for lse.sum()). dlse: lse stands in when there is none.
         lse = lse.contiguous()
-        # The Gluon kernel's fixed-length dQ buffer, zeroed by the preprocess (its varlen buffer is zeroed apart:
-        # rows past the last sequence belong to no preprocess program, and dQ copies them).
+        # The Gluon kernel's dQ buffer, zeroed by the preprocess.
         dq_acc = None
         if self.gluon is not None:
             dq_acc = self.gluon.dq_buffer(self.zero_dq)
@@ -439,15 +461,22 @@ def _bwd_plan(spec, q, k, v, dout, out, lse, dlse, req, gluon, grads, bias_grad)
     plan.rows_shape = (batch, num_heads, plan.pad)
     plan.lengths = (seqlen_q, seqlen_k, k.shape[0])
     fargs = feats.kernel_args(q, spec.use_tma, *plan.lengths)
-    plan.fargs = None if req.tensors() else fargs
+    tensors = req.tensors()
+    plan.fargs = None if tensors else fargs
+    # A request whose only tensors are the varlen offsets (the plan key says which are set, so every call of this
+    # plan's) takes these arguments with the call's offsets swapped in.
+    plan.varlen_fargs = fargs if tensors and {name for name, _ in tensors} <= _OFFSETS else None
     plan.full_shape = (batch, num_heads, seqlen_q, seqlen_k)
     plan.delta_scale = req.softmax_scale if gluon else 1.0  # the Gluon kernel wants delta in its scaled dS's units
     plan.gluon = hopper_bwd.gluon_plan(q, k, v, dout, grads, plan.rows_shape, req, bias_grad) if gluon else None
-    # The preprocess zeroes the Gluon kernel's fixed-length dQ buffer (its rows are Rows' rows).
-    plan.zero_dq = gluon and not req.varlen
+    # The preprocess zeroes the Gluon kernel's dQ buffer (fixed-length: its rows are Rows' rows; varlen: [total_q,
+    # heads, the tile width]).
+    plan.zero_dq = gluon
+    zero_width = 0
+    if gluon:
+        zero_width = plan.gluon.acc_shape[-1] if req.varlen else hopper_bwd.dq_width(q.shape[-1])
     plan.preprocess = _preprocess_launch(out, dout, lse, dlse, req.varlen, seqlen_q, batch, plan.delta_scale,
-                                         spec.block_d(head_dim_v), plan.pad,
-                                         hopper_bwd.dq_width(q.shape[-1]) if plan.zero_dq else 0)
+                                         spec.block_d(head_dim_v), plan.pad, zero_width)
     plan.dbias_dtype = None
     if bias_grad and not gluon:
         plan.dbias_dtype = req.attn_bias.dtype if tuple(req.attn_bias.shape) == plan.full_shape else torch.float32
@@ -530,8 +559,8 @@ def plan_backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, gluon=Fa
 def _preprocess_launch(out, dout, lse, dlse, varlen, seqlen_q, batch, delta_scale, block_dv, pad, zero_width=0):
     """The bound launch of _bwd_preprocess_kernel (Rows from out, dout, lse and dlse; None: no LSE gradient); its call
     takes (stream, out, dout, lse, dlse or lse, rows, cu_seqlens_q, dq buffer), lse and dlse made contiguous.
-    zero_width > 0: the dq buffer (the Gluon kernel's fixed-length one, zero_width columns per row) is zeroed;
-    otherwise it is a placeholder, never read."""
+    zero_width > 0: the dq buffer (the Gluon kernel's, zero_width columns per row) is zeroed; otherwise it is a
+    placeholder, never read."""
     lse_strides = _common.contiguous_strides(lse.shape)
     if varlen:
         row_strides = [(0, lse_strides[0]), (0, lse_strides[0]) if dlse is not None else (0, 0)]

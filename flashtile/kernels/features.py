@@ -34,6 +34,13 @@ class KernelArgs:
     paged: Optional[Paged]
     descale: torch.Tensor  # FP8: fp32 (B, Hk, 3) factors of q, k, v
 
+    def with_offsets(self, cu_seqlens_q, cu_seqlens_k):
+        """These arguments with another call's varlen offsets (its other fields equal: a plan's calls whose
+        requests hold no other tensor), without the dataclass's __init__."""
+        new = object.__new__(KernelArgs)
+        new.__dict__.update(self.__dict__, cu_seqlens=self.cu_seqlens._replace(q=cu_seqlens_q, k=cu_seqlens_k))
+        return new
+
 
 class Features:
     """The kernels' view of one AttentionRequest (flashtile/request.py): what a launch derives from it (the BIAS and
