@@ -83,9 +83,20 @@ def out_dtype(q, req):
     return torch.bfloat16 if req.descale is not None else None
 
 
+def _off_device(t):
+    """Whether t is on a GPU that is not the current device. Triton launches on the current device and refuses
+    another GPU's pointers ("cannot be accessed from Triton"), so the calls below switch to t's GPU first, as a model
+    spread over GPUs in one process (device_map) calls each layer on its own GPU without switching."""
+    index = t.get_device()
+    return index >= 0 and torch._C._cuda_getDevice() != index
+
+
 def backward(dout, q, k, v, out, lse, dlse, req: AttentionRequest, bias_requires_grad=False):
     """Gradients of forward: [dq, dk, dv] (packed inputs: [dqkv] or [dq, dkv]), then dbias if bias_requires_grad,
     then dsinks if req.sinks is set. dlse is the gradient reaching the returned LSE (None when it is unused)."""
+    if _off_device(q):
+        with torch.cuda.device(q.device):
+            return backward(dout, q, k, v, out, lse, dlse, req, bias_requires_grad)
     _ahead.wait()
     qq, kk, _ = unpack(q, k, v)
     req = _device_offsets(req, qq, kk)
@@ -107,6 +118,9 @@ _LIB.define(f"attn_bwd(Tensor dout, Tensor q, Tensor? k, Tensor? v, Tensor out, 
 
 
 def _attn_fwd_op(q, k, v, *fields, **named):
+    if _off_device(q):
+        with torch.cuda.device(q.device):
+            return _attn_fwd_op(q, k, v, *fields, **named)
     req = AttentionRequest.unflatten(fields, named)
     if req.varlen:
         # The public functions checked the offsets where they could read them; an op reached otherwise (a compiled
@@ -330,6 +344,9 @@ def attention(q, k, v, req: AttentionRequest):
     """(out, lse) of the request with its autograd: when eager, the forward alone if there is nothing to
     differentiate, else through _AttnFunction; otherwise through the op."""
     if eager(q, k, v, req.attn_bias, req.sinks):
+        if _off_device(q):
+            with torch.cuda.device(q.device):
+                return attention(q, k, v, req)
         if not _needs_grad(q, k, v, req.attn_bias, req.sinks):
             # Inference, or no input that requires grad: without autograd.Function's apply and saved tensors (7-12 us
             # of Python a call on the CPU, more with the FP8 factors; docs/design-record.md, "Host overhead").

@@ -329,3 +329,34 @@ def test_repeated_calls_skip_the_jit(monkeypatch):
             torch.testing.assert_close(a, c, atol=1e-2, rtol=1e-2)
         else:
             assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_tensors_on_another_gpu(varlen):
+    """A model spread over GPUs in one process (device_map) calls attention on a GPU that is not the current device:
+    the call switches to the tensors' GPU (Triton launches on the current one and refused the pointers before), and
+    gives what the same call gives with that GPU current; the current device is left as it was."""
+    gen = torch.Generator("cuda:1").manual_seed(3)
+    lens = [300, 0, 701]
+    shape = (sum(lens), 8, 128) if varlen else (2, 500, 8, 128)
+    q, k, v, dout = (torch.randn(shape, device="cuda:1", generator=gen).to(torch.bfloat16) for _ in range(4))
+    cu = cu_seqlens(lens, "cuda:1")
+
+    def call():
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        if varlen:
+            out = flashtile.flash_attn_varlen_func(qg, kg, vg, cu, cu, max(lens), max(lens), causal=True)
+        else:
+            out = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+        return [out] + list(torch.autograd.grad(out, (qg, kg, vg), dout))
+
+    with torch.cuda.device(1):
+        want = call()
+    with torch.cuda.device(0):
+        got = call()
+        assert torch.cuda.current_device() == 0
+    assert all(g.device == torch.device("cuda:1") for g in got)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):  # dQ's reductions land in any order
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
