@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import flashtile
 from flashtile.bench import runner as bench
 from flashtile.bench.registry import PROVIDERS, Prepared, Provider, Shape, Unsupported, _sdpa_prepare
 
@@ -587,6 +588,20 @@ def test_host_bench_floor_row_and_bars():
     [(_, passed, detail)] = host.bars([row("flashtile", 100.0), row("sdpa-cudnn", 200.0), row("fa4", 400.0)])
     assert passed is True and detail.endswith("(0.50x); fa4 400.0 us")
     assert host.bars([row("flashtile", 100.0)])[0][1] is None
+
+
+def test_host_bench_varlen_row_is_the_fixed_call_packed():
+    """bench host's "flashtile-varlen" row runs the fixed-length row's rows as one sequence per batch entry: the
+    same attention, the gradients included, so the two rows differ only in the call's path."""
+    from flashtile.bench import host
+    fixed = host.make_inputs(2, 16, 2, 16, "cpu", grad=False)
+    want = flashtile.flash_attn_func(*fixed[:3], causal=True)
+    calls = host.flashtile_varlen_calls(2, 16, 2, 16, "cpu")
+    got = calls["fwd"]()
+    assert got.shape == (32, 2, 16)
+    torch.testing.assert_close(got.view(want.shape), want, atol=0, rtol=0)
+    calls["fwd+bwd"]()
+    assert "flashtile-varlen" in host.providers()
 
 
 def test_results_go_to_the_current_directory_by_default():

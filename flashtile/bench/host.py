@@ -17,7 +17,8 @@ flash_attn_func, when it is importable: another attention library whose autograd
 no attention at all: a torch.autograd.Function written in Python whose forward allocates an output and LSE rows and
 saves its inputs, and whose backward allocates the three gradients. It is what autograd alone charges any attention
 whose backward is Python (flashtile's, flash-attn's) on this host, SDPA's backward being a C++ node: the floor under
-flashtile's fwd+bwd row.
+flashtile's fwd+bwd row. "flashtile-varlen" runs the same rows through flash_attn_varlen_func (one sequence per
+batch entry, offsets on the device): what a varlen call adds, its offsets' clamp and tile map among it.
 
 --cpu measures flashtile's side on a machine without a GPU: CPU tensors take the launch path CUDA tensors take
 (flashtile.testing.fast_launch_on_cpu: the compile cache, the plans, the compiled kernels' launchers), with the
@@ -92,6 +93,27 @@ def flashtile_calls(batch, seqlen, heads, head_dim, device):
     return {"fwd": lambda: flashtile.flash_attn_func(q, k, v, causal=True), "fwd+bwd": fwd_bwd}
 
 
+def flashtile_varlen_calls(batch, seqlen, heads, head_dim, device):
+    """{"fwd": fn, "fwd+bwd": fn} of flashtile.flash_attn_varlen_func over the same rows packed as `batch` sequences
+    of `seqlen` (the "flashtile-varlen" row: what a varlen call adds to a fixed-length one's host time), causal, with
+    the offsets on the device as a training loop or a serving engine holds them."""
+    import flashtile
+    rows = (batch * seqlen, heads, head_dim)
+    q, k, v, _ = (t.reshape(rows) for t in make_inputs(batch, seqlen, heads, head_dim, device, grad=False))
+    qg, kg, vg, dout = (t.detach().reshape(rows) for t in make_inputs(batch, seqlen, heads, head_dim, device,
+                                                                        grad=False))
+    for t in (qg, kg, vg):
+        t.requires_grad_()
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+
+    def fwd_bwd():
+        out = flashtile.flash_attn_varlen_func(qg, kg, vg, cu, cu, seqlen, seqlen, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    return {"fwd": lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True),
+            "fwd+bwd": fwd_bwd}
+
+
 def sdpa_calls(batch, seqlen, heads, head_dim, device, backend):
     """{"fwd": fn, "fwd+bwd": fn} of torch's SDPA with one backend (torch.nn.attention.SDPBackend), causal."""
     from torch.nn.attention import sdpa_kernel
@@ -156,7 +178,7 @@ def python_function_calls(batch, seqlen, heads, head_dim, device):
 def providers():
     from torch.nn.attention import SDPBackend
     from .registry import _fa4_available
-    found = {"flashtile": flashtile_calls,
+    found = {"flashtile": flashtile_calls, "flashtile-varlen": flashtile_varlen_calls,
              "sdpa-cudnn": lambda *a: sdpa_calls(*a, SDPBackend.CUDNN_ATTENTION),
              "sdpa-flash": lambda *a: sdpa_calls(*a, SDPBackend.FLASH_ATTENTION)}
     if _fa4_available() is None:
@@ -223,6 +245,7 @@ def _as_on_hopper():
 
 def measure_cpu(calls, repeats):
     """Rows like measure_gpu's, flashtile only, on CPU tensors with the launches stubbed (module docstring)."""
+    from flashtile import _values
     from flashtile.kernels import _common
     from flashtile.testing import fast_launch_on_cpu
     if not _common.INTERPRETING:
@@ -232,13 +255,16 @@ def measure_cpu(calls, repeats):
         for batch, seqlen, heads, head_dim in SHAPES:
             shape = f"B{batch} S{seqlen} H{heads} d{head_dim} causal bf16, {target}"
             # The constexprs wrapped as on a GPU (the interpreter takes them plain): their cost is part of a launch.
-            with fast_launch_on_cpu(execute=False), context(), _settings(_common, "INTERPRETING", False):
-                for kind, fn in flashtile_calls(batch, seqlen, heads, head_dim, "cpu").items():
-                    for _ in range(WARMUP):
-                        fn()
-                    host, _ = time_calls(fn, calls, repeats)
-                    rows.append(dict(shape=shape, provider="flashtile", call=kind, status="ok", host_us=host))
-                    log(f"  {shape:<46} {kind:<8} {host:7.1f} us per call")
+            # (Varlen offsets unread, as those of CUDA tensors are: _values.readable.)
+            with fast_launch_on_cpu(execute=False), context(), _settings(_common, "INTERPRETING", False), \
+                    _settings(_values, "readable", lambda t: False):
+                for name, make in (("flashtile", flashtile_calls), ("flashtile-varlen", flashtile_varlen_calls)):
+                    for kind, fn in make(batch, seqlen, heads, head_dim, "cpu").items():
+                        for _ in range(WARMUP):
+                            fn()
+                        host, _ = time_calls(fn, calls, repeats)
+                        rows.append(dict(shape=shape, provider=name, call=kind, status="ok", host_us=host))
+                        log(f"  {shape:<46} {name:<16} {kind:<8} {host:7.1f} us per call")
     return rows
 
 
