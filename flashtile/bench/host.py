@@ -100,8 +100,7 @@ def flashtile_varlen_calls(batch, seqlen, heads, head_dim, device):
     import flashtile
     rows = (batch * seqlen, heads, head_dim)
     q, k, v, _ = (t.reshape(rows) for t in make_inputs(batch, seqlen, heads, head_dim, device, grad=False))
-    qg, kg, vg, dout = (t.detach().reshape(rows) for t in make_inputs(batch, seqlen, heads, head_dim, device,
-                                                                        grad=False))
+    qg, kg, vg, dout = (t.reshape(rows) for t in make_inputs(batch, seqlen, heads, head_dim, device, grad=False))
     for t in (qg, kg, vg):
         t.requires_grad_()
     cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)

@@ -432,6 +432,8 @@ def _safe_offsets_kernel(CuQ, CuK, Safe, n, rows_q, rows_k, BLOCK: tl.constexpr,
 # (a serving loop's packed lengths change every step).
 _SAFE_LAUNCHES: dict = {}
 _SAFE_MAX = 512
+# Offsets per step of the scan: batches of up to 1023 sequences in one step, larger ones in several (4 warps: 8
+# offsets a thread).
 _SAFE_BLOCK = 1024
 
 

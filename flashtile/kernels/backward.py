@@ -51,7 +51,8 @@ class Rows(NamedTuple):
 @triton.jit
 def _zero_share(ptr, n, BLOCK: tl.constexpr = 1024):
     """Zero this program's share of ptr[0:n] (float32): the grid's programs, in launch order, take equal contiguous
-    shares, so that together they zero all of it whatever rows they own."""
+    shares, so that together they zero all of it whatever rows they own. BLOCK elements per store: 8 a thread at
+    the preprocess's 4 warps, one 32-byte store each."""
     programs = tl.num_programs(0) * tl.num_programs(1)
     p = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     share = tl.cdiv(tl.cdiv(n, programs), BLOCK) * BLOCK
@@ -358,7 +359,7 @@ class BwdPlan:
     not given, takes the feature tensors from the request, launches, and returns (dq, dk, dv, dbias, dsinks)."""
     __slots__ = ("device", "pad", "rows_shape", "preprocess", "gluon", "dkdv", "dq", "groups", "fargs", "lengths",
                  "use_tma", "tiles", "dropout_scalars", "full_shape", "bias_grad", "dbias_dtype", "delta_scale",
-                 "zero_dq", "varlen_fargs")
+                 "varlen_fargs")
 
     def run(self, dout, q, k, v, out, lse, dlse, req, grads, dq_addend=None):
         """(dq, dk, dv, dbias, dsinks) of a call with this plan's key (dq_addend: the Gluon kernel's only, see
@@ -392,10 +393,10 @@ class BwdPlan:
         # The preprocess reads lse and dlse as rows of unit stride; they are small, so copy any other layout
         # (autograd hands an expanded, stride-0 dlse for lse.sum()). dlse: lse stands in when there is none.
         lse = lse.contiguous()
-        # The Gluon kernel's dQ buffer, zeroed by the preprocess.
+        # The Gluon kernel's dQ buffer, zeroed by the preprocess (_preprocess_launch's zero_width).
         dq_acc = None
         if self.gluon is not None:
-            dq_acc = self.gluon.dq_buffer(self.zero_dq)
+            dq_acc = self.gluon.dq_buffer(True)
         self.preprocess(stream, out, dout, lse, lse if dlse is None else dlse.contiguous(), call.rows,
                         fargs.cu_seqlens.q, lse if dq_acc is None else dq_acc)
         call.dbias_full = None
@@ -471,7 +472,6 @@ def _bwd_plan(spec, q, k, v, dout, out, lse, dlse, req, gluon, grads, bias_grad)
     plan.gluon = hopper_bwd.gluon_plan(q, k, v, dout, grads, plan.rows_shape, req, bias_grad) if gluon else None
     # The preprocess zeroes the Gluon kernel's dQ buffer (fixed-length: its rows are Rows' rows; varlen: [total_q,
     # heads, the tile width]).
-    plan.zero_dq = gluon
     zero_width = 0
     if gluon:
         zero_width = plan.gluon.acc_shape[-1] if req.varlen else hopper_bwd.dq_width(q.shape[-1])

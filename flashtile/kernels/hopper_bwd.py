@@ -2178,7 +2178,7 @@ class GluonBwdPlan:
     def dq_buffer(self, zeroed_elsewhere):
         """The kernel's float32 dQ buffer: [total_q, H, D] for varlen, each sequence's reductions stopping at its
         end; else tile by tile (the kernel's dq_desc note). The kernel adds into it: zeroed here unless
-        zeroed_elsewhere (kernels/backward.py's preprocess zeroes the fixed-length one)."""
+        zeroed_elsewhere (kernels/backward.py's preprocess zeroes it, fixed-length and varlen)."""
         if zeroed_elsewhere:
             return torch.empty(self.acc_shape, dtype=torch.float32, device=self.device)
         return torch.zeros(self.acc_shape, dtype=torch.float32, device=self.device)
