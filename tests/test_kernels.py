@@ -331,3 +331,36 @@ def test_preprocess_zeroes_varlen_dq_buffer(lens, max_seqlen, total):
     assert torch.isnan(untouched).all()
     for a, b in ((rows.lse_log2, plain.lse_log2), (rows.delta, plain.delta)):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_interpreter_scalar_index():
+    """The interpreter's scalars convert to int (range bounds) whatever the shape of their one-element data: Triton
+    3.6's own `__index__`, `int(data)`, fails on the (1,) arrays of kernel arguments under NumPy 2.4. Run over a
+    stand-in of 3.6's tensor patch, the wrapper must leave the element's `__index__` in place during the run and
+    the original after it."""
+    np = pytest.importorskip("numpy")
+    from flashtile.kernels import _common
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+
+    class Handle:
+        def __init__(self, data):
+            self.data = data
+
+    class Scalar:
+        def __init__(self, data):
+            self.handle = Handle(data)
+
+    def patch_of_triton_36(tensor, scope):  # what Triton 3.6's _patch_lang_tensor sets
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    saved = interpreter._patch_lang_tensor
+    interpreter._patch_lang_tensor = patch_of_triton_36
+    try:
+        _common._patch_interpreter_index()
+        scope = interpreter._LangPatchScope()
+        interpreter._patch_lang_tensor(Scalar, scope)
+        assert [range(Scalar(np.array(a, np.int32)))[-1] for a in ([7], 5, [[3]])] == [6, 4, 2]
+        scope.restore()
+        assert not hasattr(Scalar, "__index__")
+    finally:
+        interpreter._patch_lang_tensor = saved

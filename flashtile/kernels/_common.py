@@ -43,6 +43,40 @@ def _probe_kernel():
 INTERPRETING = type(_probe_kernel).__name__ == "InterpretedFunction"
 
 
+def _scalar_index(self):
+    # A scalar's value in the interpreter, whose data is a one-element array: of shape (1,) for a kernel argument
+    # and anything computed from one, () for some results.
+    return int(self.handle.data.reshape(()))
+
+
+def _patch_interpreter_index():
+    """Make the interpreter's scalars usable as `range` bounds under current NumPy.
+
+    While a kernel runs, Triton's interpreter gives `tl.tensor` an `__index__` (what a `range` bound or `int()`
+    calls). Triton 3.6's is `int(data)`, and a scalar's data there is an array of shape (1,), which current NumPy
+    (2.4; older versions warned) refuses to convert: "only 0-dimensional arrays can be converted to Python
+    scalars". Every portable kernel, whose key loops are bounded by a sequence's lengths, then failed under
+    TRITON_INTERPRET=1 with Triton 3.6. Newer Triton squeezes the array first. The interpreter's tensor patch is
+    wrapped so that each kernel run then sets an `__index__` that takes the one element, as newer Triton's does;
+    the interpreter's own scope records the attribute and restores it after the run, as it does its own. Nothing
+    else about the interpreter changes."""
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_flashtile_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", _scalar_index)
+
+    patched._flashtile_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETING:
+    _patch_interpreter_index()
+
+
 def batch_strides(t, varlen):
     """(batch, seqlen, head) strides of a [B, S, H, D] tensor, or of a packed [total, H, D] one (batch stride 0)."""
     return (0,) + tuple(t.stride()[:2]) if varlen else tuple(t.stride()[:3])
