@@ -505,3 +505,77 @@ def test_backward_adds_dq_addend(monkeypatch, call_counter, varlen, d):
         torch.testing.assert_close(dk, grads32[1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dv, grads32[2], rtol=0, atol=0)
     assert len(plans) == 2  # the float32 call's plan and the addend call's (its dq is bfloat16): Gluon both times
+
+
+def _defer_plans():
+    from flashtile.kernels import hopper_fwd
+    return [p for p in dispatch._PLANS.values() if isinstance(p, hopper_fwd.GluonFwdPlan) and p.defer]
+
+
+@pytest.mark.parametrize("d,causal,varlen", [(128, True, False), (64, False, False), (128, False, True),
+                                             (64, True, True), (256, True, False), (96, True, False),
+                                             (128, False, False)],
+                         ids=("d128-causal", "d64-full", "d128-varlen", "d64-causal-varlen", "d256-causal",
+                              "d96-causal", "d128-full-round-robin"))
+def test_deferred_check_redoes_flagged_items(monkeypatch, poison, d, causal, varlen):
+    """DEFER (bfloat16 under LAZY_MAX): blocks after an item's first are taken against the first block's maximum,
+    unchecked, and a warpgroup part whose row sum passed DEFER_LIMIT flags its item for the redo pass (a second
+    launch, of the kernel compiled with REDO).
+    Head 0's keys grow along the sequence so that later scores pass the first block's maximum by 80-120 nats (64 bits
+    is DEFER_LIMIT): its items overflow in the first pass, the other heads' do not. The result must match float64;
+    without the redo pass (its launch dropped) the flagged rows are not finite, so the test sees that pass work;
+    and the redo state reads zero after each call."""
+    from flashtile.kernels import hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "DEFER_MIN_FLOPS", 0)
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    b, sq, sk, h, hk = 2, 1000, 1300, 4, 2  # (1000 rows: d64 on two warpgroups, three_warpgroups_fill)
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, device=DEVICE, seed=d + 7 * causal + varlen, grad=False)
+    q[:, :, 0] = 1.0 + 0.05 * q[:, :, 0].float()
+    ramp = torch.linspace(0.0, 12.0, sk, device=DEVICE)[None, :, None]
+    k[:, :, 0] = (ramp + 0.05 * k[:, :, 0].float()).to(k.dtype)  # kv head 0 serves query heads 0 and 1
+
+    def call():
+        if not varlen:
+            return flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]
+        cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device=DEVICE)
+        out, lse, _ = flashtile.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
+                                                      sq, sk, causal=causal, return_attn_probs=True)
+        return out.view(q.shape[:3] + v.shape[3:]), lse.view(h, b, sq).transpose(0, 1)
+
+    def state_is_zero():
+        torch.cuda.synchronize()
+        return all(int(s.count_nonzero()) == 0 for s in hopper_fwd._REDO.values())
+
+    out, lse = call()
+    assert len(_defer_plans()) == 1, "the call did not take DEFER"
+    assert state_is_zero()
+    check_against_reference((out, lse, None, None, None), q, k, v, torch.zeros_like(q), d ** -0.5, causal, sk - sq)
+    plan = _defer_plans()[0]
+    redo = plan.redo
+
+    class Dropped:  # the redo pass's launch, compiled, doing nothing
+        compiled = True
+
+        def __call__(self, stream, *args):
+            pass
+
+    plan.redo = Dropped()
+    first_pass = call()[0]
+    plan.redo = redo
+    assert not torch.isfinite(first_pass[:, :, :2]).all(), "no item overflowed: the test does not reach the redo"
+    assert torch.isfinite(first_pass[:, :, 2:]).all()
+    again = call()  # (its redo pass also clears what the dropped one left flagged)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    assert state_is_zero()
+
+
+def test_deferred_check_is_bfloat16_only(monkeypatch):
+    """DEFER leans on bfloat16 P keeping fp32's range: float16 (P under 65504) and float8 keep LAZY_MAX's check
+    per block, and small calls (DEFER_MIN_FLOPS) skip the redo pass's launch."""
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    for dtype, sq, expect in ((torch.bfloat16, 4096, True), (torch.float16, 4096, False), (torch.bfloat16, 256, False)):
+        q, k, v = make_qkv(1, sq, sq, 8, 8, 128, dtype, device=DEVICE, seed=sq, grad=False)
+        flashtile.flash_attn_func(q, k, v, causal=True)
+        assert bool(_defer_plans()) == expect, (dtype, sq)
+        dispatch._PLANS.clear()
