@@ -269,7 +269,7 @@ def fast_launch_on_cpu(execute=True):
         defaults = inspect.signature(getattr(kernel, "fn", kernel)).parameters
         tail = tuple(constexprs[name] if name in constexprs else defaults[name].default
                      for name in kernel.arg_names[len(args):])
-        entry = _launch._COMPILED[key] = (Compiled(kernel), tail)
+        entry = _launch._COMPILED[(_launch._device(), key)] = (Compiled(kernel), tail)
         return entry[0], entry
 
     saved = (_launch.fast_stream, _launch._jit_launch, _launch._COMPILED, dispatch._PLANS)

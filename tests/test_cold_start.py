@@ -111,7 +111,7 @@ from flashtile.testing import fast_launch_on_cpu
 with fast_launch_on_cpu(execute=False), _as_on_hopper(), _settings(_common, "INTERPRETING", False):
     for d in (64, 128):
         flashtile_calls(1, 128, 4, d, "cpu")["fwd+bwd"]()
-    print(json.dumps(sorted(str(_index._stable_text(k)) for k in _launch._COMPILED)))
+    print(json.dumps(sorted(str(_index._stable_text(k)) for _, k in _launch._COMPILED)))
 """
 
 

@@ -360,3 +360,34 @@ def test_tensors_on_another_gpu(varlen):
     assert torch.equal(got[0], want[0])
     for g, w in zip(got[1:], want[1:]):  # dQ's reductions land in any order
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_same_calls_on_two_gpus(varlen):
+    """Layers of one shape on two GPUs in one process (device_map): the second GPU's calls have the first's launch
+    keys, and a compiled kernel is loaded on one GPU only, so each GPU must launch kernels loaded on it
+    (_launch._COMPILED is per device). Each GPU's fwd+bwd, with that GPU current, gives what the other gives; GPU 1
+    goes first, then GPU 0, then GPU 1 again with GPU 0's plans and kernels cached."""
+    lens = [300, 0, 701, 2048]
+    shape = (sum(lens), 8, 128) if varlen else (2, 1500, 8, 128)
+    gen = torch.Generator("cuda:1").manual_seed(5)
+    inputs = [torch.randn(shape, device="cuda:1", generator=gen).to(torch.bfloat16) for _ in range(4)]
+
+    def call(device):
+        q, k, v, dout = (t.to(device) for t in inputs)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with torch.cuda.device(device):
+            if varlen:
+                cu = cu_seqlens(lens, device)
+                out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+            else:
+                out = flashtile.flash_attn_func(q, k, v, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        return [t.cpu() for t in (out, *grads)]
+
+    first, other, again = call(torch.device("cuda:1")), call(torch.device("cuda:0")), call(torch.device("cuda:1"))
+    for got in (other, again):
+        assert torch.equal(got[0], first[0])
+        for g, w in zip(got[1:], first[1:]):  # dQ's reductions land in any order
+            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)

@@ -1005,7 +1005,7 @@ def test_gpu_fast_launch(request, fresh_plans):
     # One compile cache for every launch (kernels/_launch.py): the plans' kernels are in it (a key names its kernel
     # by the kernel's Python function).
     from flashtile.kernels import _launch
-    cached = {key[0] for key in _launch._COMPILED}
+    cached = {key[0] for _, key in _launch._COMPILED}
     assert {decode._kvcache_split_kernel.fn, decode._kvcache_append_kernel.fn} <= cached
     assert decode.fast_stream(torch.cuda.current_device()) is not None
     for got in results[1:]:

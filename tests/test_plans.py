@@ -525,3 +525,48 @@ def test_gluon_varlen_plan_binds_its_tile_map():
               for m in reversed(range(-(-n // block_m)))]
     assert got[:len(expect)] == expect
     assert all(row[0] == -1 for row in got[len(expect):])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in launches of CPU tensors")
+def test_compile_cache_is_per_device(monkeypatch):
+    """A compiled kernel is loaded on the GPU that was current at its first launch, and its function handle belongs
+    to that GPU: the compile cache keeps an entry per device, so the same launch on another GPU compiles (loads) its
+    own, as Triton's per-device caches do, instead of taking the first GPU's. Launches stubbed; the current device
+    stands in."""
+    from flashtile.kernels import _common
+    from flashtile.testing import fast_launch_on_cpu
+    current = [0]
+    monkeypatch.setattr(_launch, "_device", lambda: current[0])
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    safe = torch.empty((1, 3), dtype=torch.int32)
+    # (The stand-in's own _jit_launch is wrapped inside its block and unwrapped before the block restores the real
+    # one: monkeypatch's teardown would put the stand-in back.)
+    with fast_launch_on_cpu(execute=False), monkeypatch.context() as patch:
+        jit, firsts = _launch._jit_launch, []
+
+        def counted(*args, **kwargs):
+            firsts.append(current[0])
+            return jit(*args, **kwargs)
+
+        patch.setattr(_launch, "_jit_launch", counted)
+        def launch():
+            _launch.launch(_common._safe_offsets_kernel, (1,), (cu, cu, safe, 3, 5, 0), dict(BLOCK=4, BOTH=False),
+                           None)
+
+        def found():  # a new bound launch of the same key finds a compiled kernel for the current device
+            bound = _launch.Bound(_common._safe_offsets_kernel, (1,), (3, 5, 0), dict(BLOCK=4, BOTH=False), {})
+            return bound.find(cu, cu, safe)
+
+        assert not found()
+        launch()
+        launch()
+        assert found()
+        current[0] = 1
+        assert not found()
+        launch()
+        assert found()
+        launch()
+        current[0] = 0
+        launch()
+        assert firsts == [0, 1]
+        assert sorted(device for device, _ in _launch._COMPILED) == [0, 1]

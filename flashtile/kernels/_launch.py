@@ -28,9 +28,11 @@ from .._settings import SETTINGS
 # Compiled kernels kept; past this many keys the cache starts over.
 MAX_KEYS = 4096
 
-# The compile cache: launch key (kernel, every argument's _arg_key, constexprs, options) -> (compiled kernel, the
-# values of the kernel's parameters after the call's arguments: its constexprs, which the launcher skips). Triton
-# keeps its own cache of compiled kernels per JITFunction; this one only saves the work of finding the entry.
+# The compile cache: (device, launch key: kernel, every argument's _arg_key, constexprs, options) -> (compiled
+# kernel, the values of the kernel's parameters after the call's arguments: its constexprs, which the launcher
+# skips). Triton keeps its own cache of compiled kernels per JITFunction and device; this one only saves the work of
+# finding the entry. A compiled kernel is loaded on the GPU that was current when it was first launched, and its
+# function handle belongs to that GPU's context, so the entries are per device (_device) as Triton's are.
 _COMPILED: dict = {}
 
 # Per thread: whether launches only compile (compile_only).
@@ -135,6 +137,12 @@ def _run(compiled, grid, stream, args, tail):
     compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
 
 
+def _device():
+    """The GPU a launch runs on, the current one (launches on another take the JIT path); -1 without CUDA (offline
+    compiles, the CPU tests' stand-in launches)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
 def _key(kernel, args, constexprs, options):
     # constexprs made by _common.constexpr_groups carry their plain values as `key`: hashing and comparing
     # tl.constexpr objects costs several Python calls each. The kernel stands in the key as its Python function
@@ -198,7 +206,7 @@ def _jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
     entry = (compiled, _tail(kernel, args, constexprs))
     if len(_COMPILED) >= MAX_KEYS:
         _COMPILED.clear()
-    _COMPILED[key] = entry
+    _COMPILED[(_device(), key)] = entry
     return compiled, entry
 
 
@@ -214,7 +222,7 @@ def launch(kernel, grid, args, constexprs, device_index, **options):
             return _jit_launch(kernel, grid, args, constexprs, options)[0]
         return kernel[grid](*args, **constexprs, **options)
     key = _key(kernel, args, constexprs, options)
-    entry = _COMPILED.get(key)
+    entry = _COMPILED.get((_device(), key))
     if entry is None:
         return _jit_launch(kernel, grid, args, constexprs, options, key, stream)[0]
     _run(entry[0], grid, stream, args, entry[1])
@@ -366,11 +374,7 @@ class Bound:
             if direct and SETTINGS.direct_launch and len(dynamic) == direct.n_dynamic:
                 direct(stream, dynamic)
                 return compiled
-        if self.templates:
-            dynamic = list(dynamic)
-            for i, template in self.templates.items():
-                dynamic[i] = copy_descriptor(template, dynamic[i])
-            dynamic = tuple(dynamic)
+        dynamic = self._described(dynamic)
         if self.background and compiled is None and dry():  # (dry: inside compile_only, which keeps _THREAD.pending)
             self._compile_aside(dynamic + self.static)
             return None
@@ -383,7 +387,7 @@ class Bound:
         key = entry = None
         if stream is not None:
             key = _key(self.kernel, args, self.constexprs, self.options)
-            entry = _COMPILED.get(key)
+            entry = _COMPILED.get((_device(), key))
         if entry is None:
             # The JIT path: the first call, or one that must not skip it (stream None); a kernel it compiled is
             # kept all the same (as the first call off the current device or under a profiler still compiles).
@@ -394,6 +398,27 @@ class Bound:
         if entry is not None:
             self._keep(entry[0])
         return compiled
+
+    def _described(self, dynamic):
+        """The leading arguments with copies of the templates over the bases a call passes (the arguments the kernel
+        takes)."""
+        if not self.templates:
+            return dynamic
+        dynamic = list(dynamic)
+        for i, template in self.templates.items():
+            dynamic[i] = copy_descriptor(template, dynamic[i])
+        return tuple(dynamic)
+
+    def find(self, *dynamic):
+        """Whether this launch's kernel is at hand without compiling: kept already, or in the compile cache under
+        the key of these leading arguments (an earlier launch with the same key compiled it), then kept as a first
+        call keeps it. Launches nothing."""
+        if self.compiled is None:
+            entry = _COMPILED.get((_device(), _key(self.kernel, self._described(dynamic) + self.static,
+                                                   self.constexprs, self.options)))
+            if entry is not None:
+                self._keep(entry[0])
+        return self.compiled is not None
 
     def _keep(self, compiled):
         if compiled is not self.compiled:

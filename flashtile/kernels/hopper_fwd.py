@@ -2035,9 +2035,10 @@ class GluonFwdPlan:
                 _Lists(counts, indices), *self.groups, _Pages(*table))
         args = (q, k, v, q if self.o_from_q else out, bias_desc, out, lse, counter, tile_map, redo) + args
         self.launch(stream, *args)
-        if self.defer and self.redo.compiled is None and self.redo_thread is None and stream is not None:
-            # (Started once the first pass has compiled: a process's first call then compiles nothing more on its
-            # way, as long as no item is flagged.)
+        if self.defer and self.redo_thread is None and stream is not None and not self.redo.find(*args):
+            # Compiled aside, started once the first pass has compiled: a process's first call then compiles nothing
+            # more on its way, as long as no item is flagged. (A new plan whose kernels an earlier plan compiled,
+            # such as a varlen batch of another total length, finds it in the compile cache.)
             self.redo_thread = _compile_aside(self.redo, args)
         if self.defer:
             # The redo pass: the items the first one flagged (usually none: its programs then return at once).
