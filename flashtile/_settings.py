@@ -9,6 +9,8 @@ call. Nothing else in the package reads `os.environ` for behaviour.
 | gluon_forward  | FLASHTILE_GLUON=0          | off: the Hopper Gluon forward is not used (the portable kernel is) |
 | gluon_backward | FLASHTILE_GLUON_BWD=0      | off: the Hopper Gluon backward is not used                         |
 | lazy_max       | FLASHTILE_LAZY_MAX=0       | off: the Gluon forward takes every block's row maximum             |
+| defer_check    | FLASHTILE_DEFER_CHECK=0    | off: bfloat16 Gluon forwards check their range every key block, as |
+|                |                            | float16 ones do, not once per item with a redo pass (hopper_fwd)   |
 | check_values   | FLASHTILE_CHECK_VALUES=1   | on: check CUDA index tensors' values too (a sync per call; CPU     |
 |                |                            | ones always are); flashtile.check_values() sets it for a block     |
 | compile_ahead  | FLASHTILE_COMPILE_AHEAD=0  | off: a differentiated forward that builds a new plan does not      |
@@ -42,6 +44,7 @@ class Settings:
     gluon_forward: bool = True
     gluon_backward: bool = True
     lazy_max: bool = True
+    defer_check: bool = True
     check_values: bool = False
     compile_ahead: bool = True
     tma: Optional[bool] = None
@@ -55,7 +58,8 @@ class Settings:
     @classmethod
     def from_env(cls):
         return cls(gluon_forward=_flag("FLASHTILE_GLUON", True), gluon_backward=_flag("FLASHTILE_GLUON_BWD", True),
-                   lazy_max=_flag("FLASHTILE_LAZY_MAX", True), check_values=_flag("FLASHTILE_CHECK_VALUES", False),
+                   lazy_max=_flag("FLASHTILE_LAZY_MAX", True), defer_check=_flag("FLASHTILE_DEFER_CHECK", True),
+                   check_values=_flag("FLASHTILE_CHECK_VALUES", False),
                    compile_ahead=_flag("FLASHTILE_COMPILE_AHEAD", True))
 
 

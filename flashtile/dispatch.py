@@ -425,15 +425,16 @@ def _tensor_key(t):
 
 
 def _settings_key(q):
-    """The settings a plan depends on: the Gluon switches, the lazy maximum, forced TMA, tile overrides, torch's
-    tf32 flag for fp32 inputs, and whether Triton interprets (tests switch it; a process never does)."""
+    """The settings a plan depends on: the Gluon switches, the lazy maximum and its deferred check, forced TMA, tile
+    overrides, torch's tf32 flag for fp32 inputs, and whether Triton interprets (tests switch it; a process never
+    does)."""
     tiles = SETTINGS.tiles
     if tiles is not None:
         tiles = (tuple((kind, tuple(v)) for kind, v in sorted(tiles.items())) if isinstance(tiles, dict)
                  else tuple(tiles))
     tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return (SETTINGS.gluon_forward, SETTINGS.gluon_backward, SETTINGS.lazy_max, SETTINGS.tma, tiles, tf32,
-            configs.INTERPRETING)
+    return (SETTINGS.gluon_forward, SETTINGS.gluon_backward, SETTINGS.lazy_max, SETTINGS.defer_check, SETTINGS.tma,
+            tiles, tf32, configs.INTERPRETING)
 
 
 def plan_key(q, tensors, req, extra=None):

@@ -214,8 +214,9 @@ def test_plan_key_changes_with_each_ingredient():
     k, v = torch.randn(1, 40, 2, 16, dtype=torch.float16), torch.randn(1, 40, 2, 16, dtype=torch.float16)
     keys = {name: dispatch.plan_key(*args) for name, args in _key_variants(q, k, v)}
     base_args = _key_variants(q, k, v)[0][1]
-    for name, change in [("gluon_forward", False), ("gluon_backward", False), ("lazy_max", False), ("tma", True),
-                         ("tiles", [TileConfig(16, 16, 4, 1)]), ("tiles", {"fwd": [TileConfig(32, 16, 4, 1)]})]:
+    for name, change in [("gluon_forward", False), ("gluon_backward", False), ("lazy_max", False),
+                         ("defer_check", False), ("tma", True), ("tiles", [TileConfig(16, 16, 4, 1)]),
+                         ("tiles", {"fwd": [TileConfig(32, 16, 4, 1)]})]:
         with override(**{name: change}):
             keys[f"setting {name}={change}"] = dispatch.plan_key(*base_args)
     q32 = q.float()
@@ -570,3 +571,74 @@ def test_compile_cache_is_per_device(monkeypatch):
         launch()
         assert firsts == [0, 1]
         assert sorted(device for device, _ in _launch._COMPILED) == [0, 1]
+
+
+@pytest.mark.skipif(CUDA, reason="CPU tensors run the kernels in the interpreter only on a machine without a GPU")
+def test_gluon_forward_defers_its_check_for_bfloat16():
+    """Which Gluon forward plans take DEFER (hopper_fwd.defer_pays: LAZY_MAX's check at each item's end, a redo
+    pass for flagged items), dispatched as on an H100 with the launches stubbed: bfloat16 calls of at least
+    DEFER_MIN_FLOPS, not float16, not smaller calls, not with SETTINGS.defer_check or lazy_max off. A DEFER plan's
+    redo pass is the same kernel with REDO set, over the same grid; its first call compiles it aside."""
+    from flashtile.bench.host import _as_on_hopper, _settings
+    from flashtile.kernels import _common, hopper_fwd
+
+    def plan_of(dtype, seqlen, **settings):
+        q, k, v = (_randn((1, seqlen, 8, 128), dtype, "cpu", seed, grad=False) for seed in range(3))
+        dispatch._PLANS.clear()
+        with fast_launch_on_cpu(execute=False), _as_on_hopper(), _settings(_common, "INTERPRETING", False), \
+                override(**settings):
+            flashtile.flash_attn_func(q, k, v, causal=True)
+            plans = [p for p in dispatch._PLANS.values() if isinstance(p, hopper_fwd.GluonFwdPlan)]
+            if plans and plans[0].redo_thread is not None:
+                plans[0].redo_thread.join()
+        assert len(plans) == 1
+        return plans[0]
+
+    plan = plan_of(torch.bfloat16, 4096)  # 2 * 4096 * 8 * 2048 * 256 = 2^35 FLOPs
+    assert plan.defer and plan.launch.constexprs["DEFER"] and not plan.launch.constexprs["REDO"]
+    assert plan.redo.constexprs == dict(plan.launch.constexprs, REDO=True) and plan.redo.grid == plan.launch.grid
+    assert plan.redo.compiled is not None  # compiled aside (stand-in) on the first call
+    for dtype, seqlen, settings in ((torch.float16, 4096, {}), (torch.bfloat16, 2048, {}),
+                                    (torch.bfloat16, 4096, dict(defer_check=False)),
+                                    (torch.bfloat16, 4096, dict(lazy_max=False))):
+        plan = plan_of(dtype, seqlen, **settings)
+        assert not plan.defer and plan.redo is None and not plan.launch.constexprs["DEFER"], (dtype, seqlen, settings)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU tensors run the kernels in the interpreter only on a machine without a GPU")
+def test_defer_call_waits_for_the_redo_compile_only_when_flagged(monkeypatch):
+    """A DEFER plan's first calls while its redo kernel still compiles aside: with nothing flagged (the count the
+    first pass left is 0) the call returns without waiting for the compile and launches no redo pass; with an item
+    flagged it waits for the compile and launches the pass. Launches stubbed, the redo compile slowed."""
+    import time
+    from flashtile.bench.host import _as_on_hopper, _settings
+    from flashtile.kernels import _common, hopper_fwd
+    q, k, v = (_randn((1, 4096, 8, 128), torch.bfloat16, "cpu", seed, grad=False) for seed in range(3))
+    with fast_launch_on_cpu(execute=False), _as_on_hopper(), _settings(_common, "INTERPRETING", False), \
+            monkeypatch.context() as patch:
+        jit = _launch._jit_launch
+
+        def slow_redo(kernel, grid, args, constexprs, options, key=None, stream=None):
+            if constexprs.get("REDO"):
+                time.sleep(0.6)
+            return jit(kernel, grid, args, constexprs, options, key, stream)
+
+        patch.setattr(_launch, "_jit_launch", slow_redo)
+        for flagged in (0, 1):
+            dispatch._PLANS.clear()
+            _launch._COMPILED.clear()
+            for state in hopper_fwd._REDO.values():
+                state[0] = flagged  # what the first pass (not run here) would have left
+            start = time.perf_counter()
+            flashtile.flash_attn_func(q, k, v, causal=True)
+            took = time.perf_counter() - start
+            plan, = [p for p in dispatch._PLANS.values() if isinstance(p, hopper_fwd.GluonFwdPlan)]
+            assert plan.defer and plan.redo_thread is not None
+            # (Bound.direct leaves None once the bound launch has been called with its kernel at hand.)
+            if flagged:
+                assert took >= 0.6 and plan.redo.compiled is not None and plan.redo.direct is not None
+            else:
+                assert took < 0.5 and plan.redo.compiled is None and plan.redo.direct is None
+            plan.redo_thread.join()
+    for state in hopper_fwd._REDO.values():
+        state.zero_()

@@ -2046,7 +2046,7 @@ class GluonFwdPlan:
             if self.redo.compiled is None and thread is not None and thread.is_alive():
                 # Its kernel still compiling (a process's first calls of the plan): needed only if an item was
                 # flagged, which reading the count tells (a wait for the first pass, until the compile is done).
-                if not torch.cuda.is_current_stream_capturing() and not int(redo[0]):
+                if not _capturing() and not int(redo[0]):
                     return out, lse
                 thread.join()
             self.redo(stream, *args)
@@ -2179,8 +2179,9 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # Float8 P (FP8) takes LAZY_LIMIT_FP8, under its largest value 448.
     lazy = (SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
             and num_wg == 2)
-    # DEFER: bfloat16 calls with work enough for its redo pass's launch to pay (defer_pays).
-    plan.defer = bool(lazy) and q.dtype == torch.bfloat16 and defer_pays(
+    # DEFER: bfloat16 calls with work enough for its redo pass's launch to pay (defer_pays); SETTINGS.defer_check
+    # off keeps LAZY_MAX's check per block.
+    plan.defer = bool(lazy) and SETTINGS.defer_check and q.dtype == torch.bfloat16 and defer_pays(
         total_q if varlen else batch * seqlen_q, num_heads, seqlen_q, seqlen_k, head_dim + head_dim_v,
         req.mask_right)
     plan.n_tiles = n_tiles
@@ -2209,16 +2210,22 @@ def _fwd_plan(q, k, v, req, out_dtype):
     return plan
 
 
+def _capturing():
+    """Whether torch's current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _compile_aside(bound, args):
     """A thread that compiles and loads bound's kernel for args without launching it (_launch.compile_only), on
-    the current GPU; a failure is dropped (the launch then compiles, or raises, itself). Not a daemon: a process
+    the current GPU (none: the CPU tests' stand-in launches); a failure is dropped (the launch then compiles, or raises, itself). Not a daemon: a process
     that ends while it compiles waits for it (a daemon thread killed inside the compiler's C++ aborts the
     process)."""
-    device = torch.cuda.current_device()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def work():
         try:
-            torch.cuda.set_device(device)
+            if device is not None:
+                torch.cuda.set_device(device)
             with _launch.compile_only():
                 bound(None, *args)
         except Exception:  # noqa: BLE001 - see the docstring
