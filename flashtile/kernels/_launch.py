@@ -376,7 +376,7 @@ class Bound:
                 return compiled
         dynamic = self._described(dynamic)
         if self.background and compiled is None and dry():  # (dry: inside compile_only, which keeps _THREAD.pending)
-            self._compile_aside(dynamic + self.static)
+            _THREAD.pending.append(self._compile_aside(dynamic + self.static))
             return None
         if compiled is not None and stream is not None:
             grid = self.grid
@@ -424,10 +424,18 @@ class Bound:
         if compiled is not self.compiled:
             self.compiled, self.direct = compiled, None
 
+    def compile_aside(self, *dynamic):
+        """Start compiling this launch's kernel for these leading arguments without launching it: the thread
+        _compile_aside returns (a caller that needs the kernel joins it, or calls the launch, which then compiles
+        itself if the thread has not kept a kernel)."""
+        return self._compile_aside(self._described(dynamic) + self.static)
+
     def _compile_aside(self, args):
-        """compile_only's background compile of this launch (class docstring): a thread (named after this one, with
-        "/compile") that compiles, loads and keeps the kernel as the JIT path would, on the current GPU; a failure is
-        dropped (the real launch then compiles, or raises, itself)."""
+        """A started thread (named after this one, with "/compile") that compiles, loads and keeps the kernel as the
+        JIT path would, compile-only, on the current GPU (none: the CPU tests' stand-in launches); a failure is
+        dropped (the real launch then compiles, or raises, itself). Used by compile_only's background launches (class
+        docstring) and compile_aside. Not a daemon: a process that ends while it compiles waits for it (a daemon
+        thread killed inside the compiler's C++ aborts the process)."""
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def work():
@@ -441,6 +449,6 @@ class Bound:
             except Exception:  # noqa: BLE001 - see the docstring
                 pass
 
-        thread = threading.Thread(target=work, name=f"{threading.current_thread().name}/compile", daemon=True)
-        _THREAD.pending.append(thread)
+        thread = threading.Thread(target=work, name=f"{threading.current_thread().name}/compile", daemon=False)
         thread.start()
+        return thread

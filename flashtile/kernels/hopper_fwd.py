@@ -60,7 +60,6 @@ in Triton's interpreter, so this module only compiles on a Hopper GPU; importing
 # q, out: [B, Sq, H, D]; k, v: [B, Sk, Hk, D]; lse: [B, H, Sq] (fp32, natural log)
 import collections
 import functools
-import threading
 
 import torch
 import triton
@@ -164,8 +163,8 @@ LAZY_LIMIT_FP8 = tl.constexpr(256.0)
 # part whose row sum l passes DEFER_LIMIT at the item's end is flagged (_flag_redo); a second launch, the redo pass
 # (the kernel compiled with REDO), computes the flagged items again with the row maximum at every step
 # (_finish_step, _next_flagged). bfloat16 P has fp32's range, so only overflow matters: every P and l stay under
-# 2^64, O under 2^64 times V's largest value. The check's warpgroup barrier per block had cost 2-8% of the forward
-# (docs/design-record.md, "The forward's check at the item's end").
+# 2^64, O under 2^64 times V's largest value. The check's warpgroup barrier per block had cost 1-8% of the forward
+# (4-12% in a probe without the redo pass; docs/design-record.md, "The forward's check at the item's end").
 DEFER_LIMIT = tl.constexpr(18446744073709551616.0)
 # An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
 # every head. Items in the default order (a head's query tiles in turn) read each mask tile once per head from
@@ -1957,27 +1956,34 @@ def _meta(t):
 _COUNTERS = {}
 
 
-# DEFER's redo pass pays for itself from about this much work (FLOPs as the benchmarks count them): its launch
-# costs ~2-3 us of GPU time with nothing flagged (and host time), DEFER saves 4-12% of the forward.
+# DEFER's redo pass pays for itself from about this much work (FLOPs as the benchmarks count them, ~55 us of an H100
+# forward): its launch costs ~2-3 us of GPU time with nothing flagged (and host time), DEFER saves 1-8%.
 DEFER_MIN_FLOPS = 2 ** 35
 
 
-def defer_pays(rows, num_heads, seqlen_q, seqlen_k, head_dims, causal):
+def defer_pays(rows, num_heads, seqlen_q, seqlen_k, head_dims, causal, block_n):
     """Whether a bfloat16 forward under LAZY_MAX takes DEFER: rows query rows (all batch entries or sequences) of
-    num_heads heads, seqlen_q / seqlen_k the (longest) lengths, head_dims q's plus v's head dim; at least
-    DEFER_MIN_FLOPS of work, and rows that see more than one key block."""
+    num_heads heads, seqlen_q / seqlen_k the (longest) lengths, head_dims q's plus v's head dim, block_n keys per
+    block; at least DEFER_MIN_FLOPS of work, and rows that see more than one key block (with one there is no block
+    to defer the check of)."""
     keys = seqlen_k / 2 if causal and seqlen_q == seqlen_k else seqlen_k
-    return seqlen_k > min(BLOCK_NS.values()) and 2 * rows * num_heads * keys * head_dims >= DEFER_MIN_FLOPS
+    return seqlen_k > block_n and 2 * rows * num_heads * keys * head_dims >= DEFER_MIN_FLOPS
 
 
 _REDO = {}
+
+
+def _stream_key(device, stream):
+    """The key of the per-stream state of launches on device's stream (stream: _launch.stream_for's, None: torch's
+    current stream there): launches on one stream run in order, so their state may be shared."""
+    return device, stream if stream is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def _redo_state(device, stream, n_tiles):
     """DEFER's state for launches on device's stream (stream: _launch.stream_for's, None: torch's current stream
     there): int32 [count, done, a flag per item], at least 2 + n_tiles long, all zero between launches (the redo
     pass clears what the first pass set)."""
-    key = (device, stream if stream is not None else torch.cuda.current_stream(device).cuda_stream)
+    key = _stream_key(device, stream)
     state = _REDO.get(key)
     if state is None or state.numel() < 2 + n_tiles:
         size = max(2 + n_tiles, 2 * state.numel() if state is not None else 4096)
@@ -1988,7 +1994,7 @@ def _redo_state(device, stream, n_tiles):
 def _schedule_counter(device, stream):
     """The zeroed item counter of launches on device's stream (stream: _launch.stream_for's, None: torch's
     current stream there)."""
-    key = (device, stream if stream is not None else torch.cuda.current_stream(device).cuda_stream)
+    key = _stream_key(device, stream)
     counter = _COUNTERS.get(key)
     if counter is None:
         counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -2039,14 +2045,15 @@ class GluonFwdPlan:
             # Compiled aside, started once the first pass has compiled: a process's first call then compiles nothing
             # more on its way, as long as no item is flagged. (A new plan whose kernels an earlier plan compiled,
             # such as a varlen batch of another total length, finds it in the compile cache.)
-            self.redo_thread = _compile_aside(self.redo, args)
+            self.redo_thread = self.redo.compile_aside(*args)
         if self.defer:
             # The redo pass: the items the first one flagged (usually none: its programs then return at once).
             thread = self.redo_thread
             if self.redo.compiled is None and thread is not None and thread.is_alive():
                 # Its kernel still compiling (a process's first calls of the plan): needed only if an item was
                 # flagged, which reading the count tells (a wait for the first pass, until the compile is done).
-                if not _capturing() and not int(redo[0]):
+                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                if not capturing and not int(redo[0]):
                     return out, lse
                 thread.join()
             self.redo(stream, *args)
@@ -2183,7 +2190,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # off keeps LAZY_MAX's check per block.
     plan.defer = bool(lazy) and SETTINGS.defer_check and q.dtype == torch.bfloat16 and defer_pays(
         total_q if varlen else batch * seqlen_q, num_heads, seqlen_q, seqlen_k, head_dim + head_dim_v,
-        req.mask_right)
+        req.mask_right, block_n)
     plan.n_tiles = n_tiles
     qk_scale, pre_scale, mod_unit = mod_scalars(req.softmax_scale, req.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not req.softcap > 0)
@@ -2202,35 +2209,10 @@ def _fwd_plan(q, k, v, req, out_dtype):
         PAGE=page, PAD_D=tile_dv != head_dim_v, DEFER=plan.defer, REDO=False)
     grid = (min(n_tiles, _num_sms(q.device.index)), )
     plan.launch = _launch.Bound(_fwd_kernel, grid, (), constexprs, dict(num_warps=4), templates=dict(enumerate(descs)))
-    # DEFER's redo pass: the same kernel compiled with REDO (its own compile, started beside the first pass's).
+    # DEFER's redo pass: the same kernel compiled with REDO (its own compile, started aside once the first pass has
+    # launched: GluonFwdPlan.start).
     plan.redo = plan.redo_thread = None
     if plan.defer:
         plan.redo = _launch.Bound(_fwd_kernel, grid, (), dict(constexprs, REDO=True), dict(num_warps=4),
                                   templates=dict(enumerate(descs)))
     return plan
-
-
-def _capturing():
-    """Whether torch's current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _compile_aside(bound, args):
-    """A thread that compiles and loads bound's kernel for args without launching it (_launch.compile_only), on
-    the current GPU (none: the CPU tests' stand-in launches); a failure is dropped (the launch then compiles, or raises, itself). Not a daemon: a process
-    that ends while it compiles waits for it (a daemon thread killed inside the compiler's C++ aborts the
-    process)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-
-    def work():
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            with _launch.compile_only():
-                bound(None, *args)
-        except Exception:  # noqa: BLE001 - see the docstring
-            pass
-
-    thread = threading.Thread(target=work, name=f"{threading.current_thread().name}/redo", daemon=False)
-    thread.start()
-    return thread
