@@ -43,6 +43,8 @@ SHAPES = [
     (2, 2100, 1900, 16, 8, 64, False, torch.float16),
     # Plain d64 rows that fill three warpgroups' 192-row tiles poorly take two (hopper_fwd.three_warpgroups_fill).
     (2, 1000, 1100, 8, 2, 64, False, torch.bfloat16),
+    # and so does a plain bfloat16 d64 call that defers its check (hopper_fwd.defer_pays: 2^35 FLOPs or more).
+    (1, 4096, 4100, 8, 2, 64, False, torch.bfloat16),
     # Head dims 96, 192 and 256 take the Gluon forward (d96 on d128's tiles and d192's V on d256's, zero-filled past the
     # head dim; d256 with 64-row key blocks) and the Gluon backward (d96 on d128's tiles, d192 on d256's).
     (2, 1000, 1100, 4, 2, 96, True, torch.bfloat16),

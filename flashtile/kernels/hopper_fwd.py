@@ -2127,10 +2127,24 @@ def _fwd_plan(q, k, v, req, out_dtype):
     left_offset = diagonal_offset - req.window_left if req.mask_left else 0
     bias_kind = feats.bias_kind
     num_wg, qbuf, dynamic = CONFIGS[(tile_d, req.banded)]
+    # LAZY_MAX: not with an attn_mask (a redone block would need its tile again) or a left window (a row may see
+    # its first key in a later block, and needs that block's maximum as its reference), nor on three warpgroups
+    # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
+    # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
+    # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
+    # Float8 P (FP8) takes LAZY_LIMIT_FP8, under its largest value 448.
+    lazy = SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
+    # DEFER: bfloat16 calls with work enough for its redo pass's launch to pay (defer_pays); SETTINGS.defer_check
+    # off keeps LAZY_MAX's check per block.
+    defer = bool(lazy) and SETTINGS.defer_check and q.dtype == torch.bfloat16 and defer_pays(
+        total_q if varlen else batch * seqlen_q, num_heads, seqlen_q, seqlen_k, head_dim + head_dim_v,
+        req.mask_right, block_n)
     # Three warpgroups give way to the causal configuration's two where the rows fill their 192-row tiles poorly
     # (three_warpgroups_fill), and with a softcap, ALiBi, an attn_mask or dropout: at 160 registers each a softcap
-    # or ALiBi spills there (17-24 stores offline), two warpgroups do not.
-    if num_wg == 3 and ((not varlen and not three_warpgroups_fill(seqlen_q)) or req.softcap > 0
+    # or ALiBi spills there (17-24 stores offline), two warpgroups do not. And where the call takes DEFER: two
+    # warpgroups with it ran 1.05-1.08x three at d64 (full, 2k-16k; three with DEFER, 1.01-1.04x) (H100;
+    # docs/design-record.md, "Two warpgroups where the forward defers its check").
+    if num_wg == 3 and (defer or (not varlen and not three_warpgroups_fill(seqlen_q)) or req.softcap > 0
                         or req.alibi_slopes is not None or bias_kind or req.dropout_p > 0):
         num_wg, qbuf, dynamic = CONFIGS[(tile_d, True)]
     if req.softcap > 0:
@@ -2178,19 +2192,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     plan.dynamic = dynamic
     n_tiles = n_m * batch * num_heads if not varlen else n_m * num_heads
     head_group = min(HEAD_GROUP, num_heads) if bias_kind == BIAS_FLOAT and not bias_mul_h and not varlen else 1
-    # LAZY_MAX: not with an attn_mask (a redone block would need its tile again) or a left window (a row may see
-    # its first key in a later block, and needs that block's maximum as its reference), nor on three warpgroups
-    # (their 160 registers spill ~90 stores with it, and plain d64 ran 5% slower), nor with ALiBi: its scores rise
-    # toward the diagonal by design, past the first block's maximum in every later block, and each redone block
-    # costs a second Q K^T (the forward measured +59% over plain instead of +22%).
-    # Float8 P (FP8) takes LAZY_LIMIT_FP8, under its largest value 448.
-    lazy = (SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
-            and num_wg == 2)
-    # DEFER: bfloat16 calls with work enough for its redo pass's launch to pay (defer_pays); SETTINGS.defer_check
-    # off keeps LAZY_MAX's check per block.
-    plan.defer = bool(lazy) and SETTINGS.defer_check and q.dtype == torch.bfloat16 and defer_pays(
-        total_q if varlen else batch * seqlen_q, num_heads, seqlen_q, seqlen_k, head_dim + head_dim_v,
-        req.mask_right, block_n)
+    lazy = lazy and num_wg == 2
+    plan.defer = defer and lazy
     plan.n_tiles = n_tiles
     qk_scale, pre_scale, mod_unit = mod_scalars(req.softmax_scale, req.softcap,
                                                 scaled_q=bias_kind == BIAS_FLOAT and not req.softcap > 0)
