@@ -135,3 +135,14 @@ def wait():
         _PENDING.clear()
     for helper in helpers:
         helper.join()
+
+
+def wait_for_compiles():
+    """Wait for every compile this process runs in the background: the backward's helpers (start) and the kernels
+    compiled aside (kernels/_launch.Bound.compile_aside: the redo pass of a forward that defers its check, which
+    compiles after the call's first launch). A call timed while one runs is timed with the compile's host load:
+    the first pass of a deferring forward whose redo kernel is still compiling also reads its count, a wait for the
+    GPU (kernels/hopper_fwd.GluonFwdPlan.start). The benchmarks call it after a provider's first call."""
+    from .kernels import _launch
+    wait()
+    _launch.join_aside()

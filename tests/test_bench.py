@@ -292,6 +292,34 @@ def test_run_suite_rounds_alternate_and_report_medians():
     assert bench.main(["--rounds", "0"]) == 2
 
 
+def test_run_suite_settles_each_provider_before_timing_it():
+    """A provider's settle (flashtile's: _ahead.wait_for_compiles, the compiles its first call left in threads)
+    runs after its first call (the check) and before any timing of it, each round."""
+    events = []
+
+    def prepare(q, k, v, causal, scale):
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+        def fwd():
+            events.append("call")
+            return _good(q, k, v, causal, scale)
+        return Prepared(fwd, (q, k, v), settle=lambda: events.append("settle"))
+
+    class Timer(_FakeTimer):
+        def __call__(self, fn, grad_to_none=None):
+            events.append("time")
+            return super().__call__(fn, grad_to_none)
+
+    reg = {"flashtile": Provider("flashtile", "", lambda: None, prepare)}
+    bench.run_suite([Shape(1, 48, 48, 2, 2, 32, False)], ("fwd",), device="cpu", timer=Timer(), registry=reg,
+                    rounds=2)
+    assert events == ["call", "settle", "time", "call", "call"] * 2
+    from flashtile._ahead import wait_for_compiles
+    q = torch.zeros(1, 8, 1, 16)
+    for name in ("flashtile", "flashtile-triton"):
+        assert PROVIDERS[name].prepare(q, q, q, False, 0.25).settle is wait_for_compiles
+
+
 def _nan_in_unsampled_row(q, k, v, causal, scale):
     out = _good(q, k, v, causal, scale).clone()
     out[:, 1] = float("nan")      # row 1 of 200 is not among the 64 sampled rows

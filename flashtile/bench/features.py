@@ -47,7 +47,11 @@ def _graph_time(fn):
 
 def _paired(fn, base_fn):
     """(median of fn's times, median of base_fn's) over ROUNDS alternations: adjacent in time, so both see the
-    same clock."""
+    same clock. Each runs once first, and the compiles the first calls left in the background finish, before any
+    timing (_ahead.wait_for_compiles)."""
+    from .._ahead import wait_for_compiles
+    base_fn(), fn()
+    wait_for_compiles()
     times, base_times = [], []
     for _ in range(ROUNDS):
         base_times.append(_time(base_fn, rep=200))

@@ -108,6 +108,8 @@ def measure(seqlens, rounds):
     """Rows {seqlen, batch, causal, provider, tflops, rounds, max_abs_diff, status} of every shape and provider."""
     import triton
 
+    from .._ahead import wait_for_compiles
+
     rows = []
     for seqlen in seqlens:
         for causal in (False, True):
@@ -115,6 +117,7 @@ def measure(seqlens, rounds):
             batch = max(1, TOTAL_TOKENS // seqlen)
             n = flops(batch, HEADS, seqlen, seqlen, HEAD_DIM, causal, "fwd")
             diffs, status = check(fns, to_bshd, inputs, seqlen, causal)
+            wait_for_compiles()  # (what the first calls left compiling in the background)
             times = {name: [] for name in fns}
             names = list(fns)
             for r in range(rounds):

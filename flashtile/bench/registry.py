@@ -91,6 +91,7 @@ class Prepared:
     inputs: tuple[torch.Tensor, ...]             # the provider's leaves (require grad): grads reset between runs
     to_bshd: Callable[[torch.Tensor], torch.Tensor] = lambda o: o
     context: Callable[[], ContextManager] = contextlib.nullcontext   # entered around the check and the timing
+    settle: Callable[[], None] = lambda: None    # after the first call: waits for work it left in the background
 
 
 @dataclass
@@ -154,8 +155,11 @@ def _flashtile_available() -> str | None:
 def _flashtile_prepare(q, k, v, causal, scale) -> Prepared:
     import flashtile
 
+    from flashtile._ahead import wait_for_compiles
+
     q, k, v = _leaf(q), _leaf(k), _leaf(v)
-    return Prepared(lambda: flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal), (q, k, v))
+    return Prepared(lambda: flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal), (q, k, v),
+                    settle=wait_for_compiles)
 
 
 @contextlib.contextmanager
@@ -178,7 +182,8 @@ def _flashtile_portable_prepare(q, k, v, causal, scale) -> Prepared:
     def fwd():
         with _gluon_forward_off():
             return flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=True)
-    return Prepared(fwd, (q, k, v))
+    from flashtile._ahead import wait_for_compiles
+    return Prepared(fwd, (q, k, v), settle=wait_for_compiles)
 
 
 # torch SDPA (cuDNN and FlashAttention-2 backends) ---------------------------------------------------------------

@@ -282,6 +282,7 @@ def _run_provider(provider: Provider, shape: Shape, q, k, v, ref, rows, modes, m
                 out = prepared.fwd()
                 diff = max_abs_diff(prepared.to_bshd(out), ref, rows, (*q.shape[:-1], v.shape[-1]))
                 del out
+                prepared.settle()  # (flashtile: the compiles its first call left running in threads)
             except Exception as exc:
                 return [row(m, "error", detail=f"forward: {_error_text(exc)}") for m in modes]
             status = "ok" if diff <= atol else "wrong"

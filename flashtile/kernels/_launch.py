@@ -37,6 +37,9 @@ _COMPILED: dict = {}
 
 # Per thread: whether launches only compile (compile_only).
 _THREAD = threading.local()
+# Threads Bound.compile_aside started that no one has joined through join_aside yet.
+_ASIDE = []
+_ASIDE_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -60,6 +63,17 @@ def compile_only():
 def dry():
     """Whether this thread's launches only compile (compile_only)."""
     return getattr(_THREAD, "dry", False)
+
+
+def join_aside():
+    """Wait for the compiles Bound.compile_aside started (flashtile/_ahead.wait_for_compiles)."""
+    while True:
+        with _ASIDE_LOCK:
+            threads, _ASIDE[:] = list(_ASIDE), []
+        if not threads:
+            return
+        for thread in threads:
+            thread.join()
 
 
 def _hook_set(hook):
@@ -428,7 +442,10 @@ class Bound:
         """Start compiling this launch's kernel for these leading arguments without launching it: the thread
         _compile_aside returns (a caller that needs the kernel joins it, or calls the launch, which then compiles
         itself if the thread has not kept a kernel)."""
-        return self._compile_aside(self._described(dynamic) + self.static)
+        thread = self._compile_aside(self._described(dynamic) + self.static)
+        with _ASIDE_LOCK:
+            _ASIDE[:] = [t for t in _ASIDE if t.is_alive()] + [thread]
+        return thread
 
     def _compile_aside(self, args):
         """A started thread (named after this one, with "/compile") that compiles, loads and keeps the kernel as the
