@@ -572,10 +572,9 @@ def test_deferred_check_redoes_flagged_items(monkeypatch, poison, d, causal, var
     assert state_is_zero()
 
 
-def test_deferred_check_is_not_for_float16(monkeypatch):
-    """DEFER leans on bfloat16 P keeping fp32's range (float8's range is checked per block at the item's end,
-    tests/test_fp8.py): float16 (P under 65504) keeps LAZY_MAX's check per block, and small calls (DEFER_MIN_FLOPS)
-    skip the redo pass's launch."""
+def test_deferred_check_is_bfloat16_only(monkeypatch):
+    """DEFER leans on bfloat16 P keeping fp32's range: float16 (P under 65504) and float8 keep LAZY_MAX's check
+    per block, and small calls (DEFER_MIN_FLOPS) skip the redo pass's launch."""
     monkeypatch.setattr(dispatch, "_PLANS", {})
     for dtype, sq, expect in ((torch.bfloat16, 4096, True), (torch.float16, 4096, False), (torch.bfloat16, 256, False)):
         q, k, v = make_qkv(1, sq, sq, 8, 8, 128, dtype, device=DEVICE, seed=sq, grad=False)

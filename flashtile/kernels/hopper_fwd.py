@@ -166,9 +166,6 @@ LAZY_LIMIT_FP8 = tl.constexpr(256.0)
 # 2^64, O under 2^64 times V's largest value. The check's warpgroup barrier per block had cost 1-8% of the forward
 # (4-12% in a probe without the redo pass; docs/design-record.md, "The forward's check at the item's end").
 DEFER_LIMIT = tl.constexpr(18446744073709551616.0)
-# The inputs DEFER takes. Float8 too (FP8): there P saturates at 448, so a block whose row sum passes LAZY_LIMIT_FP8
-# makes the row's sum inf, and the item's end flags it as it flags an overflow (_finish_step).
-DEFER_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # An attn_mask shared by the heads ((B|1, 1, Sq, Sk), the usual shape of a padding or causal float mask) is read by
 # every head. Items in the default order (a head's query tiles in turn) read each mask tile once per head from
 # memory: 16 heads at 16k stream 8.6 GB for a 0.5 GB mask. HEAD_GROUP heads are then interleaved (_tile_coords), so
@@ -1107,10 +1104,6 @@ if AVAILABLE:
             else:
                 # Against the rows' reference, unchecked: the item's end flags a part whose sum left range.
                 p, l_blk = _lazy_exp(cfg, mods, rows, s, m_i, blk * cfg.BLOCK_N, mask)
-                if cfg.FP8:
-                    # Float8 P saturates at 448: a block whose row sum (a bound of each of its P) passed
-                    # LAZY_LIMIT_FP8 makes the row's sum inf, which flags the item at its end.
-                    l_blk = gl.where(l_blk > LAZY_LIMIT_FP8, float("inf"), l_blk)
                 l_i = l_i + l_blk
                 alpha = alpha_prev  # not read: DEFER's first pass never rescales
                 if cfg.V_SPLIT:
@@ -1638,7 +1631,7 @@ if AVAILABLE:
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
         gl.static_assert(PAGE == 0 or (VARLEN and (PAGE % BLOCK_N == 0 or BLOCK_N % PAGE == 0)))
         gl.static_assert(not LAZY or (BIAS == 0 and not MASK_LEFT and not HAS_ALIBI and NUM_WG == 2))
-        gl.static_assert(not DEFER or (LAZY and (q_desc.dtype == gl.bfloat16 or q_desc.dtype.primitive_bitwidth == 8)))
+        gl.static_assert(not DEFER or (LAZY and q_desc.dtype == gl.bfloat16))
         gl.static_assert(not REDO or DEFER)
         gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM or (BIAS == 0 and q_desc.dtype.primitive_bitwidth > 8))
         cfg = FwdConfig(HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, MASK_LEFT, SOFTCAP, HAS_ALIBI,
@@ -2143,7 +2136,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
     lazy = SETTINGS.lazy_max and not bias_kind and not req.mask_left and req.alibi_slopes is None
     # DEFER: bfloat16 calls with work enough for its redo pass's launch to pay (defer_pays); SETTINGS.defer_check
     # off keeps LAZY_MAX's check per block.
-    defer = bool(lazy) and SETTINGS.defer_check and q.dtype in DEFER_DTYPES and defer_pays(
+    defer = bool(lazy) and SETTINGS.defer_check and q.dtype == torch.bfloat16 and defer_pays(
         total_q if varlen else batch * seqlen_q, num_heads, seqlen_q, seqlen_k, head_dim + head_dim_v,
         req.mask_right, block_n)
     # Three warpgroups give way to the causal configuration's two where the rows fill their 192-row tiles poorly
