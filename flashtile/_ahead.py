@@ -138,11 +138,14 @@ def wait():
 
 
 def wait_for_compiles():
-    """Wait for every compile this process runs in the background: the backward's helpers (start) and the kernels
-    compiled aside (kernels/_launch.Bound.compile_aside: the redo pass of a forward that defers its check, which
-    compiles after the call's first launch). A call timed while one runs is timed with the compile's host load:
-    the first pass of a deferring forward whose redo kernel is still compiling also reads its count, a wait for the
-    GPU (kernels/hopper_fwd.GluonFwdPlan.start). The benchmarks call it after a provider's first call."""
+    """Wait for the kernels flashtile compiles in background threads.
+
+    A process's first call of a new kind of call can leave compiles running after it returns: the backward's
+    kernels, compiled ahead while the forward compiles (`FLASHTILE_COMPILE_AHEAD=0` turns that off), and the redo
+    pass of a bfloat16 forward that checks its range at each item's end (`FLASHTILE_DEFER_CHECK=0`), which compiles
+    after the first call's launch. Until the redo kernel is ready, each such forward waits for the GPU once, and
+    the compile's threads take host time from the calls: time a model's steps after this returns (the benchmarks
+    call it after each provider's first call). CUDA-graph capture waits for the compile by itself."""
     from .kernels import _launch
     wait()
     _launch.join_aside()
