@@ -106,9 +106,10 @@ def memory(path, results, heads=16, head_dim=128):
 
 
 def _newest_suite(results):
-    """The suite results file with peers whose run is the newest (by the date it records), its data and rows."""
+    """The suite (or matrix) results file with peers whose run is the newest (by the date it records), its data and
+    rows."""
     found = []
-    for file in Path(results).glob("*suite*.json"):
+    for file in [f for pattern in ("*suite*.json", "*matrix*.json") for f in Path(results).glob(pattern)]:
         data = json.loads(file.read_text())
         rows = [r for r in data.get("results", []) if r.get("status") == "ok" and r.get("tflops")]
         if len({r["provider"] for r in rows}) > 1:
