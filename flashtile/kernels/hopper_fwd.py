@@ -16,8 +16,9 @@ busy with both the matrix multiplies and the softmax. This kernel fixes the sche
   alone and computes its softmax while ``P_{j-1} V_{j-1}`` is still on the tensor cores. Three (192-row tiles,
   160 registers each) at plain d64, where the softmax costs as much as the two products and a third warpgroup
   fills the gaps the other two leave (but where Sq leaves a head's last 192-row tile mostly empty:
-  ``three_warpgroups_fill``); a warpgroup whose rows all lie past Sq only follows the ring, and so does one
-  through the key blocks a causal band hides from all its rows (``TAIL``: 64-key blocks, d192 and d256);
+  ``three_warpgroups_fill``, and where the call takes ``DEFER``, below, which runs on two); a warpgroup whose rows
+  all lie past Sq only follows the ring, and so does one through the key blocks a causal band hides from all its
+  rows (``TAIL``: 64-key blocks, d192 and d256);
 * on two warpgroups without an attn_mask, a left window or ALiBi, a step after a work item's first takes no row maximum
   and does not rescale O (``LAZY_MAX``): its exponentials are taken against the reference the rows already have,
   which the online softmax allows for any reference (docs/derivation.md ch. 3) as long as P keeps its range. The
@@ -112,7 +113,8 @@ CHUNKED_TILES = {(192, 128): (128, 2)}
 # they store O from registers in 64-column chunks through a layout conversion, 8 KB of scratch per warpgroup
 # (FwdConfig.CHUNK_O, _store_o; _smem_plan counts the scratch).
 CHUNK_O_MIN_DIM = 192
-# (head_dim, causal) -> (consumer warpgroups NUM_WG, query buffers QBUF, dynamic schedule DYNAMIC). Same H200 run,
+# (head_dim, causal) -> (consumer warpgroups NUM_WG, query buffers QBUF, dynamic schedule DYNAMIC); plain d64 takes
+# the causal configuration where its tiles fill poorly or it defers its check (_fwd_plan). Same H200 run,
 # TFLOP/s at S4k / S16k against the previous kernel (2 warpgroups, 1 buffer, causal one program per tile):
 # plain d64 477 / 492 vs 441 / 446; causal d64 412 / 441 vs 386 / 444 (3 warpgroups there: 388 / 449);
 # causal d128 553 / 627 vs 528 / 611; plain d128 626 / 638 vs 624 / 642 (2 buffers: +1-2% in two other runs).
