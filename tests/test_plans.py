@@ -650,3 +650,20 @@ def test_defer_call_waits_for_the_redo_compile_only_when_flagged(monkeypatch):
             assert not plan.redo_thread.is_alive() and plan.redo.compiled is not None
     for state in hopper_fwd._REDO.values():
         state.zero_()
+
+
+def test_grown_redo_state_stays_allocated(monkeypatch):
+    """DEFER's redo state per stream grows for a plan with more items than it holds; the state it replaces stays
+    allocated (a CUDA graph captured over it still launches at its address), and the new one starts zeroed."""
+    from flashtile.kernels import hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "_REDO", {})
+    monkeypatch.setattr(hopper_fwd, "_REDO_RETIRED", [])
+    small = hopper_fwd._redo_state("cpu", 7, 10)
+    assert hopper_fwd._redo_state("cpu", 7, 100) is small  # (room enough: the same state)
+    small_ref = weakref.ref(small)
+    del small
+    grown = hopper_fwd._redo_state("cpu", 7, 5000)
+    gc.collect()
+    assert small_ref() is not None and small_ref() is not grown
+    assert grown.numel() >= 5002 and int(grown.count_nonzero()) == 0
+    assert hopper_fwd._redo_state("cpu", 8, 10) is not grown  # (another stream, its own state)

@@ -155,11 +155,9 @@ def _flashtile_available() -> str | None:
 def _flashtile_prepare(q, k, v, causal, scale) -> Prepared:
     import flashtile
 
-    from flashtile._ahead import wait_for_compiles
-
     q, k, v = _leaf(q), _leaf(k), _leaf(v)
     return Prepared(lambda: flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal), (q, k, v),
-                    settle=wait_for_compiles)
+                    settle=flashtile.wait_for_compiles)
 
 
 @contextlib.contextmanager
@@ -182,8 +180,7 @@ def _flashtile_portable_prepare(q, k, v, causal, scale) -> Prepared:
     def fwd():
         with _gluon_forward_off():
             return flashtile.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=True)
-    from flashtile._ahead import wait_for_compiles
-    return Prepared(fwd, (q, k, v), settle=wait_for_compiles)
+    return Prepared(fwd, (q, k, v), settle=flashtile.wait_for_compiles)
 
 
 # torch SDPA (cuDNN and FlashAttention-2 backends) ---------------------------------------------------------------

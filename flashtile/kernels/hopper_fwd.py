@@ -1972,7 +1972,10 @@ def defer_pays(rows, num_heads, seqlen_q, seqlen_k, head_dims, causal, block_n):
     return seqlen_k > block_n and 2 * rows * num_heads * keys * head_dims >= DEFER_MIN_FLOPS
 
 
+# DEFER's redo state per (device, stream) (_redo_state). A state a larger one replaced is kept for the process's
+# life: a CUDA graph captured over it launches at its address, and freed memory would be another tensor's by then.
 _REDO = {}
+_REDO_RETIRED = []
 
 
 def _stream_key(device, stream):
@@ -1988,7 +1991,10 @@ def _redo_state(device, stream, n_tiles):
     key = _stream_key(device, stream)
     state = _REDO.get(key)
     if state is None or state.numel() < 2 + n_tiles:
+        # (Doubling, from 16 KB: few replacements, each kept in _REDO_RETIRED.)
         size = max(2 + n_tiles, 2 * state.numel() if state is not None else 4096)
+        if state is not None:
+            _REDO_RETIRED.append(state)
         state = _REDO[key] = torch.zeros(size, dtype=torch.int32, device=device)
     return state
 
