@@ -123,6 +123,12 @@ def start(q, k, v, req, bias_requires_grad):
     helper.start()
 
 
+def pending():
+    """The helpers started and not joined yet (a snapshot)."""
+    with _LOCK:
+        return list(_PENDING)
+
+
 def wait():
     """Join the helpers started so far (the backward calls it first; a helper's own backward does not)."""
     if not _PENDING:
@@ -143,9 +149,10 @@ def wait_for_compiles():
     A process's first call of a new kind of call can leave compiles running after it returns: the backward's
     kernels, compiled ahead while the forward compiles (`FLASHTILE_COMPILE_AHEAD=0` turns that off), and the redo
     pass of a bfloat16 forward that checks its range at each item's end (`FLASHTILE_DEFER_CHECK=0`), which compiles
-    after the first call's launch. Until the redo kernel is ready, each such forward waits for the GPU once, and
-    the compile's threads take host time from the calls: time a model's steps after this returns (the benchmarks
-    call it after each provider's first call). CUDA-graph capture waits for the compile by itself."""
+    after the first call's launch, once those backward kernels have compiled. Until the redo kernel is ready, each
+    such forward waits for the GPU once, and the compile's threads take host time from the calls: time a model's
+    steps after this returns (the benchmarks call it after each provider's first call). CUDA-graph capture waits for
+    the compile by itself."""
     from .kernels import _launch
     wait()
     _launch.join_aside()

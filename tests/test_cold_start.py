@@ -68,6 +68,85 @@ def test_background_launches_compile_aside_and_the_block_waits(monkeypatch):
     assert torch.equal(x, torch.full((40,), 3.0))
 
 
+def test_compile_aside_after_waits_for_those_threads(monkeypatch):
+    """compile_aside(after=threads) starts compiling only once those threads have ended (the forward's redo compile
+    waits for the backward's compile-ahead helpers)."""
+    order = []
+
+    def jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
+        order.append("compile")
+        return None, None
+
+    def helper():
+        time.sleep(0.3)
+        order.append("helper")
+
+    other = threading.Thread(target=helper)
+    other.start()
+    monkeypatch.setattr(_launch, "_jit_launch", jit_launch)
+    bound = _launch.Bound(_fill_kernel, (1,), (40, 3.0), {"BLOCK": 64}, {})
+    thread = bound.compile_aside(torch.zeros(40), after=[other])
+    _launch.join_aside()
+    assert not thread.is_alive() and order == ["helper", "compile"]
+
+
+class _Src:
+    """A stand-in of Triton's ASTSource: what a launcher is made from."""
+    def __init__(self):
+        self.fn = type("Fn", (), {"arg_names": ["desc", "n", "BLOCK"]})()
+        self.signature = {"desc": "tensordesc<bf16[64, 64],shared>", "n": "i32", "BLOCK": "constexpr"}
+        self.constants = {"BLOCK": 64}
+
+
+def test_launcher_builds_while_the_kernel_compiles(monkeypatch):
+    """Where Triton builds a C launcher per kernel (3.6), a kernel's first compile first starts the launcher's build
+    in a thread of its own, from the source's signature and constants with its descriptors taken as TMA ones, then
+    compiles; a kernel is wrapped once (after Triton has made the device's caches, which set its compile), and not
+    at all where Triton builds no launchers. A failing guess leaves the compile alone."""
+    from triton.backends.nvidia import driver
+    made, built, compiled = [], [], []
+    monkeypatch.setattr(driver, "make_launcher", lambda *a: made.append(a) or "launcher source", raising=False)
+
+    def build(src, name, **kwargs):
+        time.sleep(0.2)
+        built.append((src, name, threading.current_thread().name))
+    monkeypatch.setattr(driver, "compile_module_from_src", build, raising=False)
+    for name, value in (("library_dirs", lambda: []), ("include_dirs", []), ("libraries", [])):
+        monkeypatch.setattr(driver, name, value, raising=False)
+
+    def compile_fn(src, target=None, options=None):
+        compiled.append((src, target, list(made), list(built)))
+        return "kernel"
+    kernel = type("Kernel", (), {})()
+
+    class Caches(dict):
+        def __missing__(self, device):  # Triton's create_binder sets the kernel's compile
+            kernel.compile = compile_fn
+            self[device] = "caches"
+            return "caches"
+    kernel.device_caches = Caches()
+    kernel.compile = compile_fn
+    monkeypatch.setattr(_launch, "_builds_launchers", lambda: False)
+    _launch._LauncherAhead.wrap(kernel)
+    assert kernel.compile is compile_fn
+    monkeypatch.setattr(_launch, "_builds_launchers", lambda: True)
+    _launch._LauncherAhead.wrap(kernel)
+    wrapped = kernel.compile
+    _launch._LauncherAhead.wrap(kernel)
+    assert kernel.compile is wrapped and wrapped.compile is compile_fn
+    src = _Src()
+    kernel.device_caches[_launch._device()]  # (what the JIT's run does before it compiles)
+    assert kernel.compile(src, target="sm90") == "kernel"
+    # The launcher was made before the compile, and builds beside it.
+    assert compiled == [(src, "sm90", [({(2, ): 64}, src.signature, [{}])], [])]
+    deadline = time.time() + 5
+    while not built and time.time() < deadline:
+        time.sleep(0.01)
+    assert built == [("launcher source", "__triton_launcher", f"{threading.current_thread().name}/launcher")]
+    monkeypatch.setattr(driver, "make_launcher", lambda *a: 1 / 0, raising=False)
+    assert kernel.compile(src, target="sm90") == "kernel"
+
+
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_prepare_leaves_the_backward_plan(causal):
     q, k, v = make_qkv(2, 37, 45, 4, 2, 32, torch.float16, seed=3, grad=False)

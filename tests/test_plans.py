@@ -615,8 +615,11 @@ def test_gluon_forward_defers_its_check_for_bfloat16():
 def test_defer_call_waits_for_the_redo_compile_only_when_flagged(monkeypatch):
     """A DEFER plan's first calls while its redo kernel still compiles aside: with nothing flagged (the count the
     first pass left is 0) the call returns without waiting for the compile and launches no redo pass; with an item
-    flagged it waits for the compile and launches the pass. Launches stubbed, the redo compile slowed."""
+    flagged it waits for the compile and launches the pass. The compile starts only once the backward's
+    compile-ahead helpers have ended (a stand-in helper here). Launches stubbed, the redo compile slowed."""
+    import threading
     import time
+    from flashtile import _ahead
     from flashtile._ahead import wait_for_compiles
     from flashtile.bench.host import _as_on_hopper, _settings
     from flashtile.kernels import _common, hopper_fwd
@@ -624,11 +627,17 @@ def test_defer_call_waits_for_the_redo_compile_only_when_flagged(monkeypatch):
     with fast_launch_on_cpu(execute=False), _as_on_hopper(), _settings(_common, "INTERPRETING", False), \
             monkeypatch.context() as patch:
         jit = _launch._jit_launch
+        times = {}
 
         def slow_redo(kernel, grid, args, constexprs, options, key=None, stream=None):
             if constexprs.get("REDO"):
+                times["redo"] = time.perf_counter()
                 time.sleep(0.6)
             return jit(kernel, grid, args, constexprs, options, key, stream)
+
+        def helper():
+            time.sleep(0.2)
+            times["helper"] = time.perf_counter()
 
         patch.setattr(_launch, "_jit_launch", slow_redo)
         for flagged in (0, 1):
@@ -636,6 +645,9 @@ def test_defer_call_waits_for_the_redo_compile_only_when_flagged(monkeypatch):
             _launch._COMPILED.clear()
             for state in hopper_fwd._REDO.values():
                 state[0] = flagged  # what the first pass (not run here) would have left
+            pending = threading.Thread(target=helper)
+            pending.start()
+            patch.setattr(_ahead, "_PENDING", [pending])
             start = time.perf_counter()
             flashtile.flash_attn_func(q, k, v, causal=True)
             took = time.perf_counter() - start
@@ -648,6 +660,7 @@ def test_defer_call_waits_for_the_redo_compile_only_when_flagged(monkeypatch):
                 assert took < 0.5 and plan.redo.compiled is None and plan.redo.direct is None
             wait_for_compiles()  # (what the benchmarks wait for before timing) joins the compile aside
             assert not plan.redo_thread.is_alive() and plan.redo.compiled is not None
+            assert times["redo"] >= times["helper"], "the redo compile started beside a compile-ahead helper"
     for state in hopper_fwd._REDO.values():
         state.zero_()
 

@@ -11,7 +11,8 @@ tensor on the GPU: the inputs), torch's own first autograd.grad on a tiny tensor
 where the installed packages have no cached bytecode: torch's cost, timed apart), the first causal forward+backward
 at B4 S4096 H16 d128 bf16 (synchronised), and a second such call. It also records what Triton compiled or loaded
 during the first call (triton.knobs.compilation.listener: each kernel's name, cache hit, thread, and compile time by
-stage) and the time spent building launchers (triton.runtime.build.compile_module_from_src). The issue's bars:
+stage) and the time spent building launchers (triton.runtime.build.compile_module_from_src), with a timeline of
+the first call (each compile's and build's thread, start and end; the log prints the cold runs'). The issue's bars:
 first call at most 5 s cold and 0.3 s warm; `import flashtile` at most 0.3 s on top of `import torch`. Writes
 <date>-<gpu>-cold.json to --out.
 
@@ -52,20 +53,29 @@ t2 = time.perf_counter()
 import triton
 from triton.runtime import build
 
-events, builds = [], []
+events, builds, timeline = [], [], []
+started = [None]  # the first call's start
 def listener(*, src, metadata, metadata_group, times, cache_hit):
     name = getattr(getattr(src, "fn", None), "__name__", None) or str(getattr(src, "name", "?"))
     events.append(dict(kernel=name, cache_hit=bool(cache_hit), total_s=times.total / 1e6,
                        thread=threading.current_thread().name,
                        stages={k: v / 1e6 for k, v in times.lowering_stages}))
+    if started[0] is not None:
+        end = time.perf_counter() - started[0]
+        timeline.append(dict(what="compile " + name, thread=threading.current_thread().name,
+                             start_s=end - times.total / 1e6, end_s=end))
 triton.knobs.compilation.listener = listener
 compile_src = build.compile_module_from_src
-def timed_build(*args, **kwargs):
+def timed_build(src, name, *args, **kwargs):
     start = time.perf_counter()
     try:
-        return compile_src(*args, **kwargs)
+        return compile_src(src, name, *args, **kwargs)
     finally:
-        builds.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        builds.append(end - start)
+        if started[0] is not None:
+            timeline.append(dict(what="build " + name, thread=threading.current_thread().name,
+                                 start_s=start - started[0], end_s=end - started[0]))
 build.compile_module_from_src = timed_build
 import triton.backends.nvidia.driver as driver
 driver.compile_module_from_src = timed_build
@@ -88,14 +98,18 @@ def call():
     torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
 
+started[0] = time.perf_counter()
 call()
 t4 = time.perf_counter()
 first = list(events)
+timeline.append(dict(what="first call", thread="MainThread", start_s=0.0, end_s=t4 - started[0]))
+first_timeline = sorted(timeline, key=lambda e: e["start_s"])
 call()
 t5 = time.perf_counter()
 print(json.dumps(dict(import_torch_s=t1 - t0, import_flashtile_s=t2 - t1, cuda_start_s=t3 - t2,
                       torch_first_grad_s=t3b - t3, first_call_s=t4 - t3b,
-                      second_call_s=t5 - t4, compiled=first, launcher_builds_s=builds)))
+                      second_call_s=t5 - t4, compiled=first, launcher_builds_s=builds,
+                      timeline=first_timeline)))
 """.replace("SHAPE", repr(SHAPE))
 
 
@@ -122,6 +136,12 @@ def summary(row):
             f"{sum(row['launcher_builds_s']):.2f} s); second call {row['second_call_s']:.3f} s")
 
 
+def timeline(row):
+    """The cold first call's timeline, one line per compile or build: start-end (s from the call's start), thread."""
+    return "\n".join(f"  {e['start_s']:6.2f}-{e['end_s']:5.2f}  {e['thread']:34s} {e['what']}"
+                     for e in row.get("timeline", ()))
+
+
 def bars(cold, warm):
     """(description, passed, detail) of the issue's cold-start bars."""
     worst_warm = max(r["first_call_s"] for r in warm)
@@ -146,9 +166,9 @@ def build_parser(prog=None):
 def measure(root, runs, timeout, pycache=None):
     """{cold_compile_ahead_off, cold, warm: [...]} of one bytecode setting, Triton caches under root."""
     off = run_child(root + "/ahead-off", timeout, pycache, FLASHTILE_COMPILE_AHEAD="0")
-    log(f"cold, compile-ahead off: {summary(off)}")
+    log(f"cold, compile-ahead off: {summary(off)}\n{timeline(off)}")
     cold = run_child(root + "/default", timeout, pycache)
-    log(f"cold: {summary(cold)}")
+    log(f"cold: {summary(cold)}\n{timeline(cold)}")
     warm = []
     for i in range(runs):
         warm.append(run_child(root + "/default", timeout, pycache))

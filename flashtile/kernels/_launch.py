@@ -193,6 +193,82 @@ def _index_device(stream):
     return torch.cuda.current_device()
 
 
+class _LauncherAhead:
+    """A JITFunction's `compile` (Triton calls kernel.compile(src, ...) on a cache miss) that first starts building
+    the compiled kernel's launcher in a thread of its own, then compiles.
+
+    Triton 3.6 builds each kernel's launcher, a C module made for its signature, with the C compiler (0.3-0.5 s on
+    the GPU machines' hosts) after the kernel has compiled, on the thread that waits for the kernel: a cold process's
+    first call paid it after the forward's compile and again after the backward's (docs/design-record.md, "Cold
+    start"). The launcher's source depends on the signature and constants alone, known before the compile, plus
+    whether each tensor descriptor is a TMA descriptor (the Hopper kernels' are), so it is built while the kernel
+    compiles; Triton then finds it in its cache. A guess that turns out wrong costs a build nobody uses. Newer
+    Triton launches every kernel through one launcher (nothing to build): `wrap` leaves kernels alone there."""
+    __slots__ = ("compile", )
+
+    def __init__(self, compile_fn):
+        self.compile = compile_fn
+
+    @staticmethod
+    def wrap(kernel):
+        """Make kernel's compile a _LauncherAhead where Triton builds a launcher per kernel (once per kernel)."""
+        if not _builds_launchers():
+            return
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None:
+            # Triton sets kernel.compile when it makes a device's caches (JITFunction.create_binder, on the kernel's
+            # first launch on that device): made first, so that the wrapper is not overwritten.
+            caches[_device()]
+        current = getattr(kernel, "compile", None)
+        if current is None or isinstance(current, _LauncherAhead):
+            return
+        with _ASIDE_LOCK:
+            if not isinstance(kernel.compile, _LauncherAhead):
+                kernel.compile = _LauncherAhead(kernel.compile)
+
+    def __call__(self, src, *args, **kwargs):
+        try:
+            _LauncherAhead.start(src)
+        except Exception:  # noqa: BLE001 - Triton builds the launcher itself, as without this
+            pass
+        return self.compile(src, *args, **kwargs)
+
+    @staticmethod
+    def start(src):
+        """Start the thread that builds src's launcher (as Triton 3.6's CudaLauncher would); returns it."""
+        from triton.backends.nvidia import driver
+        constants = getattr(src, "constants", None) or {}
+        constants = {(src.fn.arg_names.index(i), ) if isinstance(i, str) else i: value
+                     for i, value in constants.items()}
+        signature = dict(src.signature)
+        descriptors = sum(isinstance(t, str) and t.startswith("tensordesc") for t in signature.values())
+        # make_launcher reads only whether each descriptor has metadata (a TMA descriptor) or not.
+        text = driver.make_launcher(constants, signature, [{}] * descriptors or None)
+
+        def build():
+            try:
+                driver.compile_module_from_src(src=text, name="__triton_launcher", library_dirs=driver.library_dirs(),
+                                               include_dirs=driver.include_dirs, libraries=driver.libraries)
+            except Exception:  # noqa: BLE001 - Triton builds it itself
+                pass
+
+        thread = threading.Thread(target=build, name=f"{threading.current_thread().name}/launcher", daemon=False)
+        thread.start()
+        return thread
+
+
+def _builds_launchers():
+    """Whether this Triton builds a C launcher per compiled kernel (3.6 does) for CUDA."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from triton.backends.nvidia import driver
+        names = driver.CudaLauncher.__init__.__code__.co_names
+    except (ImportError, AttributeError):
+        return False
+    return "make_launcher" in names and "compile_module_from_src" in names
+
+
 def _jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
     """kernel[grid](...) through Triton's JIT (compile_only: compiled and loaded, not run); keeps the compiled
     kernel under key (computed here when None) when it can be launched directly. On the fast path (stream: the
@@ -208,6 +284,7 @@ def _jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
         if compiled is not None and not dry():
             _run(compiled, grid, stream, args, _tail(kernel, args, constexprs))
     if compiled is None:
+        _LauncherAhead.wrap(kernel)
         if dry():
             compiled = _compile(kernel, grid, args, constexprs, options)
         else:
@@ -438,16 +515,16 @@ class Bound:
         if compiled is not self.compiled:
             self.compiled, self.direct = compiled, None
 
-    def compile_aside(self, *dynamic):
+    def compile_aside(self, *dynamic, after=()):
         """Start compiling this launch's kernel for these leading arguments without launching it: the thread
         _compile_aside returns (a caller that needs the kernel joins it, or calls the launch, which then compiles
-        itself if the thread has not kept a kernel)."""
-        thread = self._compile_aside(self._described(dynamic) + self.static)
+        itself if the thread has not kept a kernel). after: threads it waits for before it compiles."""
+        thread = self._compile_aside(self._described(dynamic) + self.static, after)
         with _ASIDE_LOCK:
             _ASIDE[:] = [t for t in _ASIDE if t.is_alive()] + [thread]
         return thread
 
-    def _compile_aside(self, args):
+    def _compile_aside(self, args, after=()):
         """A started thread (named after this one, with "/compile") that compiles, loads and keeps the kernel as the
         JIT path would, compile-only, on the current GPU (none: the CPU tests' stand-in launches); a failure is
         dropped (the real launch then compiles, or raises, itself). Used by compile_only's background launches (class
@@ -456,6 +533,8 @@ class Bound:
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def work():
+            for other in after:
+                other.join()
             try:
                 with compile_only():
                     if device is not None:

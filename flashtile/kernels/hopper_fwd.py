@@ -2052,8 +2052,11 @@ class GluonFwdPlan:
         if self.defer and self.redo_thread is None and stream is not None and not self.redo.find(*args):
             # Compiled aside, started once the first pass has compiled: a process's first call then compiles nothing
             # more on its way, as long as no item is flagged. (A new plan whose kernels an earlier plan compiled,
-            # such as a varlen batch of another total length, finds it in the compile cache.)
-            self.redo_thread = self.redo.compile_aside(*args)
+            # such as a varlen batch of another total length, finds it in the compile cache.) It starts once the
+            # backward's compile-ahead helpers are done (_ahead.py): the first training step waits for those, and a
+            # compile beside them slowed them down (docs/design-record.md, "Cold start").
+            from .. import _ahead
+            self.redo_thread = self.redo.compile_aside(*args, after=_ahead.pending())
         if self.defer:
             # The redo pass: the items the first one flagged (usually none: its programs then return at once).
             thread = self.redo_thread
