@@ -258,8 +258,8 @@ class _LauncherAhead:
 
 
 def _builds_launchers():
-    """Whether this Triton builds a C launcher per compiled kernel (3.6 does) for CUDA."""
-    if not torch.cuda.is_available():
+    """Whether this Triton builds a C launcher per compiled kernel (3.6 does) for CUDA (not ROCm's torch.cuda)."""
+    if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
         return False
     try:
         from triton.backends.nvidia import driver
