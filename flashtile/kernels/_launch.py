@@ -40,6 +40,8 @@ _THREAD = threading.local()
 # Threads Bound.compile_aside started that no one has joined through join_aside yet.
 _ASIDE = []
 _ASIDE_LOCK = threading.Lock()
+# Held while a kernel's compile is wrapped (_LauncherAhead.wrap), so that two threads never wrap it twice.
+_WRAP_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -222,7 +224,7 @@ class _LauncherAhead:
         current = getattr(kernel, "compile", None)
         if current is None or isinstance(current, _LauncherAhead):
             return
-        with _ASIDE_LOCK:
+        with _WRAP_LOCK:
             if not isinstance(kernel.compile, _LauncherAhead):
                 kernel.compile = _LauncherAhead(kernel.compile)
 
