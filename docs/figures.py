@@ -128,16 +128,19 @@ def tflops(path, results):
     plt = _pyplot()
     longest = max(r["seqlen_q"] for r in rows)
     rows = [r for r in rows if r["seqlen_q"] == longest]
-    groups = sorted({(r["mode"], r["headdim"], r["causal"]) for r in rows}, key=lambda g: (g[0] != "fwd", g[2], g[1]))
+    def group(r):  # (mode, q/k head dim, v's head dim, causal): MLA's 192/128 apart from d192
+        return r["mode"], r["headdim"], r.get("headdim_v") or r["headdim"], r["causal"]
+
+    groups = sorted({group(r) for r in rows}, key=lambda g: (g[0] != "fwd", g[3], g[1], g[2]))
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     width = 0.8 / len(providers)
-    fig, ax = plt.subplots(figsize=(9, 3.8))
+    fig, ax = plt.subplots(figsize=(max(9.0, 0.45 * len(groups)), 4.4))
     for i, provider in enumerate(providers):
-        values = [next((r["tflops"] for r in rows if r["provider"] == provider
-                        and (r["mode"], r["headdim"], r["causal"]) == g), 0) for g in groups]
+        values = [next((r["tflops"] for r in rows if r["provider"] == provider and group(r) == g), 0) for g in groups]
         ax.bar([x + (i - (len(providers) - 1) / 2) * width for x in range(len(groups))], values, width,
                color=COLORS.get(provider), label=provider)
-    ax.set_xticks(range(len(groups)), [f"{m} d{d}{' causal' if c else ''}" for m, d, c in groups], fontsize=8)
+    labels = [f"{m} d{d}{f'/{dv}' if dv != d else ''}{' causal' if c else ''}" for m, d, dv, c in groups]
+    ax.set_xticks(range(len(groups)), labels, fontsize=8, rotation=40, ha="right")
     ax.set_ylabel("TFLOP/s")
     meta = data.get("metadata", {})
     ax.set_title(f"seqlen {longest // 1024}k, bf16, {meta.get('gpu')}, torch {meta.get('torch')}, triton "
