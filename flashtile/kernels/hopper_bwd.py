@@ -205,7 +205,8 @@ if AVAILABLE:
         K_REGS (WIDE at d192 and MLA: WIDE_K_REGS): the work item's K in registers, the S^T products' A operand.
         HALVES (MLA's 192/128 on HEAD_DIM 256's dQ buffer: HALVES_DIMS): 128-key blocks and 32-query halves
         (_bwd_step_halves), not WIDE; s_layout is [64, 32], kv_layout dV's [64, 128] and kv_layout_b each of dK's
-        three [64, 64] column chunks."""
+        three [64, 64] column chunks. SKIP_DEAD: a warpgroup skips its products on masked tiles that see none of
+        its keys (_dead_keys)."""
         HEAD_DIM: gl.constexpr
         BLOCK_M: gl.constexpr
         BLOCK_N: gl.constexpr
@@ -229,6 +230,7 @@ if AVAILABLE:
         OWNERS: gl.constexpr
         K_REGS: gl.constexpr
         HALVES: gl.constexpr
+        SKIP_DEAD: gl.constexpr
         DQ_WIDTH: gl.constexpr
         KV_COLS: gl.constexpr
         KV_SPLIT: gl.constexpr
@@ -267,6 +269,13 @@ if AVAILABLE:
             self.ROLES = gl.constexpr(wide and ROLES)
             self.OWNERS = gl.constexpr(wide and D == 192 and OWNERS and not ROLES)
             self.K_REGS = gl.constexpr(wide and D == 192 and K_REGS and not ROLES)
+            # A banded call's masked tiles may see none of a warpgroup's 64 keys (_dead_keys): that warpgroup then
+            # computes nothing but its dQ share (_dead_step). On d128's tiles (d96 and d128), whose 64-row query tiles
+            # meet a causal diagonal twice per 128-key block, the second warpgroup's keys unseen by the first:
+            # d128 causal 1.056x / 1.043x / 1.009x at 1k / 2k / 4k on an H100, d96 within +-1%
+            # (docs/design-record.md, "Masked tiles that see none of a warpgroup's keys"). Not with an attn_mask,
+            # whose tiles and bias gradient go through the step.
+            self.SKIP_DEAD = gl.constexpr((MASK_RIGHT or MASK_LEFT) and BIAS == 0 and HEAD_DIM == 128)
             self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if HEAD_DIM == 256 else HEAD_DIM)
             self.KV_SPLIT = gl.constexpr(HEAD_DIM == 128 and D == 96 and D_V == 96)
             self.dtype = gl.constexpr(dtype)
@@ -1413,10 +1422,11 @@ if AVAILABLE:
         return (dk0, dk1, dk2), dv
 
     @gluon.jit
-    def _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok):
+    def _dq_step(prog, wg, t, slot, m, i_h, dst, dv_tok, dk_tok, LIVE: gl.constexpr = True):
         """The end of _bwd_step, once dV's and dK's products are issued: dQ_i's share from both warpgroups' dS^T
         halves (and the bias's gradient stored), the ring slot released, the share handed to the writer. Returns
-        dK, dV."""
+        dK, dV. LIVE False (_dead_step): dst is zero and dv_tok, dk_tok are the accumulators as they are, no
+        products in flight."""
         cfg = prog.cfg
         smem = prog.smem
         # dQ_i += dS K needs dS with the queries as rows: through shared memory, read back transposed.
@@ -1449,7 +1459,11 @@ if AVAILABLE:
         else:
             dq_tok = warpgroup_mma(ds_tile.slice(wg.half * 64, 64, dim=1).permute((1, 0)), smem.k, dq_zero,
                                    use_acc=False, is_async=True)
-        if cfg.KV_SPLIT:
+        if not LIVE:
+            dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+            dv = dv_tok
+            dk = dk_tok
+        elif cfg.KV_SPLIT:
             dv0, dv1, dk0, dk1, dq = warpgroup_mma_wait(0, deps=(dv_tok[0], dv_tok[1], dk_tok[0], dk_tok[1], dq_tok))
             dv = (dv0, dv1)
             dk = (dk0, dk1)
@@ -1462,6 +1476,30 @@ if AVAILABLE:
             dq = dq * prog.mods.sm_scale  # the bias tile holds dS itself
         _stage_dq(dq, wg.dq, smem.dq_bars, t, wg.half, cfg.FLAT)
         return dk, dv
+
+    @gluon.jit
+    def _dead_keys(prog, wg, m, ROWS: gl.constexpr):
+        """Whether none of the warpgroup's 64 keys is visible to queries m .. m + ROWS - 1: all past the band's right
+        edge (on a causal diagonal, the second warpgroup's keys against a 64-row tile's first rows), before its left
+        edge, or past Sk. Its scores there are all masked, so P^T and dS^T are zero (SKIP_DEAD)."""
+        cfg = prog.cfg
+        band = prog.band
+        dead = wg.key0 >= band.seqlen_k
+        if cfg.MASK_RIGHT:
+            dead = dead | (wg.key0 > m + (ROWS - 1) + band.diag_offset + band.window_right)
+        if cfg.MASK_LEFT:
+            dead = dead | (wg.key0 + 63 < m + band.diag_offset - band.window_left)
+        return dead
+
+    @gluon.jit
+    def _dead_step(prog, wg, t, m, i_h, dk, dv):
+        """_bwd_step for a query tile that sees none of the warpgroup's keys (_dead_keys): no products of its own,
+        only its zero half of dS^T for the dQ product both warpgroups share, and that product (_dq_step). dK, dV
+        unchanged."""
+        cfg = prog.cfg
+        slot = prog.smem.q_bar.wait_full(t)
+        dst = gl.zeros([64, cfg.BLOCK_M], cfg.dtype, layout=cfg.s_layout)
+        return _dq_step(prog, wg, t, slot, m, i_h, dst, dv, dk, False)
 
     @gluon.jit
     def _bwd_partition(prog, half: gl.constexpr):
@@ -1571,6 +1609,11 @@ if AVAILABLE:
                         dk, dv = _bwd_step_wide(prog, wg, t, m, i_h, dk, dv, kr, True)
                     elif cfg.HALVES:
                         dk, dv = _bwd_step_halves(prog, wg, t, m, i_h, dk, dv, True)
+                    elif cfg.SKIP_DEAD:
+                        if _dead_keys(prog, wg, m, cfg.BLOCK_M):
+                            dk, dv = _dead_step(prog, wg, t, m, i_h, dk, dv)
+                        else:
+                            dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     else:
                         dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
                     t += 1
