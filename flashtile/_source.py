@@ -13,9 +13,12 @@ only right for code written as this package writes it (no continuation line or s
 kernel function of the package.
 """
 import contextlib
+import functools
+import hashlib
 import inspect
 import linecache
 import os
+import pathlib
 import threading
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -72,3 +75,16 @@ def kernel_sources():
             _depth -= 1
             if _depth == 0:
                 inspect.getsourcelines = _original
+
+
+@functools.lru_cache(maxsize=None)
+def package_digest():
+    """SHA-256 (hex) of this package's Python sources, each file's path within the package and its bytes in path
+    order: what the kernel index's salt holds (kernels/_index.py), and what `python -m flashtile bench` records,
+    so that two trees timed against each other show which one each process ran."""
+    package = pathlib.Path(_PACKAGE_DIR)
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

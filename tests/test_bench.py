@@ -462,6 +462,10 @@ def test_write_json_roundtrip_strict(tmp_path):
     meta = bench.collect_metadata({"quick": True}, "bf16", providers=["flashtile", "fa4"])
     for key in ("date", "gpu", "torch", "triton", "cuda", "flashtile_commit", "args", "provider_versions"):
         assert key in meta
+    # Which copy of the package ran (an A/B of two trees tells them apart by these).
+    from flashtile._source import package_digest
+    assert meta["flashtile_path"] == os.path.dirname(os.path.abspath(flashtile.__file__))
+    assert meta["flashtile_sources"] == package_digest()[:16] and len(meta["flashtile_sources"]) == 16
     path = bench.write_json({"metadata": meta, "results": results}, tmp_path / "sub" / "r.json")
     data = json.loads(path.read_text())     # strict JSON: NaN is written as a string, not dropped
     assert data["results"][0]["max_abs_diff"] == "nan"

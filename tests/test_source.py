@@ -1,7 +1,10 @@
 """flashtile/_source.py: the kernel functions' source lines as inspect gives them, without the tokenizer."""
 import importlib
+import importlib.util
 import inspect
+import pathlib
 import pkgutil
+import shutil
 
 import flashtile.kernels
 from flashtile import _source
@@ -52,3 +55,23 @@ def test_lambdas_go_to_inspect():
     assert namespace["f"].__code__.co_filename == _common.__file__
     assert _source.getsourcelines(namespace["f"]) is None
     assert _source.getsourcelines(_source.getsourcelines) == inspect.getsourcelines(_source.getsourcelines)
+
+
+def _digest_of(root, name):
+    """package_digest() of the package copy at root (its _source module loaded from there, under another name)."""
+    spec = importlib.util.spec_from_file_location(name, root / "_source.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.package_digest()
+
+
+def test_package_digest_tells_trees_apart(tmp_path):
+    # What `python -m flashtile bench` records (flashtile_sources): a copy of the package digests the same, a copy
+    # with one changed file does not.
+    package = pathlib.Path(_source.__file__).parent
+    copy = tmp_path / "flashtile"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert _digest_of(copy, "_source_copy_a") == _source.package_digest()
+    kernel = copy / "kernels" / "hopper_bwd.py"
+    kernel.write_text(kernel.read_text() + "\n# changed\n")
+    assert _digest_of(copy, "_source_copy_b") != _source.package_digest()

@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from .._source import package_digest
 from .registry import (HIDDEN, MODES, PROVIDERS, QUICK_HEADDIMS, QUICK_SEQLENS, STANDARD_HEADDIMS, STANDARD_SEQLENS,
                        Prepared, Provider, Shape, Unsupported, dist_version, standard_shapes)
 
@@ -581,6 +582,10 @@ def collect_metadata(args: dict, dtype_name: str, registry: dict[str, Provider] 
         "flashtile_commit": commit(),
         "flashtile_version": _flashtile_version(),
         "flashtile_dirty": None if status is None else bool(status),
+        # Which copy of the package ran, and its sources' digest: two trees timed against each other differ here
+        # (`python -m` puts the working directory first on sys.path, ahead of PYTHONPATH).
+        "flashtile_path": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "flashtile_sources": package_digest()[:16],
         "dtype": dtype_name,
         "provider_versions": versions,
         "timing": "median of triton.testing.do_bench(fn, warmup, rep, grad_to_none=[q, k, v]); bwd = "
@@ -689,6 +694,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     log(f"{gpu}, torch {meta['torch']}, triton {meta['triton']}, {args.dtype}; {len(shapes)} shapes x "
         f"{'memory' if args.memory else '/'.join(modes)}; results -> {json_path}")
+    log(f"flashtile {meta['flashtile_commit'] or '(no commit)'} from {meta['flashtile_path']} (sources "
+        f"{meta['flashtile_sources']})")
     suite = run_suite(shapes, modes, providers, dtype=dtype, timer=do_bench_timer(args.warmup, args.rep),
                       memory=args.memory, on_shape_done=save, progress=log, rounds=args.rounds)
     save(suite)

@@ -37,13 +37,9 @@ def _salt(capability):
     """Everything a compiled kernel depends on besides its launch key (module docstring), hashed."""
     from triton._C import libtriton
     from triton._C.libtriton import get_cache_invalidating_env_vars
-    package = pathlib.Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
+    from .._source import package_digest
     lib = os.stat(libtriton.__file__)
-    parts = (triton.__version__, digest.hexdigest(), lib.st_size, lib.st_mtime_ns,
+    parts = (triton.__version__, package_digest(), lib.st_size, lib.st_mtime_ns,
              sorted(get_cache_invalidating_env_vars().items()), capability)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
