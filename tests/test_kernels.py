@@ -232,6 +232,25 @@ def test_wide_backward_roles(d, dv, owners, halves):
     assert plan.acc_shape == (b * h * pad * (192 if d == 192 else hopper_bwd.TILE_DIM[d]) // 256, 256)
 
 
+@pytest.mark.parametrize("d, dv, band, bias, skips", [
+    (128, 128, "causal", 0, True), (96, 96, "causal", 0, True), (128, 128, "left", 0, True),
+    (128, 128, None, 0, False), (128, 128, "causal", 1, False), (128, 128, "causal", 2, False),
+    (64, 64, "causal", 0, False), (256, 256, "causal", 0, False), (192, 128, "causal", 0, False)])
+def test_backward_skips_dead_warpgroups_on_d128_tiles(d, dv, band, bias, skips):
+    """Which Gluon backward kernels let a warpgroup skip a masked tile that sees none of its keys (BwdConfig's
+    SKIP_DEAD, hopper_bwd._dead_keys): banded calls on d128's tiles (d96, d128) without an attn_mask; not d64 (whose
+    kernels stay as they were measured), d192/d256 (WIDE) or MLA (HALVES), nor calls without a band."""
+    from flashtile.kernels import hopper_bwd
+    if not hopper_bwd.AVAILABLE:
+        pytest.skip("Gluon is not importable here")
+    from flashtile.kernels._gluon import gl
+    tile = hopper_bwd.TILE_DIM[d]
+    cfg = hopper_bwd.BwdConfig(tile, hopper_bwd.BLOCK_M[tile], 128, hopper_bwd.STAGES, band == "left",
+                               band == "causal", False, False, bias, False, False, False, True, d, dv, gl.bfloat16,
+                               HALVES=(d, dv) == (192, 128))
+    assert bool(cfg.SKIP_DEAD.value) is skips
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The Hopper backward's dQ tile buffer, put back in dQ's layout (a plain Triton kernel: it runs in the interpreter)
 # ---------------------------------------------------------------------------------------------------------------
