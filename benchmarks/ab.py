@@ -4,7 +4,9 @@ The design record's A/B ratios ("the tree before and after in one process") come
 kernels alternate on the same GPU, in rotated order, so that clocks, temperature and the host move both alike. The
 base revision's package is extracted with `git archive` into a temporary folder under another name
 (`flashtile_base`), with its torch.library namespace renamed too, so that both register their ops side by side;
-the package's own imports are relative, so each copy runs only its own code.
+the package's own imports are relative, so each copy runs only its own code. `--base-dir DIR` takes the package in
+DIR instead of a revision (on a machine whose copy of the checkout has no usable .git); the results record both
+trees' sources digests (flashtile_sources, base_sources).
 
     python benchmarks/ab.py --base HEAD~1 --headdim 128 --seqlen 1k,2k,4k --causal both --mode both \\
         --rounds 5 --out benchmarks/results/2026-11-27-h100-some-change-ab.json
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -31,21 +34,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_NAME = "flashtile_base"
 
 
-def build_base(rev, dest, name=BASE_NAME, repo=REPO):
+def build_base(rev, dest, name=BASE_NAME, repo=REPO, base_dir=None):
     """Extract revision rev's flashtile package into dest/name, its op namespace renamed to name; returns the
-    commit's hash. Files are rewritten only where they name the namespace ("flashtile::" and the
-    torch.library.Library("flashtile", ...) definitions)."""
-    commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", rev + "^{commit}"], check=True,
-                            capture_output=True, text=True).stdout.strip()
-    archive = os.path.join(dest, "base.tar")
-    with open(archive, "wb") as f:
-        subprocess.run(["git", "-C", repo, "archive", commit, "flashtile"], check=True, stdout=f)
-    with tarfile.open(archive) as tar:
-        try:
-            tar.extractall(dest, filter="data")
-        except TypeError:  # (Python < 3.11.4: no extraction filters)
-            tar.extractall(dest)
-    os.remove(archive)
+    commit's hash. base_dir: copy the flashtile package in that folder instead (a tree carried to a machine whose
+    copy of the checkout has no usable .git); returns "folder <path>" then. Files are rewritten only where they name
+    the namespace ("flashtile::" and the torch.library.Library("flashtile", ...) definitions)."""
+    if base_dir is not None:
+        source = os.path.join(base_dir, "flashtile")
+        if not os.path.isfile(os.path.join(source, "__init__.py")):
+            raise SystemExit(f"--base-dir {base_dir}: no flashtile package there ({source}/__init__.py)")
+        shutil.copytree(source, os.path.join(dest, "flashtile"), ignore=shutil.ignore_patterns("__pycache__"))
+        commit = "folder " + os.path.abspath(base_dir)
+    else:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", rev + "^{commit}"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        archive = os.path.join(dest, "base.tar")
+        with open(archive, "wb") as f:
+            subprocess.run(["git", "-C", repo, "archive", commit, "flashtile"], check=True, stdout=f)
+        with tarfile.open(archive) as tar:
+            try:
+                tar.extractall(dest, filter="data")
+            except TypeError:  # (Python < 3.11.4: no extraction filters)
+                tar.extractall(dest)
+        os.remove(archive)
     root = os.path.join(dest, name)
     os.rename(os.path.join(dest, "flashtile"), root)
     for folder, _, files in os.walk(root):
@@ -62,22 +73,33 @@ def build_base(rev, dest, name=BASE_NAME, repo=REPO):
     return commit
 
 
-def import_trees(base, dest):
-    """(new, base): the checkout's flashtile and revision base's copy, imported (build_base into dest)."""
+def import_trees(base, dest, base_dir=None, name=BASE_NAME):
+    """(new, base, commit): the checkout's flashtile and revision base's copy (or base_dir's package), imported
+    as name (build_base into dest)."""
     import importlib
-    commit = build_base(base, dest)
+    commit = build_base(base, dest, name=name, base_dir=base_dir)
     sys.path.insert(0, dest)
     sys.path.insert(0, REPO)
     new_mod = importlib.import_module("flashtile")
     if os.path.dirname(os.path.dirname(os.path.abspath(new_mod.__file__))) != REPO:
         raise SystemExit(f"flashtile imports from {new_mod.__file__}, not from this checkout ({REPO}): run from a "
                          f"checkout whose package is the one to time")
-    return new_mod, importlib.import_module(BASE_NAME), commit
+    return new_mod, importlib.import_module(name), commit
+
+
+def _sources(package):
+    """The first 16 hex digits of package's sources digest (_source.package_digest, what flashtile_sources records
+    for the checkout); None for a tree from before it."""
+    import importlib
+    try:
+        return importlib.import_module(package + "._source").package_digest()[:16]
+    except (ImportError, AttributeError):
+        return None
 
 
 def run(args):
     with tempfile.TemporaryDirectory() as dest:
-        new_mod, base_mod, commit = import_trees(args.base, dest)
+        new_mod, base_mod, commit = import_trees(args.base, dest, args.base_dir)
         from flashtile.bench import runner
         providers = {"new": new_mod, "base": base_mod}
         rows = []
@@ -100,8 +122,9 @@ def run(args):
                               + f"  new/base {r['new_over_base']:.3f}  diff {r['max_diff']:.1e}", flush=True)
         meta = runner.collect_metadata(vars(args), "bf16")
         meta.update(
-            base_commit=commit, what="benchmarks/ab.py: new = the checkout (flashtile_commit), base = base_commit, in "
-            "one process; TFLOP/s medians of triton.testing.do_bench over rotated rounds",
+            base_commit=commit, base_sources=_sources(BASE_NAME),
+            what="benchmarks/ab.py: new = the checkout (flashtile_commit, flashtile_sources), base = base_commit "
+            "(base_sources), in one process; TFLOP/s medians of triton.testing.do_bench over rotated rounds",
             timing="per round the median of triton.testing.do_bench(fn, warmup, rep); fwd = flash_attn_func(q, k, v, "
             "causal) with inputs that require grad, bwd = torch.autograd.grad(out, (q, k, v), dout, "
             "retain_graph=True) on a graph built once per provider (cudnn: SDPA on [B, H, S, D] copies); round r "
@@ -162,6 +185,8 @@ def _time_shape(providers, q, k, v, dout, causal, mode, flops, args):
 def build_parser():
     p = argparse.ArgumentParser(prog="python benchmarks/ab.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to time against (default HEAD)")
+    p.add_argument("--base-dir", metavar="DIR", help="time the flashtile package in DIR instead of a revision (e.g. a "
+                   "`git archive` of one, carried to a GPU machine whose copy of the checkout has no usable .git)")
     p.add_argument("--headdim", default="128", help="e.g. 64,128")
     p.add_argument("--seqlen", default="1k,4k,16k", help="e.g. 1k,2k,4k")
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")

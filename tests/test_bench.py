@@ -715,3 +715,37 @@ def test_ab_base_copy_runs_beside_the_checkout(tmp_path):
         for name in [n for n in sys.modules if n == ab.BASE_NAME or n.startswith(ab.BASE_NAME + ".")]:
             del sys.modules[name]
         sys.path[:] = path
+
+
+def test_ab_base_from_a_folder(tmp_path):
+    """benchmarks/ab.py --base-dir: the package in a folder (here a copy of the checkout's, one file changed) runs as
+    flashtile_base beside the checkout's, its sources digest told apart from the checkout's."""
+    import importlib.util
+    import shutil
+    from flashtile._source import package_digest
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("_ab_dir", os.path.join(repo, "benchmarks", "ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    folder = tmp_path / "tree"
+    shutil.copytree(os.path.join(repo, "flashtile"), folder / "flashtile", ignore=shutil.ignore_patterns("__pycache__"))
+    note = folder / "flashtile" / "kernels" / "forward.py"
+    note.write_text(note.read_text() + "\n# the base tree\n")
+    with pytest.raises(SystemExit, match="no flashtile package"):
+        ab.build_base(None, str(tmp_path / "empty"), base_dir=str(tmp_path))
+    import flashtile
+    path = list(sys.path)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    try:
+        # (Another name than the revision test's copy: a process registers an op namespace once.)
+        new, base, commit = ab.import_trees(None, str(dest), base_dir=str(folder), name="flashtile_base_dir")
+        assert commit == f"folder {folder}" and new is flashtile and base.__name__ == "flashtile_base_dir"
+        assert base.__file__.startswith(str(dest))
+        assert ab._sources("flashtile_base_dir") not in (None, package_digest()[:16])
+        q, k, v = (torch.randn(1, 40, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        assert torch.equal(base.flash_attn_func(q, k, v, causal=True), new.flash_attn_func(q, k, v, causal=True))
+    finally:
+        for name in [n for n in sys.modules if n == "flashtile_base_dir" or n.startswith("flashtile_base_dir.")]:
+            del sys.modules[name]
+        sys.path[:] = path
