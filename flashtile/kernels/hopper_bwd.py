@@ -1478,15 +1478,15 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
-    def _dead_keys(prog, wg, m, ROWS: gl.constexpr):
-        """Whether none of the warpgroup's 64 keys is visible to queries m .. m + ROWS - 1: all past the band's right
-        edge (on a causal diagonal, the second warpgroup's keys against a 64-row tile's first rows), before its left
-        edge, or past Sk. Its scores there are all masked, so P^T and dS^T are zero (SKIP_DEAD)."""
+    def _dead_keys(prog, wg, m):
+        """Whether none of the warpgroup's 64 keys is visible to the query tile's rows m .. m + BLOCK_M - 1: all past
+        the band's right edge (on a causal diagonal, the second warpgroup's keys against a 64-row tile's first rows),
+        before its left edge, or past Sk. Its scores there are all masked, so P^T and dS^T are zero (SKIP_DEAD)."""
         cfg = prog.cfg
         band = prog.band
         dead = wg.key0 >= band.seqlen_k
         if cfg.MASK_RIGHT:
-            dead = dead | (wg.key0 > m + (ROWS - 1) + band.diag_offset + band.window_right)
+            dead = dead | (wg.key0 > m + (cfg.BLOCK_M - 1) + band.diag_offset + band.window_right)
         if cfg.MASK_LEFT:
             dead = dead | (wg.key0 + 63 < m + band.diag_offset - band.window_left)
         return dead
@@ -1610,7 +1610,7 @@ if AVAILABLE:
                     elif cfg.HALVES:
                         dk, dv = _bwd_step_halves(prog, wg, t, m, i_h, dk, dv, True)
                     elif cfg.SKIP_DEAD:
-                        if _dead_keys(prog, wg, m, cfg.BLOCK_M):
+                        if _dead_keys(prog, wg, m):
                             dk, dv = _dead_step(prog, wg, t, m, i_h, dk, dv)
                         else:
                             dk, dv = _bwd_step(prog, wg, t, m, i_h, dk, dv, slope, seed, prog.drop.bh0 + i_h, True)
