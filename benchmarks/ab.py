@@ -11,7 +11,8 @@ trees' sources digests (flashtile_sources, base_sources).
     python benchmarks/ab.py --base HEAD~1 --headdim 128 --seqlen 1k,2k,4k --causal both --mode both \\
         --rounds 5 --out benchmarks/results/2026-11-27-h100-some-change-ab.json
 
-Per shape (bf16, batch x seqlen = --tokens, heads = --hidden / headdim, [B, S, H, D]) and mode: the largest
+Per shape (bf16, batch x seqlen = --tokens, heads = --hidden / headdim, [B, S, H, D]; with --headdim-v, v and the
+output at that head dim: MLA's 192/128 is --headdim 192 --headdim-v 128 --hidden 3072) and mode: the largest
 difference between the two trees' outputs (and gradients), then --rounds rounds of `triton.testing.do_bench`
 medians (new, base, and with --cudnn torch's SDPA on cuDNN), rotated; the table gives the medians' TFLOP/s and
 new / base. FLOPs and metadata are `python -m flashtile bench`'s (flashtile.bench.runner.flops, collect_metadata;
@@ -103,23 +104,15 @@ def run(args):
         from flashtile.bench import runner
         providers = {"new": new_mod, "base": base_mod}
         rows = []
-        for d in args.headdim:
-            heads = args.hidden // d
-            for seqlen in args.seqlen:
-                batch = max(args.tokens // seqlen, 1)
-                for causal in args.causal:
-                    gen = torch.Generator("cuda").manual_seed(seqlen + d + causal)
-                    q, k, v, dout = (torch.randn(batch, seqlen, heads, d, device="cuda", generator=gen,
-                                                 dtype=torch.bfloat16) for _ in range(4))
-                    for t in (q, k, v):
-                        t.requires_grad_()
-                    for mode in args.mode:
-                        flops = runner.flops(batch, heads, seqlen, seqlen, d, causal, mode)
-                        rows.append(_time_shape(providers, q, k, v, dout, causal, mode, flops, args))
-                        r = rows[-1]
-                        print(f"d{d} S{seqlen:6d} {'causal' if causal else 'full  '} {mode} "
-                              + " ".join(f"{n} {t:6.1f}" for n, t in r["tflops"].items())
-                              + f"  new/base {r['new_over_base']:.3f}  diff {r['max_diff']:.1e}", flush=True)
+        for batch, heads, seqlen, d, dv, causal in shapes(args):
+            q, k, v, dout = make_inputs(batch, seqlen, heads, d, dv, causal, "cuda")
+            for mode in args.mode:
+                flops = runner.flops(batch, heads, seqlen, seqlen, d, causal, mode, None if dv == d else dv)
+                rows.append(_time_shape(providers, q, k, v, dout, causal, mode, flops, args))
+                r = rows[-1]
+                print(f"d{d}{'' if dv == d else f'/{dv}'} S{seqlen:6d} {'causal' if causal else 'full  '} {mode} "
+                      + " ".join(f"{n} {t:6.1f}" for n, t in r["tflops"].items())
+                      + f"  new/base {r['new_over_base']:.3f}  diff {r['max_diff']:.1e}", flush=True)
         meta = runner.collect_metadata(vars(args), "bf16")
         meta.update(
             base_commit=commit, base_sources=_sources(BASE_NAME),
@@ -138,6 +131,23 @@ def run(args):
     return rows
 
 
+def shapes(args):
+    """(batch, heads, seqlen, d, dv, causal) of every shape the A/B times, in order: heads = hidden / d, batch =
+    tokens / seqlen, dv = --headdim-v (v's and the output's head dim, e.g. MLA's 128 beside q's and k's 192) or d."""
+    return [(max(args.tokens // seqlen, 1), args.hidden // d, seqlen, d, args.headdim_v or d, causal)
+            for d in args.headdim for seqlen in args.seqlen for causal in args.causal]
+
+
+def make_inputs(batch, seqlen, heads, d, dv, causal, device):
+    """q, k (d columns) and v, dout (dv columns), bfloat16 [B, S, H, *], seeded by the shape; q, k, v require grad."""
+    gen = torch.Generator(device).manual_seed(seqlen + d + dv + causal)
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, cols, device=device, generator=gen, dtype=torch.bfloat16)
+                     for cols in (d, d, dv, dv))
+    for t in (q, k, v):
+        t.requires_grad_()
+    return q, k, v, dout
+
+
 def _cudnn_scope(name):
     """SDPA's cuDNN backend around the cuDNN provider's calls (its forward picks the backend per call)."""
     if name != "cudnn":
@@ -149,6 +159,7 @@ def _cudnn_scope(name):
 def _time_shape(providers, q, k, v, dout, causal, mode, flops, args):
     """One row: the trees' largest difference, then the providers' TFLOP/s over rotated rounds."""
     batch, seqlen, heads, d = q.shape
+    dv = v.shape[-1]
     fns, results = {}, {}
     for name, mod in providers.items():
         if mode == "fwd":
@@ -178,8 +189,8 @@ def _time_shape(providers, q, k, v, dout, causal, mode, flops, args):
                 ms = do_bench(fns[name], warmup=args.warmup, rep=args.rep, return_mode="median")
             times[name].append(flops / ms / 1e9)
     medians = {n: sorted(x)[len(x) // 2] for n, x in times.items()}
-    return dict(headdim=d, seqlen=seqlen, batch=batch, heads=heads, causal=causal, mode=mode, tflops=medians,
-                rounds=times, new_over_base=medians["new"] / medians["base"], max_diff=diff)
+    return dict(headdim=d, headdim_v=dv, seqlen=seqlen, batch=batch, heads=heads, causal=causal, mode=mode,
+                tflops=medians, rounds=times, new_over_base=medians["new"] / medians["base"], max_diff=diff)
 
 
 def build_parser():
@@ -191,6 +202,8 @@ def build_parser():
     p.add_argument("--seqlen", default="1k,4k,16k", help="e.g. 1k,2k,4k")
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--mode", choices=("fwd", "bwd", "both"), default="both")
+    p.add_argument("--headdim-v", type=int, help="v's head dim when it differs from q's and k's, e.g. --headdim 192 "
+                   "--headdim-v 128 --hidden 3072 for MLA's 16 heads (default: --headdim's)")
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / headdim (default 2048)")
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (default 16384)")
     p.add_argument("--rounds", type=int, default=5)
@@ -201,13 +214,19 @@ def build_parser():
     return p
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line as run() takes it: head dims and lengths as lists of ints, causal and mode as lists."""
     args = build_parser().parse_args(argv)
-    sys.path.insert(0, REPO)
     from flashtile.bench.runner import parse_list  # (the checkout's: import_trees checks where it comes from)
     args.headdim, args.seqlen = parse_list(args.headdim), parse_list(args.seqlen)
     args.causal = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     args.mode = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
+    return args
+
+
+def main(argv=None):
+    sys.path.insert(0, REPO)
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ab.py times kernels on a CUDA GPU")
     run(args)

@@ -749,3 +749,25 @@ def test_ab_base_from_a_folder(tmp_path):
         for name in [n for n in sys.modules if n == "flashtile_base_dir" or n.startswith("flashtile_base_dir.")]:
             del sys.modules[name]
         sys.path[:] = path
+
+
+def test_ab_shapes_with_v_head_dim():
+    """benchmarks/ab.py --headdim-v: each shape's q and k take --headdim columns and v and dout --headdim-v (MLA's
+    192/128 at 16 heads), FLOPs count both head dims, and without it v takes q's head dim."""
+    import importlib.util
+    from flashtile.bench import runner
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("_ab_shapes", os.path.join(repo, "benchmarks", "ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    args = ab.parse_args(["--headdim", "192", "--headdim-v", "128", "--hidden", "3072", "--seqlen", "1k,4k",
+                          "--causal", "1", "--mode", "bwd"])
+    assert ab.shapes(args) == [(16, 16, 1024, 192, 128, True), (4, 16, 4096, 192, 128, True)]
+    q, k, v, dout = ab.make_inputs(2, 40, 3, 192, 128, True, "cpu")
+    assert q.shape == k.shape == (2, 40, 3, 192) and v.shape == dout.shape == (2, 40, 3, 128)
+    assert q.requires_grad and k.requires_grad and v.requires_grad and not dout.requires_grad
+    assert torch.equal(ab.make_inputs(2, 40, 3, 192, 128, True, "cpu")[2], v)  # seeded by the shape
+    assert runner.flops(16, 16, 1024, 1024, 192, True, "bwd", 128) == 2.5 * 2 * 16 * 16 * 1024 * 1024 / 2 * 320
+    plain = ab.parse_args(["--headdim", "64,128", "--seqlen", "2k", "--causal", "0"])
+    assert ab.shapes(plain) == [(8, 32, 2048, 64, 64, False), (8, 16, 2048, 128, 128, False)]
+    assert plain.mode == ["fwd", "bwd"]
