@@ -689,14 +689,21 @@ def test_cold_children_get_the_bytecode_an_installation_has(monkeypatch):
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                    ".git")), reason="needs the git checkout")
+def _load_ab(name):
+    """benchmarks/ab.py loaded as a module under name (it is a script, not part of the package)."""
+    import importlib.util
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(repo, "benchmarks", "ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    return ab
+
+
 def test_ab_base_copy_runs_beside_the_checkout(tmp_path):
     """benchmarks/ab.py's base tree: HEAD's package extracted as flashtile_base, its ops in a namespace of their own,
     importable beside the checkout's flashtile without sharing a module with it, and computing what it computes."""
-    import importlib.util
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("_ab", os.path.join(repo, "benchmarks", "ab.py"))
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _load_ab("_ab")
     head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     import flashtile
     path = list(sys.path)
@@ -720,13 +727,10 @@ def test_ab_base_copy_runs_beside_the_checkout(tmp_path):
 def test_ab_base_from_a_folder(tmp_path):
     """benchmarks/ab.py --base-dir: the package in a folder (here a copy of the checkout's, one file changed) runs as
     flashtile_base beside the checkout's, its sources digest told apart from the checkout's."""
-    import importlib.util
     import shutil
     from flashtile._source import package_digest
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("_ab_dir", os.path.join(repo, "benchmarks", "ab.py"))
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _load_ab("_ab_dir")
     folder = tmp_path / "tree"
     shutil.copytree(os.path.join(repo, "flashtile"), folder / "flashtile", ignore=shutil.ignore_patterns("__pycache__"))
     note = folder / "flashtile" / "kernels" / "forward.py"
@@ -754,12 +758,8 @@ def test_ab_base_from_a_folder(tmp_path):
 def test_ab_shapes_with_v_head_dim():
     """benchmarks/ab.py --headdim-v: each shape's q and k take --headdim columns and v and dout --headdim-v (MLA's
     192/128 at 16 heads), FLOPs count both head dims, and without it v takes q's head dim."""
-    import importlib.util
     from flashtile.bench import runner
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("_ab_shapes", os.path.join(repo, "benchmarks", "ab.py"))
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _load_ab("_ab_shapes")
     args = ab.parse_args(["--headdim", "192", "--headdim-v", "128", "--hidden", "3072", "--seqlen", "1k,4k",
                           "--causal", "1", "--mode", "bwd"])
     assert ab.shapes(args) == [(16, 16, 1024, 192, 128, True), (4, 16, 4096, 192, 128, True)]
