@@ -11,9 +11,11 @@ gradient, with launches compile-only (kernels/_launch.compile_only): every kerne
 and gets its launcher, and the backward's plan is kept, while the main thread compiles and runs the forward. The
 Gluon backward's three kernels (preprocess, main kernel, dQ pass) compile side by side, each in a thread of its own
 (`_launch.Bound`'s background), so the helper takes about as long as its main kernel (docs/design-record.md, "Cold
-start"). The real backward (`wait`) joins the helper first and finds the plan and the compiled kernels ready.
-Stand-ins are fresh contiguous allocations, like the gradient autograd passes for a plain loss; a real call that
-differs (an output gradient with other strides, a used LSE) builds its own plan as it would have.
+start"); their front ends, which hold Python's lock, go before the forward's (kernels/_compiling.py): the main
+kernel's compile is the longest. The real backward (`wait`) joins the helper first and finds the plan and the
+compiled kernels ready. Stand-ins are fresh contiguous allocations, like the gradient autograd passes for a plain
+loss; a real call that differs (an output gradient with other strides, a used LSE) builds its own plan as it would
+have.
 
 Each kind of call (device, dtypes, head dims, layout, which options are on: `_kind`) is prepared once per process,
 so calls whose shapes change do not start a helper every time. The helper allocates the stand-ins and the
@@ -85,11 +87,16 @@ def prepare(q, k, v, req, bias_requires_grad, stream=None):
                 _ops.backward(dout, q, k, v, out, lse, None, req, bias_requires_grad)
 
 
-def _helper(q, k, v, req, bias_requires_grad, stream):
+def _helper(q, k, v, req, bias_requires_grad, stream, place=None):
+    from .kernels import _compiling
     try:
-        prepare(q, k, v, req, bias_requires_grad, stream)
+        with _compiling.ranked(0):
+            prepare(q, k, v, req, bias_requires_grad, stream)
     except Exception:  # noqa: BLE001 - the real backward compiles (or raises) itself
         pass
+    finally:
+        if place is not None:
+            _compiling.FRONT_ENDS.release(place)
 
 
 def start(q, k, v, req, bias_requires_grad):
@@ -107,12 +114,19 @@ def start(q, k, v, req, bias_requires_grad):
         _PREPARED.add(kind)
     if _transient_bytes(q, k, v) > torch.cuda.mem_get_info(q.device)[0] * MAX_FREE_SHARE:
         return  # the helper's buffers would crowd the forward's: the backward compiles when it runs
-    # Triton's driver is made once per process, by this thread, before the helper compiles anything.
+    # Triton's driver is made once per process, by this thread, before the helper compiles anything; where this
+    # process is going to compile, Triton's key is computed meanwhile (kernels/_compiling.py).
     import triton
+    from .kernels import _compiling, _index
+    if _launch._builds_launchers() and _index.empty():
+        _compiling.TRITON_KEY.start()
     triton.runtime.driver.active.get_current_target()
+    # The helper's compiles take their turns at Triton's front end before the forward's, which starts first: its
+    # place is held until its first compile starts (kernels/_compiling.py).
+    place = _compiling.FRONT_ENDS.hold(0)
     helper = threading.Thread(target=_helper, name="flashtile-compile-ahead", daemon=True,
                               args=(q.detach(), None if k is None else k.detach(), None if v is None else v.detach(),
-                                    req, bias_requires_grad, torch.cuda.current_stream(q.device)))
+                                    req, bias_requires_grad, torch.cuda.current_stream(q.device), place))
     with _LOCK:
         if not _PENDING and not _EXIT_HOOK:
             # A process that ends before its backward waits for the helper (a daemon thread compiling in native code
@@ -120,7 +134,11 @@ def start(q, k, v, req, bias_requires_grad):
             atexit.register(wait)
             _EXIT_HOOK.append(True)
         _PENDING.append(helper)
-    helper.start()
+    try:
+        helper.start()
+    except BaseException:
+        _compiling.FRONT_ENDS.release(place)
+        raise
 
 
 def pending():

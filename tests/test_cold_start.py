@@ -22,7 +22,7 @@ import triton.language as tl
 import flashtile
 from flashtile import _ahead, _ops, dispatch
 from flashtile._settings import override
-from flashtile.kernels import _index, _launch
+from flashtile.kernels import _compiling, _index, _launch
 from flashtile.request import AttentionRequest
 from flashtile.testing import make_qkv
 
@@ -46,23 +46,23 @@ def test_compile_only_launches_run_nothing():
 
 def test_background_launches_compile_aside_and_the_block_waits(monkeypatch):
     """Under compile_only a Bound launch made with background=True returns at once and compiles in a thread of its
-    own (named after the caller's), still compile-only; the block's end waits for it. Outside the block it launches
-    as usual."""
+    own (named after the caller's, at its rank at Triton's front end: kernels/_compiling.py), still compile-only; the
+    block's end waits for it. Outside the block it launches as usual."""
     seen = []
 
     def slow_jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
         time.sleep(0.2)
-        seen.append((threading.current_thread().name, _launch.dry(), args))
+        seen.append((threading.current_thread().name, _launch.dry(), _compiling.rank(), args))
         return None, None
 
     x = torch.zeros(40)
     bound = _launch.Bound(_fill_kernel, (1,), (40, 3.0), {"BLOCK": 64}, {}, background=True)
     with monkeypatch.context() as patch:
         patch.setattr(_launch, "_jit_launch", slow_jit_launch)
-        with _launch.compile_only():
+        with _launch.compile_only(), _compiling.ranked(0):
             assert bound(None, x) is None
             assert not seen, "the launch waited for its compile"
-        assert seen == [(f"{threading.current_thread().name}/compile", True, (x, 40, 3.0))]
+        assert seen == [(f"{threading.current_thread().name}/compile", True, 0, (x, 40, 3.0))]
     assert not _launch.dry()
     bound(None, x)
     assert torch.equal(x, torch.full((40,), 3.0))
@@ -97,12 +97,15 @@ class _Src:
         self.signature = {"desc": "tensordesc<bf16[64, 64],shared>", "n": "i32", "BLOCK": "constexpr"}
         self.constants = {"BLOCK": 64}
 
+    def make_ir(self, *args):  # (Triton's compile calls it: True when it runs in its turn, kernels/_compiling.py)
+        return threading.get_ident() in _compiling.FRONT_ENDS._running
+
 
 def test_launcher_builds_while_the_kernel_compiles(monkeypatch):
     """Where Triton builds a C launcher per kernel (3.6), a kernel's first compile first starts the launcher's build
     in a thread of its own, from the source's signature and constants with its descriptors taken as TMA ones, then
-    compiles; a kernel is wrapped once (after Triton has made the device's caches, which set its compile), and not
-    at all where Triton builds no launchers. A failing guess leaves the compile alone."""
+    compiles, its front end in its turn; a kernel is wrapped once (after Triton has made the device's caches, which
+    set its compile), and not at all where Triton builds no launchers. A failing guess leaves the compile alone."""
     from triton.backends.nvidia import driver
     made, built, compiled = [], [], []
     monkeypatch.setattr(driver, "make_launcher", lambda *a: made.append(a) or "launcher source", raising=False)
@@ -139,6 +142,7 @@ def test_launcher_builds_while_the_kernel_compiles(monkeypatch):
     assert kernel.compile(src, target="sm90") == "kernel"
     # The launcher was made before the compile, and builds beside it.
     assert compiled == [(src, "sm90", [({(2, ): 64}, src.signature, [{}])], [])]
+    assert src.make_ir("sm90") is True, "the compile's front end takes its turn"
     deadline = time.time() + 5
     while not built and time.time() < deadline:
         time.sleep(0.01)

@@ -67,6 +67,16 @@ def _path(key, device_index):
     return pathlib.Path(triton.knobs.cache.dir) / _DIR / f"{name[:40]}.json"
 
 
+def empty():
+    """Whether this Triton cache holds no file of flashtile's index (of any salt): a process that is going to compile
+    its kernels (kernels/_compiling.py starts Triton's key for it)."""
+    try:
+        with os.scandir(pathlib.Path(triton.knobs.cache.dir) / _DIR) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return True
+
+
 def _tuples(x):
     return tuple(map(_tuples, x)) if isinstance(x, list) else x
 

@@ -24,6 +24,7 @@ import torch
 import triton
 
 from .._settings import SETTINGS
+from . import _compiling
 
 # Compiled kernels kept; past this many keys the cache starts over.
 MAX_KEYS = 4096
@@ -204,8 +205,10 @@ class _LauncherAhead:
     first call paid it after the forward's compile and again after the backward's (docs/design-record.md, "Cold
     start"). The launcher's source depends on the signature and constants alone, known before the compile, plus
     whether each tensor descriptor is a TMA descriptor (the Hopper kernels' are), so it is built while the kernel
-    compiles; Triton then finds it in its cache. A guess that turns out wrong costs a build nobody uses. Newer
-    Triton launches every kernel through one launcher (nothing to build): `wrap` leaves kernels alone there."""
+    compiles; Triton then finds it in its cache. A guess that turns out wrong costs a build nobody uses. The compile
+    then waits for Triton's key if a thread is computing it, and its front end takes its turn with the other
+    compiles' (_compiling.py). Newer Triton launches every kernel through one launcher (nothing to build): `wrap`
+    leaves kernels alone there."""
     __slots__ = ("compile", )
 
     def __init__(self, compile_fn):
@@ -233,7 +236,14 @@ class _LauncherAhead:
             _LauncherAhead.start(src)
         except Exception:  # noqa: BLE001 - Triton builds the launcher itself, as without this
             pass
-        return self.compile(src, *args, **kwargs)
+        front_ends = _compiling.FRONT_ENDS
+        number = front_ends.ticket()
+        try:
+            front_ends.wrap(src, number)
+            _compiling.TRITON_KEY.join()
+            return self.compile(src, *args, **kwargs)
+        finally:
+            front_ends.drop(number)
 
     @staticmethod
     def start(src):
@@ -533,12 +543,13 @@ class Bound:
         docstring) and compile_aside. Not a daemon: a process that ends while it compiles waits for it (a daemon
         thread killed inside the compiler's C++ aborts the process)."""
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        rank = _compiling.rank()
 
         def work():
             for other in after:
                 other.join()
             try:
-                with compile_only():
+                with compile_only(), _compiling.ranked(rank):
                     if device is not None:
                         torch.cuda.set_device(device)
                     _, entry = _jit_launch(self.kernel, self.grid, args, self.constexprs, self.options)
