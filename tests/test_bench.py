@@ -687,8 +687,29 @@ def test_cold_children_get_the_bytecode_an_installation_has(monkeypatch):
         cold.build_parser().parse_args(["--bytecode", "compiled"])
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                   ".git")), reason="needs the git checkout")
+def test_cold_bar_takes_the_median_of_the_cold_runs(monkeypatch):
+    """bench cold --cold-runs: each cold run gets an empty Triton cache of its own, the warm runs the first one's, and
+    the bar judges the median cold run's first call (the slowest import of every run)."""
+    from flashtile.bench import cold
+    assert cold.build_parser().parse_args([]).cold_runs == 3
+    seen, firsts = [], iter([9.0, 6.0, 4.0, 5.5, 0.1, 0.2])
+
+    def fake_child(cache_dir, timeout, pycache=None, **env):
+        seen.append((cache_dir, env))
+        return dict(first_call_s=next(firsts), import_torch_s=1.0, import_flashtile_s=0.02, torch_first_grad_s=0.3,
+                    second_call_s=0.1, compiled=[], launcher_builds_s=[], timeline=[])
+    monkeypatch.setattr(cold, "run_child", fake_child)
+    got = cold.measure("/tmp/c", 2, 10, cold_runs=3)
+    assert [d for d, _ in seen] == ["/tmp/c/ahead-off", "/tmp/c/default", "/tmp/c/cold-1", "/tmp/c/cold-2",
+                                    "/tmp/c/default", "/tmp/c/default"]
+    assert seen[0][1] == {"FLASHTILE_COMPILE_AHEAD": "0"} and seen[1][1] == {}
+    assert [r["first_call_s"] for r in got["cold_runs"]] == [6.0, 4.0, 5.5] and got["cold"]["first_call_s"] == 5.5
+    (_, passed, detail), warm, imported = cold.bars(got["cold_runs"], got["warm"])
+    assert passed is False and detail == "5.50 s (median of 3: 6.00, 4.00, 5.50)"
+    assert warm[1] is True and imported[1] is True
+    assert cold.bars(got["cold_runs"][1:2], got["warm"])[0][1:] == (True, "4.00 s")
+
+
 def _load_ab(name):
     """benchmarks/ab.py loaded as a module under name (it is a script, not part of the package)."""
     import importlib.util
@@ -699,6 +720,8 @@ def _load_ab(name):
     return ab
 
 
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                   ".git")), reason="needs the git checkout")
 def test_ab_base_copy_runs_beside_the_checkout(tmp_path):
     """benchmarks/ab.py's base tree: HEAD's package extracted as flashtile_base, its ops in a namespace of their own,
     importable beside the checkout's flashtile without sharing a module with it, and computing what it computes."""

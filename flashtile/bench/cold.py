@@ -1,19 +1,20 @@
 """Cold start: the time a fresh process takes to import flashtile and to run its first call, with an empty Triton
 cache (cold: every kernel compiles) and again with the cache the cold run filled (warm: kernels load from disk).
 
-    python -m flashtile bench cold [--out DIR] [--runs 2]        # on a CUDA GPU
+    python -m flashtile bench cold [--out DIR] [--runs 2] [--cold-runs 3]        # on a CUDA GPU
 
 Each run starts new Python processes (`python -c` of this module's child code): one with TRITON_CACHE_DIR set to a
 fresh empty folder and the compile-ahead off (FLASHTILE_COMPILE_AHEAD=0: forward and backward compile one after the
-other, flashtile/_ahead.py), one with another empty folder as flashtile runs by default, then --runs with that
-folder filled. A child times, in order: `import torch`, `import flashtile` on top of it, CUDA's start (the first
+other, flashtile/_ahead.py), --cold-runs each with another empty folder as flashtile runs by default, then --runs
+with the first of those folders filled. A child times, in order: `import torch`, `import flashtile` on top of it, CUDA's start (the first
 tensor on the GPU: the inputs), torch's own first autograd.grad on a tiny tensor (torch imports sympy there, seconds
 where the installed packages have no cached bytecode: torch's cost, timed apart), the first causal forward+backward
 at B4 S4096 H16 d128 bf16 (synchronised), and a second such call. It also records what Triton compiled or loaded
 during the first call (triton.knobs.compilation.listener: each kernel's name, cache hit, thread, and compile time by
 stage) and the time spent building launchers (triton.runtime.build.compile_module_from_src), with a timeline of
 the first call (each compile's and build's thread, start and end; the log prints the cold runs'). The issue's bars:
-first call at most 5 s cold and 0.3 s warm; `import flashtile` at most 0.3 s on top of `import torch`. Writes
+first call at most 5 s cold (the median of the cold runs: a host's speed moves one process's compile by a second or
+more) and 0.3 s warm; `import flashtile` at most 0.3 s on top of `import torch`. Writes
 <date>-<gpu>-cold.json to --out.
 
 Python's compiled bytecode: an installed package has it (pip compiles every module when it installs), but an
@@ -142,11 +143,16 @@ def timeline(row):
                      for e in row.get("timeline", ()))
 
 
-def bars(cold, warm):
-    """(description, passed, detail) of the issue's cold-start bars."""
+def bars(colds, warm):
+    """(description, passed, detail) of the issue's cold-start bars (colds: the cold runs; the bar takes the median's
+    first call)."""
+    cold = median_run(colds)
     worst_warm = max(r["first_call_s"] for r in warm)
-    worst_import = max(r["import_flashtile_s"] for r in [cold] + warm)
-    return [(f"cold first call <= {BAR_COLD_S} s", cold["first_call_s"] <= BAR_COLD_S, f"{cold['first_call_s']:.2f} s"),
+    worst_import = max(r["import_flashtile_s"] for r in colds + warm)
+    detail = f"{cold['first_call_s']:.2f} s"
+    if len(colds) > 1:
+        detail += f" (median of {len(colds)}: " + ", ".join(f"{r['first_call_s']:.2f}" for r in colds) + ")"
+    return [(f"cold first call <= {BAR_COLD_S} s", cold["first_call_s"] <= BAR_COLD_S, detail),
             (f"warm first call <= {BAR_WARM_S} s", worst_warm <= BAR_WARM_S, f"{worst_warm:.3f} s (slowest run)"),
             (f"import flashtile <= {BAR_IMPORT_S} s on top of torch", worst_import <= BAR_IMPORT_S,
              f"{worst_import:.3f} s (slowest run)")]
@@ -156,24 +162,38 @@ def build_parser(prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"results folder (default ./{DEFAULT_OUT})")
-    p.add_argument("--runs", type=int, default=2, help="warm runs after the cold one (default 2)")
+    p.add_argument("--runs", type=int, default=2, help="warm runs after the cold ones (default 2)")
+    p.add_argument("--cold-runs", type=int, default=3,
+                   help="cold runs, each with an empty Triton cache; the bar takes their median (default 3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a child may take (default 300)")
     p.add_argument("--bytecode", choices=("installed", "as-is", "both"), default="installed",
                    help="Python bytecode as an installation has it, the environment as it is, or both (see below)")
     return p
 
 
-def measure(root, runs, timeout, pycache=None):
-    """{cold_compile_ahead_off, cold, warm: [...]} of one bytecode setting, Triton caches under root."""
+def median_run(rows):
+    """The run whose first call is the median (the lower middle one of an even count)."""
+    return sorted(rows, key=lambda r: r["first_call_s"])[(len(rows) - 1) // 2]
+
+
+def measure(root, runs, timeout, pycache=None, cold_runs=1):
+    """{cold_compile_ahead_off, cold (the median cold run), cold_runs: [...], warm: [...]} of one bytecode setting,
+    Triton caches under root."""
     off = run_child(root + "/ahead-off", timeout, pycache, FLASHTILE_COMPILE_AHEAD="0")
     log(f"cold, compile-ahead off: {summary(off)}\n{timeline(off)}")
-    cold = run_child(root + "/default", timeout, pycache)
-    log(f"cold: {summary(cold)}\n{timeline(cold)}")
+    colds = []
+    for i in range(max(1, cold_runs)):
+        colds.append(run_child(root + ("/default" if i == 0 else f"/cold-{i}"), timeout, pycache))
+        log(f"cold {i + 1}: {summary(colds[-1])}\n{timeline(colds[-1])}")
+    cold = median_run(colds)
+    if len(colds) > 1:
+        times = ", ".join(f"{r['first_call_s']:.2f}" for r in colds)
+        log(f"cold first calls: {times} s; median {cold['first_call_s']:.2f} s")
     warm = []
     for i in range(runs):
         warm.append(run_child(root + "/default", timeout, pycache))
         log(f"warm {i + 1}: {summary(warm[-1])}")
-    return {"cold_compile_ahead_off": off, "cold": cold, "warm": warm}
+    return {"cold_compile_ahead_off": off, "cold": cold, "cold_runs": colds, "warm": warm}
 
 
 def main(argv=None, prog=None):
@@ -190,14 +210,15 @@ def main(argv=None, prog=None):
             log("priming the children's bytecode (one untimed call)")
             run_child(cache_dir + "/prime", args.timeout, pycache)
             log("bytecode as installed:")
-            results["installed"] = measure(cache_dir + "/installed", args.runs, args.timeout, pycache)
+            results["installed"] = measure(cache_dir + "/installed", args.runs, args.timeout, pycache, args.cold_runs)
         if args.bytecode in ("as-is", "both"):
             log(f"bytecode as the environment has it (PYTHONDONTWRITEBYTECODE="
                 f"{os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r}):")
-            results["as-is"] = measure(cache_dir + "/as-is", args.runs, args.timeout)
+            results["as-is"] = measure(cache_dir + "/as-is", args.runs, args.timeout, cold_runs=args.cold_runs)
     main_result = results.get("installed", results.get("as-is"))
     cold, off, warm = main_result["cold"], main_result["cold_compile_ahead_off"], main_result["warm"]
-    checks = bars(cold, warm)
+    cold_runs = main_result["cold_runs"]
+    checks = bars(cold_runs, warm)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": dist_version("triton"), "flashtile_commit": commit(),
@@ -205,8 +226,8 @@ def main(argv=None, prog=None):
             "argv": sys.argv[1:] if argv is None else list(argv),
             "bytecode": "installed" if "installed" in results else "as-is"}
     out_path = report_bars(checks, args.out, meta["gpu"], "cold", meta["date"][:10],
-                           {"metadata": meta, "cold": cold, "cold_compile_ahead_off": off, "warm": warm,
-                            "by_bytecode": results})
+                           {"metadata": meta, "cold": cold, "cold_runs": cold_runs, "cold_compile_ahead_off": off,
+                            "warm": warm, "by_bytecode": results})
     log(f"wrote {out_path}")
     return 0
 
