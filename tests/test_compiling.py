@@ -248,20 +248,3 @@ def test_the_helper_compiles_at_rank_0_and_releases_its_place(monkeypatch, fails
     _ahead._helper(None, None, None, None, False, None, place)
     assert seen == [0] and _compiling.rank() == _compiling.DEFAULT_RANK
     assert place not in _compiling.FRONT_ENDS._holds
-
-
-def test_a_jit_launch_starts_the_key(monkeypatch):
-    """A launch that takes Triton's JIT (no kernel in the compile cache or the index) starts the key's thread first,
-    where flashtile wraps Triton's compiles; elsewhere it does not."""
-    started, calls = [], []
-    monkeypatch.setattr(_compiling, "TRITON_KEY", type("Key", (), {"start": lambda self: started.append(1)})())
-    monkeypatch.setattr(_launch._LauncherAhead, "wrap", staticmethod(lambda kernel: None))
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((grid, args)) or None
-    for builds, want in ((False, []), (True, [1])):
-        monkeypatch.setattr(_launch, "_builds_launchers", lambda: builds)
-        _launch._jit_launch(Kernel(), (1,), (3,), {}, {})
-        assert started == want
-    assert calls == [((1,), (3,))] * 2

@@ -297,10 +297,6 @@ def _jit_launch(kernel, grid, args, constexprs, options, key=None, stream=None):
             _run(compiled, grid, stream, args, _tail(kernel, args, constexprs))
     if compiled is None:
         _LauncherAhead.wrap(kernel)
-        if _builds_launchers():
-            # A compile, or at least Triton's cache lookup, follows: its key is computed meanwhile (Triton's driver may
-            # be starting), and the compile waits for it (_compiling.py).
-            _compiling.TRITON_KEY.start()
         if dry():
             compiled = _compile(kernel, grid, args, constexprs, options)
         else:
