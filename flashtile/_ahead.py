@@ -115,11 +115,10 @@ def start(q, k, v, req, bias_requires_grad):
     if _transient_bytes(q, k, v) > torch.cuda.mem_get_info(q.device)[0] * MAX_FREE_SHARE:
         return  # the helper's buffers would crowd the forward's: the backward compiles when it runs
     # Triton's driver is made once per process, by this thread, before the helper compiles anything; where this
-    # process is going to compile, Triton's key is computed meanwhile (kernels/_compiling.py).
+    # process is going to compile, Triton's key is computed meanwhile (start_key).
     import triton
-    from .kernels import _compiling, _index
-    if _launch._builds_launchers() and _index.empty():
-        _compiling.TRITON_KEY.start()
+    from .kernels import _compiling
+    start_key()
     triton.runtime.driver.active.get_current_target()
     # The helper's compiles take their turns at Triton's front end before the forward's, which starts first: its
     # place is held until its first compile starts (kernels/_compiling.py).
@@ -139,6 +138,16 @@ def start(q, k, v, req, bias_requires_grad):
     except BaseException:
         _compiling.FRONT_ENDS.release(place)
         raise
+
+
+def start_key():
+    """Start computing Triton's key in a thread of its own (kernels/_compiling.py) where this process is likely to
+    compile: on a GPU, with Triton's compiles wrapped by flashtile (Triton 3.6), and no file of flashtile's index in
+    Triton's cache. Called on a plan miss (a forward without a backward passes it as dispatch.forward's
+    on_new_plan), before the plan's kernels, and Triton's driver with them, are made."""
+    from .kernels import _compiling, _index, _launch
+    if _launch._builds_launchers() and _index.empty():
+        _compiling.TRITON_KEY.start()
 
 
 def pending():

@@ -349,8 +349,9 @@ def attention(q, k, v, req: AttentionRequest):
                 return attention(q, k, v, req)
         if not _needs_grad(q, k, v, req.attn_bias, req.sinks):
             # Inference, or no input that requires grad: without autograd.Function's apply and saved tensors (7-12 us
-            # of Python a call on the CPU, more with the FP8 factors; docs/design-record.md, "Host overhead").
-            return forward(q, k, v, req)
+            # of Python a call on the CPU, more with the FP8 factors; docs/design-record.md, "Host overhead"). A new
+            # plan starts Triton's key first (_ahead.start_key).
+            return forward(q, k, v, req, _ahead.start_key)
         return _AttnFunction.apply(q, k, v, req, req.attn_bias, req.sinks)
     if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
         return _TransformAttn.apply(q, k, v, req, req.attn_bias, req.sinks)

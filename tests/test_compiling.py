@@ -248,3 +248,35 @@ def test_the_helper_compiles_at_rank_0_and_releases_its_place(monkeypatch, fails
     _ahead._helper(None, None, None, None, False, None, place)
     assert seen == [0] and _compiling.rank() == _compiling.DEFAULT_RANK
     assert place not in _compiling.FRONT_ENDS._holds
+
+
+def test_start_key_where_a_process_will_compile(monkeypatch, tmp_path):
+    """_ahead.start_key starts the key's thread only where flashtile wraps Triton's compiles and this Triton cache
+    holds no file of flashtile's index."""
+    from flashtile import _ahead
+    started = []
+    monkeypatch.setattr(_compiling, "TRITON_KEY", type("Key", (), {"start": lambda self: started.append(1)})())
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    for builds, want in ((False, []), (True, [1])):
+        monkeypatch.setattr(_launch, "_builds_launchers", lambda: builds)
+        _ahead.start_key()
+        assert started == want
+    (tmp_path / _index._DIR).mkdir()
+    (tmp_path / _index._DIR / "0123.json").write_text("{}")
+    _ahead.start_key()
+    assert started == [1], "a warm cache: no key"
+
+
+def test_a_forward_without_grad_starts_the_key_on_a_plan_miss(monkeypatch):
+    import torch
+
+    import flashtile
+    from flashtile import _ahead, dispatch
+    calls = []
+    monkeypatch.setattr(_ahead, "start_key", lambda: calls.append(1))
+    q, k, v = (torch.randn(1, 33, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    dispatch._PLANS.clear()
+    flashtile.flash_attn_func(q, k, v, causal=True)
+    assert calls == [1]
+    flashtile.flash_attn_func(q, k, v, causal=True)
+    assert calls == [1], "the plan was found: nothing new to compile"

@@ -25,9 +25,10 @@ Triton's key (`TRITON_KEY`). Triton's disk cache key starts with `triton_key()`,
 hosts, on the first compile's path, and by every thread that compiles before one of them has stored it (four at once
 in that call, one of them taking up to 2.3 s). `start` computes it in a thread of its own while Triton's driver
 builds its utilities (the C compiler, ~0.3 s in a process whose Triton cache is empty), and `join` makes a compile
-wait for that thread rather than compute the key again. flashtile/_ahead.py starts it where a process is likely to
-compile: when this Triton cache holds no file of flashtile's index (kernels/_index.py), as a fresh cache does. A
-warm process finds its kernels through the index without the key, so it does not start it.
+wait for that thread rather than compute the key again. flashtile/_ahead.py starts it (`start_key`) at a forward's
+plan miss, before the plan makes Triton's driver, where a process is likely to compile: when this Triton cache holds
+no file of flashtile's index (kernels/_index.py), as a fresh cache does. A warm process finds its kernels through the
+index without the key, so it does not start it.
 
 Both are used by `_launch._LauncherAhead`, which wraps the compiles of kernels flashtile launches (Triton 3.6).
 """
