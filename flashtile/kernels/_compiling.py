@@ -112,7 +112,8 @@ class FrontEnds:
         self._remove(self._holds, token)
 
     def _first(self, number):
-        mine = (self._tickets.get(number, rank()), number)
+        """Whether ticket `number` may start its front end now (the caller holds the condition's lock)."""
+        mine = (self._tickets.get(number, DEFAULT_RANK), number)
         if self._running or any(held < mine[0] for held in self._holds.values()):
             return False
         return all((value, other) >= mine for other, value in self._tickets.items())
