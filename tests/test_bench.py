@@ -794,3 +794,40 @@ def test_ab_shapes_with_v_head_dim():
     plain = ab.parse_args(["--headdim", "64,128", "--seqlen", "2k", "--causal", "0"])
     assert ab.shapes(plain) == [(8, 32, 2048, 64, 64, False), (8, 16, 2048, 128, 128, False)]
     assert plain.mode == ["fwd", "bwd"]
+
+
+def test_cold_child_times_the_key_and_front_ends(monkeypatch):
+    """bench cold's child wraps Triton's key and the sources' make_ir so that the first call's timeline shows them
+    (spans of 1 ms or more, named by the kernel); run here, its wrappers restored afterwards."""
+    import threading
+    import time
+
+    import triton
+    import triton.runtime.cache as triton_cache
+    from triton.compiler.compiler import ASTSource
+    from triton.runtime import build
+
+    from flashtile.bench import cold
+    import triton.backends.nvidia.driver as driver
+    for owner, name in ((triton_cache, "triton_key"), (ASTSource, "make_ir"), (build, "compile_module_from_src"),
+                        (driver, "compile_module_from_src"), (triton.knobs.compilation, "listener")):
+        monkeypatch.setattr(owner, name, getattr(owner, name, None), raising=False)
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource
+        monkeypatch.setattr(GluonASTSource, "make_ir", GluonASTSource.make_ir)
+    except ImportError:
+        pass
+    setup = "events, builds, timeline" + cold.CHILD.split("events, builds, timeline", 1)[1].split("b, s, h, d =")[0]
+    env = dict(time=time, threading=threading, triton=triton, build=build)
+    exec(setup, env)
+    monkeypatch.setattr(ASTSource, "make_ir", env["spanned"](env["front_end"], lambda src: time.sleep(0.002)))
+    env["started"][0] = time.perf_counter()
+
+    def _fill_like_kernel():
+        pass
+    triton_cache.triton_key()
+    ASTSource.make_ir(type("Src", (), {"fn": _fill_like_kernel})())
+    ASTSource.make_ir(type("Src", (), {})())
+    whats = [e["what"] for e in env["timeline"]]
+    assert whats[-2:] == ["front end _fill_like_kernel", "front end ?"], whats
+    assert all(e["thread"] == threading.current_thread().name and e["end_s"] >= e["start_s"] for e in env["timeline"])
