@@ -87,7 +87,7 @@ def prepare(q, k, v, req, bias_requires_grad, stream=None):
                 _ops.backward(dout, q, k, v, out, lse, None, req, bias_requires_grad)
 
 
-def _helper(q, k, v, req, bias_requires_grad, stream, place=None):
+def _helper(q, k, v, req, bias_requires_grad, stream, place):
     from .kernels import _compiling
     try:
         with _compiling.ranked(0):
@@ -95,8 +95,7 @@ def _helper(q, k, v, req, bias_requires_grad, stream, place=None):
     except Exception:  # noqa: BLE001 - the real backward compiles (or raises) itself
         pass
     finally:
-        if place is not None:
-            _compiling.FRONT_ENDS.release(place)
+        _compiling.FRONT_ENDS.release(place)
 
 
 def start(q, k, v, req, bias_requires_grad):
