@@ -32,11 +32,15 @@ configs = lazy_module(".kernels.configs", globals())
 features = lazy_module(".kernels.features", globals())
 hopper_bwd = lazy_module(".kernels.hopper_bwd", globals())
 
-# Head dims the Gluon kernels are compiled for (q, k and v alike): the forward's (hopper_fwd.TILE_DIM's keys; that
-# module imports Triton, this one does not), the backward's.
-GLUON_FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-GLUON_HEAD_DIMS = (64, 96, 128, 192, 256)  # (d96 on d128's tiles, d192 on d256's: hopper_bwd.TILE_DIM)
-# The backward's head dims without ALiBi, an attn_mask or dropout (hopper_bwd._bwd_step_wide's split of a 64-key
+# Head dims the Gluon kernels are written for (hopper_fwd.TILE_DIM's keys; that module imports Triton, this one does
+# not): d96 on d128's tiles, d192 on d256's. Every other head dim that is a multiple of 8 from GLUON_MIN_HEAD_DIM to
+# 256 runs the path of the next of them (hopper_fwd.kernel_dim: d80 d96's, d112 d128's, d160 d192's, d224 d256's),
+# its tiles' columns past it zero-filled by TMA on the loads and masked on the stores: on an H200 at 4k the portable
+# kernels had run d80, d112 and d160 at 0.61-0.85x cuDNN (docs/design-record.md, "Every head dim on the Hopper
+# kernels"). Below GLUON_MIN_HEAD_DIM the portable kernels, whose tiles are as wide as the head dim, stay faster.
+GLUON_KERNEL_DIMS = (64, 96, 128, 192, 256)
+GLUON_MIN_HEAD_DIM = 40
+# The backward's kernel dims without ALiBi, an attn_mask or dropout (hopper_bwd._bwd_step_wide's split of a 64-key
 # block between the warpgroups has none of them, nor MLA's _bwd_step_halves; the portable backward takes those calls).
 GLUON_BWD_PLAIN_HEAD_DIMS = (192, 256)
 # (q/k head dim, v head dim) pairs whose forward runs on the Gluon kernel although they differ: MLA's 192/128
@@ -57,7 +61,18 @@ GLUON_BWD_FLOAT_BIAS_HEAD_DIMS = (128,)
 # short mean key length is slow: at 1k, d64 (B16 H32, H200) it ran at 0.92-0.95x the portable backward (every
 # program has only 8 query tiles to spread its prologue over). Those whose mean key length is below this (by head
 # dim) take the portable backward.
-GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0, 192: 0, 256: 0}
+GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0, 192: 0, 256: 0}  # (by kernel_dim)
+
+
+def gluon_head_dim(head_dim):
+    """Whether the Gluon kernels take this head dim (q's and k's; v's alike, or MLA's pair): a multiple of 8 from
+    GLUON_MIN_HEAD_DIM to 256."""
+    return head_dim % 8 == 0 and GLUON_MIN_HEAD_DIM <= head_dim <= GLUON_KERNEL_DIMS[-1]
+
+
+def kernel_dim(head_dim):
+    """The Gluon kernel head dim whose path a head dim the kernels take runs (hopper_fwd.kernel_dim)."""
+    return next(d for d in GLUON_KERNEL_DIMS if d >= head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +133,12 @@ class _KernelBackend:
 
 class GluonHopper(_KernelBackend):
     name = "gluon-hopper"
-    summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dim 64, 96, 128, 192 or "
-               "256, and MLA's 192/128 (the backward: without ALiBi, attn_mask or dropout at 192 and 256); "
-               "float8_e4m3fn forward at head dim 128")
+    summary = ("warp-specialized Gluon kernels for Hopper (H100/H200), fp16/bf16, head dims that are multiples of 8 "
+               "from 40 to 256 (on the tiles of 64, 96, 128, 192 or 256), and MLA's 192/128 (the backward: without "
+               "ALiBi, attn_mask or dropout above 128); float8_e4m3fn forward at head dim 128")
 
     @staticmethod
-    def _decline_inputs(q, k, v, req, target, head_dims=GLUON_HEAD_DIMS, fp8=False, split=()):
+    def _decline_inputs(q, k, v, req, target, fp8=False, split=()):
         if not _gluon.AVAILABLE:
             return "this Triton has no Gluon dialect (triton.experimental.gluon); Triton >= 3.5 has it"
         if target.device != "cuda":
@@ -134,11 +149,11 @@ class GluonHopper(_KernelBackend):
         if q.dtype not in (torch.float16, torch.bfloat16) and not (fp8 and q.dtype == torch.float8_e4m3fn):
             return f"needs float16 or bfloat16{' or float8_e4m3fn' if fp8 else ''} inputs, got {q.dtype}"
         dims = (q.shape[-1], v.shape[-1])
-        if q.shape[-1] not in head_dims or k.shape[-1] != q.shape[-1] or (v.shape[-1] != q.shape[-1]
-                                                                          and dims not in split):
+        if not gluon_head_dim(q.shape[-1]) or k.shape[-1] != q.shape[-1] or (v.shape[-1] != q.shape[-1]
+                                                                             and dims not in split):
             pairs = "".join(f" (or {a} for q and k with {b} for v)" for a, b in split)
-            return (f"needs head dim {' or '.join(map(str, head_dims))} for q, k and v alike{pairs}, got "
-                    f"{q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}")
+            return (f"needs a head dim that is a multiple of 8 from {GLUON_MIN_HEAD_DIM} to {GLUON_KERNEL_DIMS[-1]} "
+                    f"for q, k and v alike{pairs}, got {q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}")
         if not configs._tma_ok((q, k, v)):
             return ("needs 16-byte aligned data pointers and strides (TMA descriptors); call .contiguous() on "
                     "q, k, v")
@@ -165,13 +180,12 @@ class GluonHopper(_KernelBackend):
     def decline_forward(self, q, k, v, req, target):
         if not SETTINGS.gluon_forward:
             return "turned off (FLASHTILE_GLUON=0 or SETTINGS.gluon_forward)"
-        reason = self._decline_inputs(q, k, v, req, target, GLUON_FWD_HEAD_DIMS, fp8=True,
-                                      split=GLUON_FWD_SPLIT_DIMS)
+        reason = self._decline_inputs(q, k, v, req, target, fp8=True, split=GLUON_FWD_SPLIT_DIMS)
         if reason is None and q.dtype == torch.float8_e4m3fn:
             return self._decline_fp8(q, req)
         if reason is None and (req.attn_bias is not None or req.dropout_p > 0):
             from .kernels import hopper_fwd
-            if hopper_fwd.TILE_DIM[q.shape[-1]] in hopper_fwd.NO_MASK_OR_DROPOUT_TILES:
+            if hopper_fwd.tile_dim(q.shape[-1]) in hopper_fwd.NO_MASK_OR_DROPOUT_TILES:
                 what = "an attn_mask" if req.attn_bias is not None else "dropout"
                 return f"{what} at head dim {q.shape[-1]} is not implemented in this forward"
         return reason
@@ -197,7 +211,7 @@ class GluonHopper(_KernelBackend):
         reason = self._decline_inputs(q, k, v, req, target, split=GLUON_BWD_SPLIT_DIMS)
         if reason is not None:
             return reason
-        if q.shape[-1] in GLUON_BWD_PLAIN_HEAD_DIMS:
+        if kernel_dim(q.shape[-1]) in GLUON_BWD_PLAIN_HEAD_DIMS:
             unsupported = [name for name, on in (("ALiBi", req.alibi_slopes is not None),
                                                  ("an attn_mask", req.attn_bias is not None),
                                                  ("dropout", req.dropout_p > 0)) if on]
@@ -212,7 +226,7 @@ class GluonHopper(_KernelBackend):
         if req.varlen and req.max_seqlen_k > hopper_bwd.PERSISTENT_MAX_SEQLEN_K:
             # The one-item grid: the mean key length stands for Sk (the threshold was measured at fixed length).
             seqlen_k = k.shape[0] / max(req.cu_seqlens_k.numel() - 1, 1)
-            minimum = GLUON_BWD_MIN_SEQLEN_K[q.shape[-1]]
+            minimum = GLUON_BWD_MIN_SEQLEN_K[kernel_dim(q.shape[-1])]
             if seqlen_k < minimum:
                 return (f"varlen, {seqlen_k:g} keys per sequence: below {minimum} at head dim {q.shape[-1]} the "
                         f"portable backward is faster")

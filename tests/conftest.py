@@ -66,7 +66,7 @@ def bwd_spy(monkeypatch, call_counter):
     monkeypatch.setattr(SETTINGS, "gluon_backward", True)
     monkeypatch.setattr(SETTINGS, "fast_launch", False)
     from flashtile import dispatch
-    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", dict.fromkeys(dispatch.GLUON_HEAD_DIMS, 0))
+    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", dict.fromkeys(dispatch.GLUON_KERNEL_DIMS, 0))
     return call_counter(hopper_bwd, "gluon_plan")
 
 

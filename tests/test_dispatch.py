@@ -87,11 +87,21 @@ def test_gluon_allow_list_reasons():
         mask = AttentionRequest(softmax_scale=0.125, attn_bias=torch.ones((2, 4, 256, 256), dtype=torch.bool))
         assert "attn_mask at head dim" in gluon.decline_backward(dout, qd, kd, vd, mask, H100)
     from flashtile.kernels import hopper_bwd
-    assert set(dispatch.GLUON_HEAD_DIMS) == set(hopper_bwd.TILE_DIM)
-    q80, k80, v80 = _qkv(d=80)
-    assert "head dim" in gluon.decline_forward(q80, k80, v80, req, H100)
+    assert set(dispatch.GLUON_KERNEL_DIMS) == set(hopper_bwd.TILE_DIM)
+    # Every multiple of 8 from GLUON_MIN_HEAD_DIM to 256 takes both kernels; others take the portable ones.
+    for d in (40, 72, 80, 112, 160, 200, 248):
+        qd, kd, vd = _qkv(d=d)
+        assert gluon.decline_forward(qd, kd, vd, req, H100) is None
+        assert gluon.decline_backward(torch.empty_like(qd), qd, kd, vd, req, H100) is None
+    for d in (32, 264):
+        qd, kd, vd = _qkv(d=d)
+        assert "multiple of 8 from 40 to 256" in gluon.decline_forward(qd, kd, vd, req, H100)
+        assert "multiple of 8 from 40 to 256" in gluon.decline_backward(torch.empty_like(qd), qd, kd, vd, req, H100)
+    # Above 128 the backward takes what d192's and d256's paths take.
+    q160, k160, v160 = _qkv(d=160)
+    assert "dropout at head dim 160" in gluon.decline_backward(torch.empty_like(q160), q160, k160, v160, drop, H100)
     from flashtile.kernels import hopper_fwd
-    assert set(dispatch.GLUON_FWD_HEAD_DIMS) == set(hopper_fwd.TILE_DIM)
+    assert set(dispatch.GLUON_KERNEL_DIMS) == set(hopper_fwd.TILE_DIM)
     qm, km, _ = _qkv(d=192)
     vm = _qkv(d=128)[2]  # MLA: q and k at 192, v at 128 take the forward and the backward
     assert gluon.decline_forward(qm, km, vm, req, H100) is None

@@ -57,6 +57,21 @@ SHAPES = [
     (1, 300, 50, 2, 2, 256, False, torch.float16),
     (2, 3000, 3100, 16, 4, 256, False, torch.bfloat16),
     (1, 4096, 4096, 8, 8, 256, True, torch.bfloat16),
+    # Every other multiple of 8 from 40 to 256 runs the path of the next of those head dims (hopper_fwd.kernel_dim),
+    # its columns past the head dim zero-filled: d40-d56 on d64's, d72-d88 on d96's, d104-d120 on d128's, d136-d184
+    # on d192's, d200-d248 on d256's.
+    (2, 1000, 1100, 4, 2, 48, True, torch.bfloat16),
+    (1, 1500, 777, 4, 2, 40, False, torch.float16),
+    (2, 1000, 1100, 4, 2, 80, True, torch.bfloat16),
+    (1, 777, 1500, 4, 4, 72, False, torch.float16),
+    (2, 3000, 3100, 16, 4, 80, False, torch.bfloat16),
+    (2, 1100, 1000, 4, 2, 112, True, torch.bfloat16),
+    (1, 1500, 777, 4, 2, 104, False, torch.float16),
+    (2, 1000, 1100, 4, 2, 160, True, torch.bfloat16),
+    (1, 777, 1500, 4, 4, 136, False, torch.float16),
+    (2, 3000, 3100, 8, 4, 160, True, torch.bfloat16),
+    (2, 1000, 1100, 4, 2, 224, True, torch.bfloat16),
+    (1, 1100, 1000, 4, 4, 200, False, torch.float16),
 ]
 
 
@@ -70,7 +85,7 @@ def test_against_reference(poison, spy, bwd_spy, b, sq, sk, h, hk, d, causal, dt
     dout = torch.randn(q.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(sq)).to(dtype)
     got = _fwd_bwd(q, k, v, dout, causal)
     assert len(spy) == 1, "the call did not take the Gluon forward"
-    gluon_bwd = d in dispatch.GLUON_HEAD_DIMS
+    gluon_bwd = dispatch.gluon_head_dim(d)
     assert len(bwd_spy) == gluon_bwd, f"head dim {d}: the Gluon backward {'not ' if gluon_bwd else ''}taken"
     # The backward reads the forward's LSE, so its gradients check that too.
     check_against_reference(got, q.detach(), k.detach(), v.detach(), dout, d ** -0.5, causal, sk - sq)
@@ -188,7 +203,7 @@ def test_mla_features(poison, bwd_spy, varlen):
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
+@pytest.mark.parametrize("d", (64, 80, 96, 112, 128, 160, 192, 224, 256))
 def test_matches_portable_kernel(monkeypatch, causal, d):
     q, k, v = make_qkv(2, 1500, 1700, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d, grad=False)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -343,7 +358,8 @@ def test_persistent_backward_work_list(poison, bwd_spy, bwd_grids):
 
 @pytest.mark.parametrize("kw,d,dtype", [
     (dict(bias=True), 128, torch.bfloat16),
-    ({}, 80, torch.bfloat16),
+    ({}, 32, torch.bfloat16),
+    ({}, 264, torch.float16),
     (dict(dropout_p=0.1), 256, torch.bfloat16),
     (dict(dropout_p=0.1), 192, torch.bfloat16),
     (dict(bias=True), 256, torch.bfloat16),
@@ -479,7 +495,7 @@ def test_backward_adds_dq_addend(monkeypatch, call_counter, varlen, d):
     from flashtile.request import AttentionRequest
     monkeypatch.setattr(SETTINGS, "gluon_backward", True)
     monkeypatch.setattr(SETTINGS, "fast_launch", True)
-    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", dict.fromkeys(dispatch.GLUON_HEAD_DIMS, 0))
+    monkeypatch.setattr(dispatch, "GLUON_BWD_MIN_SEQLEN_K", dict.fromkeys(dispatch.GLUON_KERNEL_DIMS, 0))
     plans = call_counter(hopper_bwd, "gluon_plan")
     q, k, v = make_qkv(2, 700, 900, 4, 2, d, torch.bfloat16, device=DEVICE, seed=d + varlen, grad=False)
     fields = dict(softmax_scale=d ** -0.5, window_right=0)

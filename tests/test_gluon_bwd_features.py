@@ -82,6 +82,12 @@ CASES = [
     (2, 1000, 1234, 8, 2, 256, torch.bfloat16, True, (300, 0), 5.0, None, True),
     (1, 777, 555, 4, 1, 192, torch.float16, False, (200, 100), 3.0, None, True),
     (1, 129, 1000, 2, 2, 192, torch.bfloat16, True, (500, 0), 4.0, None, False),
+    # Head dims on the next kernel head dim's path (hopper_fwd.kernel_dim), everything each path takes at once.
+    (1, 1000, 1234, 8, 2, 48, torch.bfloat16, True, (300, 0), 5.0, "BH", True),
+    (1, 1000, 1234, 8, 2, 80, torch.float16, True, (300, 0), 5.0, "H", True),
+    (1, 1000, 1234, 8, 2, 112, torch.bfloat16, True, (300, 0), 5.0, "BH", True),
+    (1, 777, 555, 4, 1, 160, torch.float16, False, (200, 100), 3.0, None, True),
+    (2, 1000, 1234, 8, 2, 224, torch.bfloat16, True, (300, 0), 5.0, None, True),
 ]
 
 
@@ -527,6 +533,11 @@ VARLEN_CASES = [
      False),
     ([513, 7, 250], [600, 9, 250], 8, 2, 256, torch.float16, True, (200, 0), 3.0, None, True),
     ([333, 700, 17], [333, 650, 190], 2, 2, 192, torch.bfloat16, False, (100, 20), 5.0, None, False),
+    ([513, 7, 250], [600, 9, 250], 8, 2, 80, torch.bfloat16, True, (200, 0), 3.0, "H", True),
+    ([0, 1, 130, 300, 64, 257], [5, 1, 130, 200, 0, 700], 4, 2, 112, torch.float16, True, (-1, -1), 0.0, None,
+     False),
+    ([333, 700, 17], [333, 650, 190], 2, 2, 160, torch.bfloat16, False, (100, 20), 5.0, None, False),
+    ([513, 7, 250], [600, 9, 250], 8, 2, 224, torch.float16, True, (200, 0), 3.0, None, True),
 ]
 
 

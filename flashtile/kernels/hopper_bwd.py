@@ -68,16 +68,24 @@ if AVAILABLE:
 BLOCK_NS = {64: 128, 128: 128, 256: 64}
 # Query rows per streamed tile, by tile width: each warpgroup's dQ share is a [64, 64] fp32 tile (see _bwd_step).
 BLOCK_M = {64: 128, 128: 64, 256: 64}
-HEAD_DIMS = (64, 96, 128, 192, 256)
 # The kernel's tile width by head dim: d96 runs d128's kernel and d192 d256's, their tiles' last columns
 # zero-filled by TMA on the loads and masked on the stores (PAD_D), as the forward does for d96 (hopper_fwd.TILE_DIM).
+# Every other head dim takes its kernel_dim's path (hopper_fwd.kernel_dim: d80 d96's, d112 d128's, d160 d192's,
+# d224 d256's), over its own zero-filled columns.
 TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 
 
+def kernel_dims(head_dim, head_dim_v):
+    """The (q/k, v) head dims whose kernel path a call takes (hopper_fwd.kernel_dim of each): the keys of
+    WIDE_ROLES, WIDE_OWNERS, WIDE_K_REGS and HALVES_DIMS."""
+    return hopper_fwd.kernel_dim(head_dim), hopper_fwd.kernel_dim(head_dim_v)
+
+
 def dq_width(head_dim):
-    """Columns per query row of the fixed-length dQ buffer (the kernel's dq_desc note): the tile width, but 192 at
-    d192 and MLA, whose tiles' fourth [64, 64] share (columns 192-255) would only be zeroed and read back."""
-    return 192 if head_dim == 192 else TILE_DIM[head_dim]
+    """Columns per query row of the fixed-length dQ buffer (the kernel's dq_desc note): the tile width, but 192 on
+    d192's path and MLA's, whose tiles' fourth [64, 64] share (columns 192-255) would only be zeroed and read back."""
+    kd = hopper_fwd.kernel_dim(head_dim)
+    return 192 if kd == 192 else TILE_DIM[kd]
 
 
 # Query tiles in flight (the ring of Q, LSE and delta; dO's too below 256, where dO has one buffer of its own).
@@ -179,7 +187,7 @@ def _dq_from_tiles_launch(dq, seqlen_q_pad, addend=None):
     """dq_from_tiles' launch for dq's shape and strides (and addend's, where given), bound: its call takes
     (stream, acc, dq, addend or acc)."""
     batch, seqlen_q, num_heads, head_dim = dq.shape
-    block_m = BLOCK_M[TILE_DIM[head_dim]]
+    block_m = BLOCK_M[hopper_fwd.tile_dim(head_dim)]
     shares = block_m * dq_width(head_dim) // 4096  # [64, 64] shares per query tile
     grid = (shares * seqlen_q_pad // block_m, batch * num_heads)
     add_strides = (0, 0, 0) if addend is None else addend.stride()[:3]
@@ -263,12 +271,12 @@ if AVAILABLE:
             self.FLAT = gl.constexpr(not VARLEN)
             self.ROTATE = gl.constexpr(not MASK_RIGHT)
             self.HALVES = gl.constexpr(HEAD_DIM == 256 and D == 192 and D_V == 128 and HALVES)
-            self.DQ_WIDTH = gl.constexpr(192 if HEAD_DIM == 256 and D == 192 else HEAD_DIM)  # (dq_width)
+            self.DQ_WIDTH = gl.constexpr(192 if HEAD_DIM == 256 and 128 < D <= 192 else HEAD_DIM)  # (dq_width)
             wide = HEAD_DIM == 256 and not self.HALVES
             self.WIDE = gl.constexpr(wide)
             self.ROLES = gl.constexpr(wide and ROLES)
-            self.OWNERS = gl.constexpr(wide and D == 192 and OWNERS and not ROLES)
-            self.K_REGS = gl.constexpr(wide and D == 192 and K_REGS and not ROLES)
+            self.OWNERS = gl.constexpr(wide and 128 < D <= 192 and OWNERS and not ROLES)
+            self.K_REGS = gl.constexpr(wide and 128 < D <= 192 and K_REGS and not ROLES)
             # A banded call's masked tiles may see none of a warpgroup's 64 keys (_dead_keys): that warpgroup then
             # computes nothing but its dQ share (_dead_step). On d128's tiles (d96 and d128), whose 64-row query tiles
             # meet a causal diagonal twice per 128-key block, the second warpgroup's keys unseen by the first:
@@ -277,7 +285,8 @@ if AVAILABLE:
             # whose tiles and bias gradient go through the step.
             self.SKIP_DEAD = gl.constexpr((MASK_RIGHT or MASK_LEFT) and BIAS == 0 and HEAD_DIM == 128)
             self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if HEAD_DIM == 256 else HEAD_DIM)
-            self.KV_SPLIT = gl.constexpr(HEAD_DIM == 128 and D == 96 and D_V == 96)
+            # (d96's path: head dims 72-96, their columns past D TMA's zeros.)
+            self.KV_SPLIT = gl.constexpr(HEAD_DIM == 128 and 64 < D <= 96 and D_V == D)
             self.dtype = gl.constexpr(dtype)
             kv_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 64 if self.KV_SPLIT else self.KV_COLS.value, 16])
@@ -992,7 +1001,7 @@ if AVAILABLE:
         q = smem.q.index(slot)
         do = smem.do.index(slot)
         zero = gl.zeros([64, cfg.BLOCK_M], gl.float32, layout=s_layout)
-        if cfg.D == 96:
+        if cfg.KV_SPLIT:
             # d96 on d128's tiles: S^T and dP^T sum over the head dim's 96 columns only (64 + 32), not over TMA's
             # zeros past them. (dV and dK have the head dim as their width: KV_SPLIT; dQ's shares keep 64 + 64.)
             st_tok = _head_dim_product(wg.k, q, zero, cfg.D)
@@ -1016,7 +1025,7 @@ if AVAILABLE:
             score = tt
         else:
             # (wgmma groups retire in order: dP^T's products may stay outstanding, one, or two at d96.)
-            st, dpt_tok = warpgroup_mma_wait(1 + (cfg.D == 96), deps=(st_tok, dpt_tok))
+            st, dpt_tok = warpgroup_mma_wait(1 + cfg.KV_SPLIT, deps=(st_tok, dpt_tok))
             score = st
         # Rows past Sq are padding: LSE = +inf there (P = 0) and delta = 0, so they need no mask; so is a row that
         # sees no key (the preprocess turned its LSE of -inf into +inf). Both are read as [1, BLOCK_M] rows of the
@@ -1116,7 +1125,7 @@ if AVAILABLE:
         _bwd_step). The columns past D are TMA's zero fill."""
         if D > 192:
             acc = warpgroup_mma(a, rows.permute((1, 0)), zero, use_acc=False, is_async=True)
-        elif D == 96:
+        elif D > 64 and D <= 96:
             acc = mma_over_96(a, rows, zero, False)
         elif D <= 128:
             acc = warpgroup_mma(a.slice(0, 128, dim=1), rows.slice(0, 128, dim=1).permute((1, 0)), zero,
@@ -1307,7 +1316,7 @@ if AVAILABLE:
         cfg = prog.cfg
         smem = prog.smem
         dq_zero = _dq_zero()
-        PAIR_V: gl.constexpr = cfg.D_V == 192
+        PAIR_V: gl.constexpr = cfg.D_V > 128
         if wg.half == 0:
             dv_tok = _kv_product(p_tile.permute((1, 0)), do, dv, PAIR_V)
             dq0_tok = warpgroup_mma(ds_tile, k.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
@@ -1632,7 +1641,7 @@ if AVAILABLE:
     def _owned_zeros(cfg, D: gl.constexpr):
         """OWNERS: a zero accumulator over a head dim of D columns: [64, 128], at 192 with a [64, 64] one."""
         acc = gl.zeros([64, 128], gl.float32, layout=cfg.kv_layout)
-        if D == 192:
+        if D > 128:
             return acc, gl.zeros([64, 64], gl.float32, layout=cfg.kv_layout_b)
         else:
             return acc
@@ -1687,7 +1696,7 @@ if AVAILABLE:
     @gluon.jit
     def _via_owned(prog, wg, ptr, stride_b, stride_s, stride_h, acc, D: gl.constexpr):
         """_store_owned through the warpgroup's staging tile (_via_tile)."""
-        if D == 192:
+        if D > 128:
             _via_tile(prog, wg, wg.dq, acc[0], ptr, stride_b, stride_s, stride_h, 0, D)
             _via_tile(prog, wg, wg.dq, acc[1], ptr, stride_b, stride_s, stride_h, 128, D)
         else:
@@ -1784,7 +1793,7 @@ if AVAILABLE:
     @gluon.jit
     def _store_owned(prog, wg, ptr, stride_b, stride_s, stride_h, acc, D: gl.constexpr):
         """OWNERS: store a warpgroup's accumulator (_owned_zeros's, over D columns) at ptr."""
-        if D == 192:
+        if D > 128:
             _store_kv_rows(prog, wg, ptr, stride_b, stride_s, stride_h, acc[0], 0, D)
             _store_kv_rows(prog, wg, ptr, stride_b, stride_s, stride_h, acc[1], 128, D)
         else:
@@ -1799,6 +1808,17 @@ if AVAILABLE:
         x = _rows_for_store(acc, ptr.dtype.element_ty, not cfg.WIDE and not cfg.HALVES and not cfg.BIAS)
         _store_rows(prog, wg, ptr, stride_b, stride_s, stride_h, x, col0, D)
 
+    @gluon.constexpr_function
+    def _masks_columns(cfg, D):
+        """Whether stores of dK's or dV's columns (head dim D) mask those from D on: KV_SPLIT's accumulators end at
+        96 columns and OWNERS' at 128 or 192, so d96, d128 and d192 need no mask there; every other padded head dim
+        (and every other path) does."""
+        if cfg.KV_SPLIT:
+            return D != 96
+        if cfg.OWNERS:
+            return D != 128 and D != 192
+        return True
+
     @gluon.jit
     def _store_rows(prog, wg, ptr, stride_b, stride_s, stride_h, x, col0: gl.constexpr, D: gl.constexpr):
         """Store x, the warpgroup's 64 rows of dK's or dV's columns from col0 (head dim D) in the buffer's dtype and
@@ -1810,7 +1830,7 @@ if AVAILABLE:
         if cfg.WIDE and not cfg.OWNERS:
             dcol += wg.half * cfg.KV_COLS  # (this warpgroup's columns: _bwd_step_wide)
         keep = gl.expand_dims(rows < prog.band.seqlen_k, 1)
-        if cfg.PAD_D and not cfg.KV_SPLIT and not cfg.OWNERS:  # (KV_SPLIT's and OWNERS' columns end at the head dim)
+        if cfg.PAD_D and _masks_columns(cfg, D):
             keep = keep & (dcol < D)
         k0 = prog.walk.k0.to(gl.int64)
         p = (ptr + prog.walk.i_b.to(gl.int64) * stride_b + prog.walk.i_hk.to(gl.int64) * stride_h + k0 * stride_s
@@ -2283,7 +2303,7 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
         # (batch, row) strides of the inputs, (batch, row, head) of the outputs: a packed tensor's batch stride is
         # 0 (the kernel bases each at its sequence's first row).
         strides = [(0, t.stride(0)) for t in (q, k, v, dout)] + [(0,) + t.stride()[:2] for t in (dk, dv)]
-        plan.acc_shape = tuple(q.shape[:-1]) + (TILE_DIM[head_dim], )
+        plan.acc_shape = tuple(q.shape[:-1]) + (hopper_fwd.tile_dim(head_dim), )
     else:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
@@ -2292,8 +2312,10 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
     # The scores in log2 units: st * qk_scale, or with a softcap tanh(st * pre_scale) * qk_scale (as the forward).
     qk_scale, pre_scale, _ = hopper_fwd.mod_scalars(req.softmax_scale, req.softcap)
     stride_alibi_b = feats.alibi_args(None)[1]
-    halves = (head_dim, v.shape[-1]) in HALVES_DIMS
-    block_m, block_n = BLOCK_M[TILE_DIM[head_dim]], 128 if halves else BLOCK_NS[TILE_DIM[head_dim]]
+    dims = kernel_dims(head_dim, v.shape[-1])
+    halves = dims in HALVES_DIMS
+    tile = hopper_fwd.tile_dim(head_dim)
+    block_m, block_n = BLOCK_M[tile], 128 if halves else BLOCK_NS[tile]
     plan.tiles = (block_m, block_n)
     bias_mul_b, bias_mul_h, stride_cnt_b, stride_cnt_h, n_cols = 0, 0, 0, 0, 0
     if req.attn_bias is not None:
@@ -2321,12 +2343,11 @@ def gluon_plan(q, k, v, dout, grads, rows_shape, req: AttentionRequest, bias_gra
     else:
         grid = (n_blocks, batch * num_kv_heads)  # one work item per program
     plan.launch = _launch.Bound(_bwd_kernel, grid, (), dict(
-        HEAD_DIM=TILE_DIM[head_dim], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, MASK_LEFT=req.mask_left,
+        HEAD_DIM=tile, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, MASK_LEFT=req.mask_left,
         MASK_RIGHT=req.mask_right, SOFTCAP=req.softcap > 0, HAS_ALIBI=req.alibi_slopes is not None,
         BIAS=feats.bias_kind, DBIAS=bias_grad, VARLEN=varlen, DROPOUT=req.dropout_p > 0, PERSISTENT=plan.persistent,
-        D=head_dim, D_V=v.shape[-1], ROLES=(head_dim, v.shape[-1]) in WIDE_ROLES,
-        OWNERS=(head_dim, v.shape[-1]) in WIDE_OWNERS and not halves,
-        K_REGS=(head_dim, v.shape[-1]) in WIDE_K_REGS and not halves, HALVES=halves),
+        D=head_dim, D_V=v.shape[-1], ROLES=dims in WIDE_ROLES, OWNERS=dims in WIDE_OWNERS and not halves,
+        K_REGS=dims in WIDE_K_REGS and not halves, HALVES=halves),
         dict(num_warps=4), background=True)
     dq = grads[0] if grads[0] is not None else torch.empty(q.shape, dtype=q.dtype, device="meta")  # contiguous
     plan.to_dq = None if varlen else _dq_from_tiles_launch(dq, seqlen_q_pad)

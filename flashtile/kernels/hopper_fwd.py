@@ -87,7 +87,7 @@ BLOCK_NS = {64: 128, 128: 128, 256: 64}
 # A paged batch's table entries past a row's columns read as this page index, past any cache: TMA fills the copy
 # with zeros (_load_block).
 PAGE_PAST_CACHE = tl.constexpr(2 ** 30)
-# The head dims the forward takes (dispatch.GLUON_FWD_HEAD_DIMS lists the same) and the tile width each runs at
+# The head dims the forward is written for (dispatch.GLUON_KERNEL_DIMS lists the same) and the tile width each runs at
 # (the configuration tables' key, and V's and the output's width): d96 and d192 run d128's and d256's kernels over
 # columns zero-filled past the head dim (TMA fills them on loads and clips them on stores; _store_o masks them,
 # PAD_D): d96's P V gains zero output columns, which nothing stores (its Q K^T sums over its own 96 columns,
@@ -98,6 +98,24 @@ TILE_DIM = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # descriptors' tile width QK_CHUNK; Gluon's shapes are powers of two) whose products add up (FwdConfig.QK_CHUNKS).
 QK_TILE_DIM = {192: 192}
 QK_CHUNK = 64
+
+
+def kernel_dim(head_dim):
+    """The head dim whose kernel a head dim runs (a multiple of 8 from 40 to 256; dispatch.gluon_head_dim): every
+    other one takes the next of TILE_DIM's keys, its columns past the head dim zero-filled on loads and masked on
+    stores as d96's and d192's are (d80 runs d96's path on d128's tiles, d112 d128's, d160 d192's, d224 d256's)."""
+    return next(d for d in TILE_DIM if d >= head_dim)
+
+
+def tile_dim(head_dim):
+    """The tile width of a head dim (TILE_DIM of its kernel_dim)."""
+    return TILE_DIM[kernel_dim(head_dim)]
+
+
+def qk_tile_dim(head_dim):
+    """Q's and K's width in shared memory (QK_TILE_DIM of its kernel_dim, else its tile's)."""
+    kd = kernel_dim(head_dim)
+    return QK_TILE_DIM.get(kd, TILE_DIM[kd])
 # Ring depth per head dim. d128: 2 K + 2 V slots of 32 KB, two query buffers and the output buffer (32 KB each) use
 # 224 of the 227 KB of shared memory; a third stage does not fit. d64: 3 stages, 96 KB, and up to 72 KB more.
 # d256: 2 stages of 64-row K and V blocks (128 KB) and one query buffer (64 KB); its output is stored from
@@ -286,11 +304,14 @@ if AVAILABLE:
             # (64 + 32, NARROW_QK) rather than 128; its P V stays on 128 columns: split like d192's, it stores O from
             # registers (no staging buffer takes the 32-column part), which cost more at 1k-2k (0.95-0.99x) than the
             # products saved at 16k (1.03-1.08x, H100).
-            v_split = PAD_D and HEAD_DIM_V == 256
+            # PAD_D is the kernel_dim whose path a padded head dim takes: the products cover that many columns,
+            # those past the head dim being TMA's zeros (d80 runs d96's, d160 d192's; d112 and d224 run their tiles'
+            # whole products).
+            v_split = PAD_D == 192 and HEAD_DIM_V == 256
             self.V_SPLIT = gl.constexpr(v_split)
             self.V_LO = gl.constexpr(HEAD_DIM_V // 2)
             self.V_HI = gl.constexpr(HEAD_DIM_V // 4)
-            self.NARROW_QK = gl.constexpr(PAD_D and HEAD_DIM == 128)
+            self.NARROW_QK = gl.constexpr(PAD_D == 96 and HEAD_DIM == 128)
             # d192 also takes Q K^T with Q as the register operand, loaded once per work item (_tile_blocks): of
             # 64-key blocks, each product read the 64-row query chunk from shared memory again. 1.00-1.09x on an
             # H100; d256 (64 more registers) and MLA's 192/128 (128-key blocks) spill 17-88 stores with it.
@@ -1467,8 +1488,9 @@ if AVAILABLE:
             # (d192 stores from registers: the plan gives it no staging buffer, _fwd_plan.)
             gl.static_assert(not cfg.STAGE_O)
             dtype: gl.constexpr = out.Out.dtype.element_ty
+            # (Columns 128-191: those past the head dim masked, d136-d184 taking d192's path.)
             _store_o(out, acc[0].to(dtype), item, rows.row, cfg.o_layout, False, 0, cfg.CHUNK_O)
-            _store_o(out, acc[1].to(dtype), item, rows.row, cfg.o_layout_b, False, cfg.V_LO, cfg.CHUNK_O)
+            _store_o(out, acc[1].to(dtype), item, rows.row, cfg.o_layout_b, cfg.PAD_D, cfg.V_LO, cfg.CHUNK_O)
         elif cfg.STAGE_O:
             if cfg.VARLEN:
                 # A descriptor clips rows past Sq, but under VARLEN the rows past a sequence's end belong to the
@@ -1626,8 +1648,8 @@ if AVAILABLE:
         of BIAS_STAGES); STAGE_O: stores through a staging buffer; NUM_WG consumer warpgroups of BLOCK_M // NUM_WG
         rows; DYNAMIC: the global counter's schedule; QBUF query buffers; LAZY: LAZY_MAX's steps (_finish_step);
         PAGE: a paged varlen batch's page size (0: none), K and V then read page by page through the block table
-        (_load_block); PAD_D: V's tile is wider than its head dim (TILE_DIM), so stores from registers mask the
-        columns past it (_store_o)."""
+        (_load_block); PAD_D: 0, or where V's tile is wider than its head dim (tile_dim), the kernel_dim whose path
+        it takes (FwdConfig): stores from registers mask the columns past the head dim (_store_o)."""
         # VARLEN (see _varlen_item): TileMap is varlen_tile_map's [n_upper, 8] int32 rows and n_m is n_upper; items
         # come from the counter (the producer skips the map's empty rows), and nothing else changes.
         gl.static_assert(not VARLEN or (DYNAMIC and BIAS == 0))
@@ -1672,7 +1694,7 @@ def fp8_block_n(seqlen_k, req: AttentionRequest):
 def key_block_rows(head_dim, head_dim_v):
     """Key rows per block of the forward at these head dims (q/k, v): the tile width's (BLOCK_NS), or CHUNKED_TILES'."""
     tiles = CHUNKED_TILES.get((head_dim, head_dim_v))
-    return BLOCK_NS[TILE_DIM[head_dim]] if tiles is None else tiles[0]
+    return BLOCK_NS[tile_dim(head_dim)] if tiles is None else tiles[0]
 
 
 def _smem_plan(num_wg, qbuf, bias_bytes, qk_d, v_d, block_n, stages, stage_o=True):
@@ -2117,8 +2139,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
     # call): the bound launch makes each call's descriptors over its own tensors (_launch.Bound's templates).
     # V and the output have their own tile width where their head dim differs (MLA's 192/128: GLUON_FWD_SPLIT_DIMS).
     # tile_d keys the configuration tables; Q and K may read narrower chunks of their own width (QK_TILE_DIM).
-    tile_d, tile_dv = TILE_DIM[head_dim], TILE_DIM[head_dim_v]
-    tile_qk = QK_TILE_DIM.get(head_dim, tile_d)
+    tile_d, tile_dv = tile_dim(head_dim), tile_dim(head_dim_v)
+    tile_qk = qk_tile_dim(head_dim)
     qk_cols = tile_qk if tile_qk == tile_d else QK_CHUNK
     block_n = plan.block_n = fp8_block_n(seqlen_k, req) if plan.fp8 else key_block_rows(head_dim, head_dim_v)
     kv_rows = min(page, block_n) if page else block_n  # paged: one copy per page, or a block within one
@@ -2174,7 +2196,8 @@ def _fwd_plan(q, k, v, req, out_dtype):
         stages = chunked[1]
     # Shared memory: Q and K at their chunks' width, V and the output at their tile's. d192 stores its output from
     # registers (FwdConfig.V_SPLIT's rule: V's 256-column tile over fewer columns; two accumulators).
-    v_split = tile_dv == 256 and head_dim_v != tile_dv
+    pad_d = kernel_dim(head_dim_v) if tile_dv != head_dim_v else 0
+    v_split = pad_d == 192
     ring = (tile_qk, tile_dv, block_n, stages, not v_split)
     if plan.fp8:
         # Float8 tiles take half the shared memory: two query buffers at every configuration (FP8_RING).
@@ -2220,7 +2243,7 @@ def _fwd_plan(q, k, v, req, out_dtype):
         MASK_RIGHT=req.mask_right, MASK_LEFT=req.mask_left, SOFTCAP=req.softcap > 0,
         HAS_ALIBI=req.alibi_slopes is not None, HAS_SINKS=req.sinks is not None, BIAS=bias_kind, STAGE_O=stage_o,
         NUM_WG=num_wg, DYNAMIC=dynamic, QBUF=qbuf, VARLEN=varlen, LAZY=bool(lazy), DROPOUT=req.dropout_p > 0,
-        PAGE=page, PAD_D=tile_dv != head_dim_v, DEFER=plan.defer, REDO=False)
+        PAGE=page, PAD_D=pad_d, DEFER=plan.defer, REDO=False)
     grid = (min(n_tiles, _num_sms(q.device.index)), )
     plan.launch = _launch.Bound(_fwd_kernel, grid, (), constexprs, dict(num_warps=4), templates=dict(enumerate(descs)))
     # DEFER's redo pass: the same kernel compiled with REDO (its own compile, started aside once the first pass has
