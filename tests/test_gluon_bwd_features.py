@@ -300,7 +300,7 @@ def test_bool_mask(poison, bwd_spy, kind, dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("d", (64, 96, 128))
+@pytest.mark.parametrize("d", (48, 64, 80, 96, 112, 128))
 def test_bool_mask_with_band(poison, bwd_spy, d):
     # A bool mask under a causal window: the listed tiles apply the band's edges elementwise too.
     b, sq, sk, h, hk = 1, 900, 1040, 4, 2
@@ -648,6 +648,9 @@ DROPOUT_CASES = [
     # More work items than SMs (the forward's persistent programs take several tiles each).
     (2, 3000, 3100, 16, 4, 128, torch.bfloat16, True, 0.1, (-1, -1), 0.0, None, False),
     (1, 777, 1234, 4, 2, 96, torch.bfloat16, False, 0.2, (300, 100), 10.0, "H", True),
+    # Head dims on d96's and d128's paths (hopper_fwd.kernel_dim).
+    (1, 777, 1234, 4, 2, 80, torch.bfloat16, False, 0.2, (300, 100), 10.0, "H", True),
+    (2, 1000, 1000, 4, 2, 112, torch.float16, True, 0.15, (256, 0), 0.0, "BH", False),
 ]
 
 

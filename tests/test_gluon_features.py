@@ -186,6 +186,9 @@ BIAS_CASES = [
     (1, 3000, 3008, 16, 16, 128, True, torch.bfloat16, ("float", (1, 1)), {}),
     (2, 700, 712, 6, 3, 64, False, torch.float16, ("float", (1, 1)), dict(softcap=10.0)),
     (2, 2100, 2112, 16, 8, 64, True, torch.float16, ("random", (2, 16)), {}),
+    # Head dims on d96's and d128's paths (hopper_fwd.kernel_dim).
+    (2, 777, 784, 4, 2, 80, True, torch.bfloat16, ("float", (1, 4)), dict(softcap=15.0, alibi="h")),
+    (2, 1300, 1504, 4, 1, 112, False, torch.bfloat16, ("docs", (1, 1)), dict(alibi="bh", sinks=True)),
 ]
 
 

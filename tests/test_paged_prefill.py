@@ -272,7 +272,8 @@ def test_paged_compile_fullgraph(poison):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [8, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256),
-                                      (torch.bfloat16, 96), (torch.bfloat16, 192)])
+                                      (torch.bfloat16, 96), (torch.bfloat16, 192), (torch.bfloat16, 80),
+                                      (torch.float16, 160)])
 def test_gpu_paged(page, dtype, d):
     lens_q, lens_k = [300, 1, 1, 700, 129, 0], [1500, 513, 77, 700, 1000, 40]
     q, kc, vc, table = _paged(lens_q, lens_k, page, h=16, hk=4, d=d, dtype=dtype, seed=page, device="cuda")
