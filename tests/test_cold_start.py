@@ -22,7 +22,7 @@ import triton.language as tl
 import flashtile
 from flashtile import _ahead, _ops, dispatch
 from flashtile._settings import override
-from flashtile.kernels import _compiling, _index, _launch
+from flashtile.kernels import _common, _compiling, _index, _launch
 from flashtile.request import AttentionRequest
 from flashtile.testing import make_qkv
 
@@ -34,14 +34,15 @@ def _fill_kernel(X, n, value, BLOCK: tl.constexpr):
 
 
 def test_compile_only_launches_run_nothing():
-    x = torch.zeros(40)
+    # (The interpreter runs kernels on CPU tensors; a compiled kernel, as on a GPU machine without it, on CUDA ones.)
+    x = torch.zeros(40, device="cpu" if _common.INTERPRETING or not torch.cuda.is_available() else "cuda")
     with _launch.compile_only():
         assert _launch.dry()
         _launch.launch(_fill_kernel, (1,), (x, 40, 3.0), {"BLOCK": 64}, None)
     assert not _launch.dry()
-    assert torch.equal(x, torch.zeros(40))
+    assert torch.equal(x, torch.zeros_like(x))
     _launch.launch(_fill_kernel, (1,), (x, 40, 3.0), {"BLOCK": 64}, None)
-    assert torch.equal(x, torch.full((40,), 3.0))
+    assert torch.equal(x, torch.full_like(x, 3.0))
 
 
 def test_background_launches_compile_aside_and_the_block_waits(monkeypatch):
