@@ -203,14 +203,39 @@ def test_three_warpgroups_fill():
     assert all(hopper_fwd.three_warpgroups_fill(s) for s in (0, 190, 192, 384, 1536, 2048, 3000, 4096, 16384))
 
 
+@pytest.mark.parametrize("d, path, pad_d, qk_width", [
+    (64, 64, 0, 64), (48, 64, 64, 64), (72, 96, 96, 128), (96, 96, 96, 128), (112, 128, 128, 128), (128, 128, 0, 128),
+    (136, 192, 192, 192), (192, 192, 192, 192), (224, 256, 256, 256), (256, 256, 0, 256)])
+def test_forward_head_dim_paths(monkeypatch, d, path, pad_d, qk_width):
+    """Which path of the Gluon forward a head dim takes (hopper_fwd.kernel_dim: the next of TILE_DIM's keys), as the
+    plan's constexprs say it: PAD_D, 0 where the head dim fills its tile, else the path (d96's sums Q K^T over 96
+    columns, d192's takes Q and K in 64-column chunks and P V over 192: FwdConfig), HEAD_DIM the width of Q and K in
+    shared memory, HEAD_DIM_V the tile's."""
+    from flashtile import dispatch
+    from flashtile.kernels import hopper_fwd
+    from flashtile.request import AttentionRequest
+    if not hopper_fwd.AVAILABLE:
+        pytest.skip("Gluon is not importable here")
+    monkeypatch.setattr(hopper_fwd, "_num_sms", lambda device_index: 132)
+    q, k, v = (torch.empty(1, 256, 2, d, dtype=torch.bfloat16) for _ in range(3))
+    plan = hopper_fwd._fwd_plan(q, k, v, AttentionRequest(softmax_scale=d ** -0.5, window_right=0), torch.bfloat16)
+    constexprs = plan.launch.constexprs
+    assert hopper_fwd.kernel_dim(d) == path and dispatch.kernel_dim(d) == path
+    assert constexprs["PAD_D"] == pad_d and constexprs["HEAD_DIM"] == qk_width
+    assert constexprs["HEAD_DIM_V"] == hopper_fwd.tile_dim(d) == hopper_fwd.TILE_DIM[path]
+
+
 @pytest.mark.parametrize("d, dv, owners, halves", [(192, 128, False, True), (192, 192, True, False),
-                                                   (256, 256, False, False), (128, 128, False, False)])
+                                                   (256, 256, False, False), (128, 128, False, False),
+                                                   (160, 160, True, False), (136, 136, True, False),
+                                                   (224, 224, False, False), (112, 112, False, False)])
 def test_wide_backward_roles(d, dv, owners, halves):
     """Which Gluon backward launches split dK and dV by owner and keep K in registers (hopper_bwd.WIDE_OWNERS,
     WIDE_K_REGS: d192), which take d256's roles, and which run 128-key blocks in 32-query halves (HALVES_DIMS: MLA's
     192/128, on 128-key blocks); the plan is built without a launch (one program per item past the persistent
-    grid's bound, so no GPU is asked for its SM count)."""
-    from flashtile.kernels import hopper_bwd
+    grid's bound, so no GPU is asked for its SM count). Head dims between the kernels' take the next one's path
+    (hopper_fwd.kernel_dim): d136 and d160 d192's, d224 d256's, d112 d128's."""
+    from flashtile.kernels import hopper_bwd, hopper_fwd
     from flashtile.request import AttentionRequest
     if not hopper_bwd.AVAILABLE:
         pytest.skip("Gluon is not importable here")
@@ -223,13 +248,15 @@ def test_wide_backward_roles(d, dv, owners, halves):
     constexprs = plan.launch.constexprs
     assert not plan.persistent
     assert constexprs["OWNERS"] is owners and constexprs["K_REGS"] is owners
-    assert constexprs["ROLES"] is (d == 256)
+    assert constexprs["ROLES"] is (hopper_fwd.kernel_dim(d) == 256)
     assert constexprs["HALVES"] is halves
-    assert constexprs["BLOCK_N"] == (128 if halves else hopper_bwd.BLOCK_NS[hopper_bwd.TILE_DIM[d]])
+    tile = hopper_fwd.tile_dim(d)
+    assert constexprs["BLOCK_N"] == (128 if halves else hopper_bwd.BLOCK_NS[tile])
     assert plan.launch.grid == (-(-s // constexprs["BLOCK_N"]), b * h, 1)
-    assert constexprs["HEAD_DIM"] == hopper_bwd.TILE_DIM[d] and constexprs["D_V"] == dv
-    # The fixed-length dQ buffer: three [64, 64] shares per 64 query rows at d192 and MLA, not the tile's four.
-    assert plan.acc_shape == (b * h * pad * (192 if d == 192 else hopper_bwd.TILE_DIM[d]) // 256, 256)
+    assert constexprs["HEAD_DIM"] == tile and constexprs["D"] == d and constexprs["D_V"] == dv
+    # The fixed-length dQ buffer: three [64, 64] shares per 64 query rows on d192's path and MLA's, not the tile's
+    # four.
+    assert plan.acc_shape == (b * h * pad * (192 if 128 < d <= 192 else tile) // 256, 256)
 
 
 @pytest.mark.parametrize("d, dv, band, bias, skips", [
@@ -255,7 +282,7 @@ def test_backward_skips_dead_warpgroups_on_d128_tiles(d, dv, band, bias, skips):
 # The Hopper backward's dQ tile buffer, put back in dQ's layout (a plain Triton kernel: it runs in the interpreter)
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256, 48, 80, 112, 136, 224])
 def test_dq_from_tiles(head_dim):
     """hopper_bwd.dq_from_tiles against the buffer's layout written out with torch views: per (batch, head) and
     query tile of BLOCK_M rows, [64, 64] shares (two column shares at d128, three at d192, four at d256, two row
@@ -263,11 +290,12 @@ def test_dq_from_tiles(head_dim):
     (hopper_bwd._stage_dq). Rows past Sq are padding and must not be written; values are bf16-exact so the cast is
     exact. d96 runs d128's tiles (hopper_bwd.TILE_DIM): its columns from 96 on must not be written either (in a
     contiguous dq they would land on the next head's first columns); d192's buffer holds its three shares only
-    (hopper_bwd.dq_width)."""
-    from flashtile.kernels import hopper_bwd
+    (hopper_bwd.dq_width). Other head dims take the next kernel head dim's buffer (hopper_fwd.kernel_dim), their
+    columns past the head dim unwritten the same way (d48 on d64's rows of 64 columns, d136 on d192's shares)."""
+    from flashtile.kernels import hopper_bwd, hopper_fwd
     batch, heads, seqlen_q, seqlen_q_pad = 2, 3, 200, 256
     tile_dim = hopper_bwd.dq_width(head_dim)
-    block_m = hopper_bwd.BLOCK_M[hopper_bwd.TILE_DIM[head_dim]]
+    block_m = hopper_bwd.BLOCK_M[hopper_fwd.tile_dim(head_dim)]
     n_tiles = seqlen_q_pad // block_m
     n_shares = block_m * tile_dim // 4096
     acc = torch.randn(batch * heads * seqlen_q_pad * tile_dim // 256, 256, device=DEVICE)
@@ -277,7 +305,7 @@ def test_dq_from_tiles(head_dim):
     if block_m == 64:
         full = shares.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, seqlen_q_pad, tile_dim)[..., :head_dim]
     else:
-        full = shares.reshape(batch, heads, seqlen_q_pad, 64)
+        full = shares.reshape(batch, heads, seqlen_q_pad, 64)[..., :head_dim]
     expect = full[:, :, :seqlen_q].permute(0, 2, 1, 3).to(torch.bfloat16)
     dq = torch.full((batch, seqlen_q, heads, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     hopper_bwd.dq_from_tiles(acc, dq, seqlen_q_pad)
@@ -291,11 +319,12 @@ def test_dq_from_tiles(head_dim):
     assert torch.equal(dq32, full[:, :, :seqlen_q].permute(0, 2, 1, 3) + addend)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256, 80, 160])
 def test_preprocess_zeroes_dq_buffer(head_dim):
     """The backward's preprocess with the Gluon kernel's fixed-length dQ buffer (zero_width > 0): every row of the
     buffer, padding included, comes out 0 (the kernel adds into it), and its Rows are those of the preprocess
     without a buffer. Buffer and rows start poisoned with NaN."""
+    import triton
     from flashtile.kernels import _launch, backward, hopper_bwd
     batch, heads, seqlen_q, head_dim_v = 2, 3, 200, head_dim
     pad = 256
@@ -309,7 +338,7 @@ def test_preprocess_zeroes_dq_buffer(head_dim):
                              torch.full((batch, heads, pad), float("nan"), device=DEVICE), pad)
         acc = torch.full((batch * heads * pad * tile_dim // 256, 256), float("nan"), device=DEVICE)
         launch = backward._preprocess_launch(out, dout, lse, None, False, seqlen_q, batch, 0.5,
-                                             hopper_bwd.TILE_DIM[head_dim], pad,
+                                             triton.next_power_of_2(head_dim_v), pad,
                                              zero_width)
         launch(_launch.stream_for(out.get_device()), out, dout, lse, lse, rows, lse, acc if zero_width else lse)
         results.append((rows, acc))
