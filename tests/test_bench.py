@@ -90,6 +90,15 @@ def test_quick_and_filters():
         Shape(16, 1024, 1024, 16, 16, 96, True)]
     assert bench.build_parser().parse_args(["--hidden", "1536"]).hidden == 1536
     assert bench.build_parser().parse_args([]).hidden == 2048
+    # --heads: that many heads at every head dim (head dims that divide no common hidden size in one run)
+    args = bench.build_parser().parse_args(["--headdim", "72,136", "--heads", "16"])
+    assert bench.select_shapes((4096,), args.headdim, "1", hidden=args.hidden, heads=args.heads) == [
+        Shape(4, 4096, 4096, 16, 16, 72, True), Shape(4, 4096, 4096, 16, 16, 136, True)]
+    assert bench.build_parser().parse_args([]).heads is None
+    with pytest.raises(SystemExit):  # (argparse: not allowed with --hidden)
+        bench.build_parser().parse_args(["--hidden", "1536", "--heads", "16"])
+    with pytest.raises(ValueError, match="--heads must be at least 1, got 0"):
+        bench.select_shapes(headdims=(64,), heads=0)
 
 
 def test_cli_parsing():

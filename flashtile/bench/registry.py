@@ -60,19 +60,22 @@ def _short(n: int) -> str:
 
 def standard_shapes(seqlens=STANDARD_SEQLENS, headdims=STANDARD_HEADDIMS, causals=(False, True),
                     total_tokens: int = TOTAL_TOKENS, hidden: int = HIDDEN,
-                    headdim_v: int | None = None) -> list[Shape]:
-    """batch = total_tokens / seqlen (at least 1), heads = hidden / headdim; ordered seqlen, headdim, causal.
-    headdim_v: v's head dim in every shape (None: each shape's headdim)."""
+                    headdim_v: int | None = None, heads: int | None = None) -> list[Shape]:
+    """batch = total_tokens / seqlen (at least 1), heads = hidden / headdim (or `heads` at every head dim, hidden
+    then unused); ordered seqlen, headdim, causal. headdim_v: v's head dim in every shape (None: each shape's
+    headdim)."""
+    if heads is not None and heads < 1:
+        raise ValueError(f"--heads must be at least 1, got {heads}")
     shapes = []
     for seqlen in seqlens:
         for headdim in headdims:
-            if hidden % headdim:
+            if heads is None and hidden % headdim:
                 raise ValueError(f"headdim {headdim} does not divide the hidden size {hidden}; "
-                                 f"pick a headdim among the divisors of {hidden} (64, 128, 256, ...), or a hidden "
-                                 f"size it divides (--hidden 1536 for headdim 96).")
-            heads = hidden // headdim
+                                 f"pick a headdim among the divisors of {hidden} (64, 128, 256, ...), a hidden "
+                                 f"size it divides (--hidden 1536 for headdim 96), or a number of heads (--heads 16).")
+            n_heads = heads if heads is not None else hidden // headdim
             for causal in causals:
-                shapes.append(Shape(max(1, total_tokens // seqlen), seqlen, seqlen, heads, heads, headdim, causal,
+                shapes.append(Shape(max(1, total_tokens // seqlen), seqlen, seqlen, n_heads, n_heads, headdim, causal,
                                     headdim_v=None if headdim_v == headdim else headdim_v))
     return shapes
 

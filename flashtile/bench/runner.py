@@ -108,10 +108,11 @@ def parse_list(text: str) -> tuple[int, ...]:
 
 def select_shapes(seqlens: Sequence[int] | None = None, headdims: Sequence[int] | None = None,
                   causal: str = "both", quick: bool = False, hidden: int = HIDDEN,
-                  headdim_v: int | None = None) -> list[Shape]:
+                  headdim_v: int | None = None, heads: int | None = None) -> list[Shape]:
     """The standard suite, filtered. Explicit seqlens/headdims win over --quick's; hidden: heads x headdim (a head
-    dim that does not divide 2048, such as 96, needs another: --hidden 1536 gives 16 heads); headdim_v: v's head
-    dim in every shape (MLA's prefill: --headdim 192 --headdim-v 128)."""
+    dim that does not divide 2048, such as 96, needs another: --hidden 1536 gives 16 heads); heads: that many heads
+    at every head dim instead (--headdim 72,80,136 --heads 16); headdim_v: v's head dim in every shape (MLA's
+    prefill: --headdim 192 --headdim-v 128)."""
     if headdim_v is not None and headdim_v < 1:
         raise ValueError(f"--headdim-v must be a positive head dim, got {headdim_v}")
     if seqlens is None:
@@ -119,7 +120,7 @@ def select_shapes(seqlens: Sequence[int] | None = None, headdims: Sequence[int] 
     if headdims is None:
         headdims = QUICK_HEADDIMS if quick else STANDARD_HEADDIMS
     causals = {"0": (False,), "1": (True,), "both": (False, True)}[str(causal)]
-    return standard_shapes(seqlens, headdims, causals, hidden=hidden, headdim_v=headdim_v)
+    return standard_shapes(seqlens, headdims, causals, hidden=hidden, headdim_v=headdim_v, heads=heads)
 
 
 def select_modes(mode: str) -> tuple[str, ...]:
@@ -632,8 +633,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--providers", default=None, metavar="A,B",
                    help=f"comma-separated subset of: {', '.join(PROVIDERS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="only seqlen 16k with headdim 64 and 128")
-    p.add_argument("--hidden", type=int, default=HIDDEN, metavar="N",
-                   help=f"heads x headdim of every shape (default {HIDDEN}; e.g. 1536 for 16 heads at headdim 96)")
+    sizes = p.add_mutually_exclusive_group()
+    sizes.add_argument("--hidden", type=int, default=HIDDEN, metavar="N",
+                       help=f"heads x headdim of every shape (default {HIDDEN}; e.g. 1536 for 16 heads at headdim 96)")
+    sizes.add_argument("--heads", type=int, default=None, metavar="N",
+                       help="heads of every shape whatever its headdim, instead of --hidden: e.g. --headdim "
+                            "48,72,80,136,160 --heads 16")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--memory", action="store_true",
                    help="measure the peak memory of fwd+bwd per provider instead of speed "
@@ -676,7 +681,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         seqlens = seqlens or (16 * 1024,)
         headdims = headdims or (128,)
     try:
-        shapes = select_shapes(seqlens, headdims, args.causal, args.quick, args.hidden, args.headdim_v)
+        shapes = select_shapes(seqlens, headdims, args.causal, args.quick, args.hidden, args.headdim_v, args.heads)
     except ValueError as exc:
         log(f"error: {exc}")
         return 2
