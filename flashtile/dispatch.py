@@ -152,8 +152,10 @@ class GluonHopper(_KernelBackend):
         if not gluon_head_dim(q.shape[-1]) or k.shape[-1] != q.shape[-1] or (v.shape[-1] != q.shape[-1]
                                                                              and dims not in split):
             pairs = "".join(f" (or {a} for q and k with {b} for v)" for a, b in split)
+            below = (f"; below {GLUON_MIN_HEAD_DIM} the portable kernels, whose tiles are as wide as the head dim, "
+                     f"are the faster" if q.shape[-1] < GLUON_MIN_HEAD_DIM else "")
             return (f"needs a head dim that is a multiple of 8 from {GLUON_MIN_HEAD_DIM} to {GLUON_KERNEL_DIMS[-1]} "
-                    f"for q, k and v alike{pairs}, got {q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}")
+                    f"for q, k and v alike{pairs}, got {q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}{below}")
         if not configs._tma_ok((q, k, v)):
             return ("needs 16-byte aligned data pointers and strides (TMA descriptors); call .contiguous() on "
                     "q, k, v")

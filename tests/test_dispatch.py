@@ -97,6 +97,7 @@ def test_gluon_allow_list_reasons():
         qd, kd, vd = _qkv(d=d)
         assert "multiple of 8 from 40 to 256" in gluon.decline_forward(qd, kd, vd, req, H100)
         assert "multiple of 8 from 40 to 256" in gluon.decline_backward(torch.empty_like(qd), qd, kd, vd, req, H100)
+        assert ("portable kernels" in gluon.decline_forward(qd, kd, vd, req, H100)) is (d < 40)
     # Above 128 the backward takes what d192's and d256's paths take.
     q160, k160, v160 = _qkv(d=160)
     assert "dropout at head dim 160" in gluon.decline_backward(torch.empty_like(q160), q160, k160, v160, drop, H100)
