@@ -31,13 +31,16 @@ _gluon = lazy_module(".kernels._gluon", globals())
 configs = lazy_module(".kernels.configs", globals())
 features = lazy_module(".kernels.features", globals())
 hopper_bwd = lazy_module(".kernels.hopper_bwd", globals())
+hopper_fwd = lazy_module(".kernels.hopper_fwd", globals())
 
 # Head dims the Gluon kernels are written for (hopper_fwd.TILE_DIM's keys; that module imports Triton, this one does
 # not): d96 on d128's tiles, d192 on d256's. Every other head dim that is a multiple of 8 from GLUON_MIN_HEAD_DIM to
 # 256 runs the path of the next of them (hopper_fwd.kernel_dim: d80 d96's, d112 d128's, d160 d192's, d224 d256's),
 # its tiles' columns past it zero-filled by TMA on the loads and masked on the stores: on an H200 at 4k the portable
 # kernels had run d80, d112 and d160 at 0.61-0.85x cuDNN (docs/design-record.md, "Every head dim on the Hopper
-# kernels"). Below GLUON_MIN_HEAD_DIM the portable kernels, whose tiles are as wide as the head dim, stay faster.
+# kernels"). Below GLUON_MIN_HEAD_DIM the portable kernels stay: their tiles are as wide as the head dim (d32 ran at
+# 1.01-1.19x cuDNN on an H200 at 4k), where d64's would more than double the products; d32 on d64's tiles was not
+# timed.
 GLUON_KERNEL_DIMS = (64, 96, 128, 192, 256)
 GLUON_MIN_HEAD_DIM = 40
 # The backward's kernel dims without ALiBi, an attn_mask or dropout (hopper_bwd._bwd_step_wide's split of a 64-key
@@ -61,18 +64,13 @@ GLUON_BWD_FLOAT_BIAS_HEAD_DIMS = (128,)
 # short mean key length is slow: at 1k, d64 (B16 H32, H200) it ran at 0.92-0.95x the portable backward (every
 # program has only 8 query tiles to spread its prologue over). Those whose mean key length is below this (by head
 # dim) take the portable backward.
-GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0, 192: 0, 256: 0}  # (by kernel_dim)
+GLUON_BWD_MIN_SEQLEN_K = {64: 2048, 96: 0, 128: 0, 192: 0, 256: 0}  # (by hopper_fwd.kernel_dim)
 
 
 def gluon_head_dim(head_dim):
     """Whether the Gluon kernels take this head dim (q's and k's; v's alike, or MLA's pair): a multiple of 8 from
     GLUON_MIN_HEAD_DIM to 256."""
     return head_dim % 8 == 0 and GLUON_MIN_HEAD_DIM <= head_dim <= GLUON_KERNEL_DIMS[-1]
-
-
-def kernel_dim(head_dim):
-    """The Gluon kernel head dim whose path a head dim the kernels take runs (hopper_fwd.kernel_dim)."""
-    return next(d for d in GLUON_KERNEL_DIMS if d >= head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +150,8 @@ class GluonHopper(_KernelBackend):
         if not gluon_head_dim(q.shape[-1]) or k.shape[-1] != q.shape[-1] or (v.shape[-1] != q.shape[-1]
                                                                              and dims not in split):
             pairs = "".join(f" (or {a} for q and k with {b} for v)" for a, b in split)
-            below = (f"; below {GLUON_MIN_HEAD_DIM} the portable kernels, whose tiles are as wide as the head dim, "
-                     f"are the faster" if q.shape[-1] < GLUON_MIN_HEAD_DIM else "")
+            below = (f"; below {GLUON_MIN_HEAD_DIM} the portable kernels take it on tiles as wide as the head dim"
+                     if q.shape[-1] < GLUON_MIN_HEAD_DIM else "")
             return (f"needs a head dim that is a multiple of 8 from {GLUON_MIN_HEAD_DIM} to {GLUON_KERNEL_DIMS[-1]} "
                     f"for q, k and v alike{pairs}, got {q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}{below}")
         if not configs._tma_ok((q, k, v)):
@@ -163,7 +161,6 @@ class GluonHopper(_KernelBackend):
             if req.paged:
                 # A page smaller than a key block is copied into a row slice of the block's shared-memory tile,
                 # which must start where the tile's 128-byte swizzle pattern starts over: every 8 rows.
-                from .kernels import hopper_fwd
                 page, block_n = k.shape[1], hopper_fwd.key_block_rows(q.shape[-1], v.shape[-1])
                 if not (page % block_n == 0 or (block_n % page == 0 and page >= 8)):
                     return (f"pages of {page} rows: it reads whole pages or {block_n}-row blocks of one "
@@ -186,7 +183,6 @@ class GluonHopper(_KernelBackend):
         if reason is None and q.dtype == torch.float8_e4m3fn:
             return self._decline_fp8(q, req)
         if reason is None and (req.attn_bias is not None or req.dropout_p > 0):
-            from .kernels import hopper_fwd
             if hopper_fwd.tile_dim(q.shape[-1]) in hopper_fwd.NO_MASK_OR_DROPOUT_TILES:
                 what = "an attn_mask" if req.attn_bias is not None else "dropout"
                 return f"{what} at head dim {q.shape[-1]} is not implemented in this forward"
@@ -213,7 +209,7 @@ class GluonHopper(_KernelBackend):
         reason = self._decline_inputs(q, k, v, req, target, split=GLUON_BWD_SPLIT_DIMS)
         if reason is not None:
             return reason
-        if kernel_dim(q.shape[-1]) in GLUON_BWD_PLAIN_HEAD_DIMS:
+        if hopper_fwd.kernel_dim(q.shape[-1]) in GLUON_BWD_PLAIN_HEAD_DIMS:
             unsupported = [name for name, on in (("ALiBi", req.alibi_slopes is not None),
                                                  ("an attn_mask", req.attn_bias is not None),
                                                  ("dropout", req.dropout_p > 0)) if on]
@@ -228,7 +224,7 @@ class GluonHopper(_KernelBackend):
         if req.varlen and req.max_seqlen_k > hopper_bwd.PERSISTENT_MAX_SEQLEN_K:
             # The one-item grid: the mean key length stands for Sk (the threshold was measured at fixed length).
             seqlen_k = k.shape[0] / max(req.cu_seqlens_k.numel() - 1, 1)
-            minimum = GLUON_BWD_MIN_SEQLEN_K[kernel_dim(q.shape[-1])]
+            minimum = GLUON_BWD_MIN_SEQLEN_K[hopper_fwd.kernel_dim(q.shape[-1])]
             if seqlen_k < minimum:
                 return (f"varlen, {seqlen_k:g} keys per sequence: below {minimum} at head dim {q.shape[-1]} the "
                         f"portable backward is faster")

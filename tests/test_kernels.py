@@ -220,7 +220,7 @@ def test_forward_head_dim_paths(monkeypatch, d, path, pad_d, qk_width):
     q, k, v = (torch.empty(1, 256, 2, d, dtype=torch.bfloat16) for _ in range(3))
     plan = hopper_fwd._fwd_plan(q, k, v, AttentionRequest(softmax_scale=d ** -0.5, window_right=0), torch.bfloat16)
     constexprs = plan.launch.constexprs
-    assert hopper_fwd.kernel_dim(d) == path and dispatch.kernel_dim(d) == path
+    assert hopper_fwd.kernel_dim(d) == path and dispatch.gluon_head_dim(d)
     assert constexprs["PAD_D"] == pad_d and constexprs["HEAD_DIM"] == qk_width
     assert constexprs["HEAD_DIM_V"] == hopper_fwd.tile_dim(d) == hopper_fwd.TILE_DIM[path]
 

@@ -1726,7 +1726,7 @@ def _layout(bits, rank):
 
 def _descriptor(t, rows, cols):
     """A 4-D TMA descriptor over a [B, S, H, D] tensor with its own strides, one [rows, cols] tile of one (batch,
-    head) per copy: rows past S and columns past D (cols = TILE_DIM[D]) are zero-filled on loads and dropped on
+    head) per copy: rows past S and columns past D (cols = tile_dim(D)) are zero-filled on loads and dropped on
     stores, whatever the layout."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], _layout(8 * t.element_size(), 4))
 
